@@ -1,0 +1,91 @@
+"""LynxConfig: the user-facing knobs of the policy, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+from .errors import LynxConfigError
+
+POLICIES = ("lynx", "oea", "none")
+PHASES = ("auto", "decode", "never")
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class LynxConfig:
+    """Configuration of a patched model.
+
+    Fields (each validated at construction; a bad value raises :class:`LynxConfigError`, a
+    ``ValueError`` naming the field):
+
+    - ``policy``: ``"lynx"`` (LYNX, arXiv 2411.08982 Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237,
+      the baseline) or ``"none"`` (the model's own routing; decode is bit-identical to unpatched).
+    - ``phase``: ``"auto"`` (decode detected from the KV-cache length, DESIGN.md "Phase detection"),
+      ``"decode"`` (every forward is treated as decode: decode emulation), ``"never"`` (never remap).
+    - ``alpha``: inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
+      from k/N: ``beta / ln(N/k)``. Must be > 0.
+    - ``beta``: number of bins below bin 0 that still vote. ``None`` derives ``ceil(log2(N/k)) + 1``.
+      Must be an int >= 0. Experts vote iff ``ceil(gap * alpha) >= -beta``.
+    - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote). ``>= 0``.
+      Default 1.0 (every expert that is some token's bin-0 choice joins the critical set).
+    - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
+    - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
+      decode; speculative decoding may raise it). ``>= 1``.
+    - ``backend``: ``"auto"`` (Triton on CUDA tensors, torch on CPU), ``"torch"``, ``"triton"``.
+    - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
+    """
+
+    policy: str = "lynx"
+    phase: str = "auto"
+    alpha: float | None = None
+    beta: int | None = None
+    tau: float = 1.0
+    k0: int = 1
+    q_max: int = 1
+    backend: str = "auto"
+    telemetry: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("policy", self.policy, POLICIES)
+        _choice("phase", self.phase, PHASES)
+        _choice("backend", self.backend, BACKENDS)
+        if self.alpha is not None:
+            _number("alpha", self.alpha)
+            if not (self.alpha > 0):
+                raise LynxConfigError(f"LynxConfig.alpha must be > 0 (or None), got {self.alpha!r}")
+        if self.beta is not None:
+            _integer("beta", self.beta, minimum=0)
+        _number("tau", self.tau)
+        if not (self.tau >= 0) or math.isinf(self.tau):
+            raise LynxConfigError(f"LynxConfig.tau must be finite and >= 0, got {self.tau!r}")
+        _integer("k0", self.k0, minimum=1)
+        _integer("q_max", self.q_max, minimum=1)
+        if not isinstance(self.telemetry, bool):
+            raise LynxConfigError(f"LynxConfig.telemetry must be a bool, got {self.telemetry!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "LynxConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+
+def _choice(name, value, allowed):
+    if not isinstance(value, str) or value not in allowed:
+        raise LynxConfigError(f"LynxConfig.{name} must be one of {allowed}, got {value!r}")
+
+
+def _number(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise LynxConfigError(f"LynxConfig.{name} must be a real number, got {value!r}")
+
+
+def _integer(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LynxConfigError(f"LynxConfig.{name} must be an int >= {minimum}, got {value!r}")

@@ -1,0 +1,63 @@
+"""The routing policies (LYNX, OEA, none) on plain tensors.
+
+``remap`` takes a decode step's router selection scores and the model's own top-k and returns the
+remapped top-k (or ``None`` when the policy leaves routing unchanged). The step math lives in
+:mod:`lynx_hf.kernels.routing_naive` (torch) and :mod:`lynx_hf.kernels.routing` (Triton), which are
+tested to agree exactly; this module only picks parameters and the backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .config import LynxConfig
+from .kernels import routing_naive as naive
+
+
+def bin_parameters(cfg: LynxConfig, num_experts: int, top_k: int) -> tuple[float, int]:
+    """``(alpha, beta)`` for a layer: the config's values, or the k/N-derived defaults."""
+    alpha, beta = naive.default_lynx_bins(num_experts, top_k)
+    if cfg.alpha is not None:
+        alpha = float(cfg.alpha)
+    if cfg.beta is not None:
+        beta = int(cfg.beta)
+    return alpha, beta
+
+
+def _ops(backend: str, device: torch.device):
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return naive.naive_lynx_critical_set, naive.naive_oea_critical_set, naive.naive_remap_topk
+    from .kernels import dispatch, routing  # Triton only when asked for / on CUDA
+
+    dispatch.resolve_backend(backend, device)  # raises a clear RuntimeError when Triton can't run
+    return routing.lynx_critical_set, routing.oea_critical_set, routing.remap_topk
+
+
+def critical_set(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor, top_k: int) -> torch.Tensor | None:
+    """Critical set ``[N]`` bool for one decode step, or ``None`` for policy ``"none"``.
+
+    ``scores [T, N]`` fp32 selection scores (``-inf`` = forbidden), ``topk_idx [T, k]`` int64 the
+    model's own selection. LYNX: DESIGN.md steps 1-4; OEA: union of each token's top-``k0``.
+    """
+    if cfg.policy == "none":
+        return None
+    lynx_op, oea_op, _ = _ops(cfg.backend, scores.device)
+    num_experts = scores.shape[-1]
+    if cfg.policy == "oea":
+        return oea_op(scores, min(cfg.k0, top_k))
+    alpha, beta = bin_parameters(cfg, num_experts, top_k)
+    return lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
+
+
+def remap(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor | None:
+    """Remapped top-k ``[T, k]`` int64 (each row ``k`` distinct allowed experts), or ``None``.
+
+    ``scores [T, N]`` must be fp32 and finite wherever the expert is allowed (callers fall back to
+    the model's own routing otherwise). Raises ``ValueError`` if a row has fewer than k allowed experts.
+    """
+    top_k = topk_idx.shape[-1]
+    critical = critical_set(cfg, scores, topk_idx, top_k)
+    if critical is None:
+        return None
+    _, _, remap_op = _ops(cfg.backend, scores.device)
+    return remap_op(scores, critical, top_k)
