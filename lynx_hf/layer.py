@@ -22,7 +22,7 @@ class ModelState:
 
     def __init__(self, config: LynxConfig) -> None:
         self.config = config
-        self.tracker = PhaseTracker(lambda: self.config)
+        self.tracker = PhaseTracker(self)
         self.layers: list[LynxLayer] = []
 
 

@@ -90,7 +90,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
     if state is None:
         return model
-    state.tracker.detach()
+    state.tracker.detach(model)
     for layer, block in zip(state.layers, state.blocks):
         layer.uninstall(block)
     del model.__dict__[MODEL_ATTR]

@@ -10,6 +10,7 @@ hook registered with ``always_call=True`` (it runs even when the forward raises)
 from __future__ import annotations
 
 import contextvars
+import copy
 
 import torch
 
@@ -57,17 +58,29 @@ def detect_phase(args, kwargs, q_max: int) -> str:
 
 
 class PhaseTracker:
-    """Per-model phase state; install with :meth:`attach`, remove with :meth:`detach`."""
+    """Per-model phase state; install with :meth:`attach`, remove with :meth:`detach`.
 
-    def __init__(self, get_config):
-        self._get_config = get_config
+    ``owner`` is any object with a ``config`` attribute (a :class:`~lynx_hf.LynxConfig`). Survives
+    ``copy.deepcopy`` of the model: the copy gets its own context variable and hooks.
+    """
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                   "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+    def __init__(self, owner):
+        self.owner = owner
         self._var: contextvars.ContextVar = contextvars.ContextVar(f"lynx_phase_{id(self)}", default=PREFILL)
         self._tokens: list = []
-        self._handles: list = []
+
+    def __deepcopy__(self, memo):
+        new = PhaseTracker.__new__(PhaseTracker)
+        memo[id(self)] = new
+        new.__init__(copy.deepcopy(self.owner, memo))
+        return new
 
     @property
     def phase(self) -> str:
-        cfg = self._get_config()
+        cfg = self.owner.config
         if cfg.phase == "never":
             return PREFILL
         if cfg.phase == "decode":
@@ -75,20 +88,26 @@ class PhaseTracker:
         return self._var.get()
 
     def _pre_hook(self, module, args, kwargs):
-        cfg = self._get_config()
-        self._tokens.append(self._var.set(detect_phase(args, kwargs, cfg.q_max)))
+        self._tokens.append(self._var.set(detect_phase(args, kwargs, self.owner.config.q_max)))
 
     def _post_hook(self, module, args, kwargs, output):
         if self._tokens:
             self._var.reset(self._tokens.pop())
 
     def attach(self, model: torch.nn.Module) -> None:
-        self._handles = [
-            model.register_forward_pre_hook(self._pre_hook, with_kwargs=True),
-            model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True),
-        ]
+        model.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
+        model.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
 
-    def detach(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+    def detach(self, model: torch.nn.Module) -> None:
+        """Remove this tracker's hooks from ``model`` (found by owner, so deep copies work too)."""
+        ours = [key for name in ("_forward_pre_hooks", "_forward_hooks")
+                for key, hook in getattr(model, name).items() if getattr(hook, "__self__", None) is self]
+        for name in self._HOOK_DICTS:
+            hooks = getattr(model, name, None)
+            if hooks is None:
+                continue
+            for key in ours:
+                if isinstance(hooks, set):
+                    hooks.discard(key)
+                else:
+                    hooks.pop(key, None)

@@ -1,0 +1,31 @@
+"""Test setup: offline hubs, the Triton interpreter (set before anything imports triton), NaN-poisoned
+``torch.empty`` for kernel tests (fla-style), tiny models."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty``/``empty_like`` filled with NaN (floats) or a sentinel (ints): unwritten outputs show."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def _poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        elif t.dtype != torch.bool:
+            t.fill_(-123456789 if t.dtype in (torch.int32, torch.int64) else 0)
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(real_empty_like(*a, **k)))
+    yield

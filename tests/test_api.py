@@ -1,0 +1,178 @@
+"""Public API: config validation, typed errors, patch/unpatch exactness, save/load round-trip (C6)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import lynx_hf
+import tiny_models as tm
+
+FAMILIES = list(tm.FAMILIES)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("policy", "fast"), ("phase", "always"), ("backend", "cuda"), ("alpha", 0.0), ("alpha", -1.0),
+     ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
+     ("k0", 0), ("k0", True), ("q_max", 0), ("telemetry", "yes")],
+)
+def test_config_rejects_bad_field_naming_it(field, value):
+    with pytest.raises(lynx_hf.LynxConfigError, match=field) as info:
+        lynx_hf.LynxConfig(**{field: value})
+    assert isinstance(info.value, ValueError) and isinstance(info.value, lynx_hf.LynxError)
+
+
+def test_config_from_dict_rejects_unknown_field():
+    with pytest.raises(lynx_hf.LynxConfigError, match="gamma"):
+        lynx_hf.LynxConfig.from_dict({"policy": "lynx", "gamma": 1})
+
+
+def test_patch_dense_model_raises_unsupported_listing_families():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(lynx_hf.UnsupportedModelError) as info:
+        lynx_hf.patch(model)
+    for family in ("qwen2_moe", "mixtral", "deepseek_v2", "llama4"):
+        assert family in str(info.value)
+    assert not lynx_hf.is_patched(model)
+
+
+def test_patch_unknown_moe_lookalike_names_its_class():
+    class FancyMoeBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 3)
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    model = nn.Sequential(FancyMoeBlock())
+    with pytest.raises(lynx_hf.UnsupportedModelError, match="FancyMoeBlock"):
+        lynx_hf.patch(model)
+
+
+def test_patch_non_module_raises():
+    with pytest.raises(lynx_hf.UnsupportedModelError):
+        lynx_hf.patch("Qwen/Qwen1.5-MoE-A2.7B")
+
+
+def test_stats_on_unpatched_model_raises():
+    model = tm.build("mixtral")
+    with pytest.raises(lynx_hf.NotPatchedError):
+        lynx_hf.stats(model)
+    with pytest.raises(lynx_hf.NotPatchedError):
+        lynx_hf.reset_stats(model)
+
+
+def _forward_ids(model):
+    return {k: id(v) for k, v in vars(model).items()}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatch_restores_exactly(family):
+    model = tm.build(family)
+    keys = list(model.state_dict().keys())
+    modules = [(n, type(m)) for n, m in model.named_modules()]
+    dicts = {n: set(vars(m)) for n, m in model.named_modules()}
+    hooks = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    ids, mask = tm.prompts(4, 5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="lynx"))
+    assert lynx_hf.is_patched(model)
+    assert list(model.state_dict().keys()) == keys  # C6: keys identical while patched
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    lynx_hf.unpatch(model)
+
+    assert not lynx_hf.is_patched(model)
+    assert list(model.state_dict().keys()) == keys
+    assert [(n, type(m)) for n, m in model.named_modules()] == modules
+    assert {n: set(vars(m)) for n, m in model.named_modules()} == dicts  # no attribute left behind
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        assert torch.equal(a, b)
+    lynx_hf.unpatch(model)  # unpatching an unpatched model is a no-op
+    assert not lynx_hf.is_patched(model)
+
+
+def test_patch_twice_only_swaps_config():
+    model = tm.build("qwen2_moe")
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="lynx"))
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    hooks = len(model._forward_pre_hooks)
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="oea", k0=2))
+    assert lynx_hf.config_of(model).policy == "oea"
+    assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == forwards
+    assert len(model._forward_pre_hooks) == hooks
+    lynx_hf.unpatch(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_patched_context_manager_restores_on_error():
+    model = tm.build("mixtral")
+    with pytest.raises(RuntimeError, match="boom"):
+        with lynx_hf.patched(model, policy="oea"):
+            assert lynx_hf.is_patched(model)
+            raise RuntimeError("boom")
+    assert not lynx_hf.is_patched(model)
+    lynx_hf.patch(model, policy="lynx")
+    with lynx_hf.patched(model, policy="none"):
+        assert lynx_hf.config_of(model).policy == "none"
+    assert lynx_hf.config_of(model).policy == "lynx"  # previous config restored, still patched
+    lynx_hf.unpatch(model)
+
+
+def test_only_moe_blocks_are_patched_dense_layers_untouched():
+    model = tm.build("qwen2_moe")  # layer 1 is dense (mlp_only_layers)
+    lynx_hf.patch(model)
+    patched = [n for n, m in model.named_modules() if "forward" in vars(m)]
+    assert patched == ["model.layers.0.mlp", "model.layers.2.mlp"]
+    lynx_hf.unpatch(model)
+    model = tm.build("deepseek_v2")  # first_k_dense_replace=1
+    lynx_hf.patch(model)
+    assert [n for n, m in model.named_modules() if "forward" in vars(m)] == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    lynx_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_pretrained_round_trip_while_patched(family, tmp_path):
+    """C6: patch -> save_pretrained -> from_pretrained round-trips keys and tensors exactly."""
+    model = tm.build(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lynx_hf.patch(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    after = loaded.state_dict()
+    assert set(after) == set(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert not lynx_hf.is_patched(loaded)
+    lynx_hf.unpatch(model)
+
+
+def test_two_models_do_not_share_state():
+    a, b = tm.build("mixtral", seed=0), tm.build("mixtral", seed=1)
+    lynx_hf.patch(a, policy="lynx")
+    lynx_hf.patch(b, policy="none")
+    ids, mask = tm.prompts(8, 5)
+    a.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(a).summary()["decode_steps"] == 2
+    assert lynx_hf.stats(b).summary()["decode_steps"] == 0
+    assert lynx_hf.config_of(b).policy == "none"
+    lynx_hf.unpatch(a), lynx_hf.unpatch(b)
+
+
+def test_deepcopy_of_patched_model_is_independent():
+    model = lynx_hf.patch(tm.build("mixtral"))
+    clone = copy.deepcopy(model)
+    lynx_hf.unpatch(model)
+    assert lynx_hf.is_patched(clone) and not lynx_hf.is_patched(model)
+    ids, mask = tm.prompts(8, 5)
+    clone.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(clone).summary()["decode_steps"] == 2
