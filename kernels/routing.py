@@ -39,6 +39,7 @@ _RULE_CODE = {None: 0, "softmax_all": 1, "softmax_chosen": 2, "sigmoid": 3}
 def _bins_f(s, alpha, ok_cols):
     """Float bins ``ceil((s - rowmax) * alpha)``; ``-inf`` where ``s`` is not finite or the column not ok."""
     rowmax = tl.max(s, axis=1)
+    rowmax = tl.where(rowmax == float("-inf"), 0.0, rowmax)  # all -inf rows (padding): avoid -inf - -inf
     gap = s - rowmax[:, None]
     b = tl.ceil(gap * alpha)
     finite = (s == s) & (tl.abs(s) != float("inf"))
@@ -271,8 +272,10 @@ def _remap_kernel(
             hit = offs_n[None, :] == sel_i[:, None]
             if RULE == 1:
                 rmax = tl.max(lg, axis=1)
+                rmax = tl.where(rmax == float("-inf"), 0.0, rmax)
                 ex = tl.exp(lg - rmax[:, None])
                 z = tl.sum(tl.where(nmask[None, :], ex, 0.0), axis=1)
+                z = tl.where(tm, z, 1.0)  # padding rows: no 0/0
                 v = tl.sum(tl.where(hit, ex, 0.0), axis=1) / z
             else:
                 v = tl.sum(tl.where(hit, lg, 0.0), axis=1)
@@ -281,12 +284,13 @@ def _remap_kernel(
             w = chosen
         elif RULE == 2:
             cm = tl.max(tl.where(kmask[None, :], chosen, float("-inf")), axis=1)
+            cm = tl.where(cm == float("-inf"), 0.0, cm)
             ex = tl.where(kmask[None, :], tl.exp(chosen - cm[:, None]), 0.0)
-            w = ex / tl.sum(ex, axis=1)[:, None]
+            w = ex / tl.where(tm, tl.sum(ex, axis=1), 1.0)[:, None]
         else:
             w = 1.0 / (1.0 + tl.exp(-chosen))
         if RENORM:
-            w = w / tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1)[:, None]
+            w = w / tl.where(tm, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1), 1.0)[:, None]
         w = w * scale
         tl.store(w_ptr + offs_t[:, None] * K + offs_k[None, :], w, mask=om)
 
