@@ -9,7 +9,6 @@ import torch
 
 from . import policy
 from .config import LynxConfig
-from .kernels.routing_naive import naive_routing_weights
 from .phase import DECODE, PhaseTracker
 from .telemetry import LayerTelemetry
 
@@ -88,17 +87,36 @@ class LynxLayer:
             if telemetry:
                 self.telemetry.record(self.num_experts, topk_idx, topk_weights, None, fallback=True)
             return topk_idx, topk_weights, False
-        new_idx = policy.remap(cfg, scores_fn(), topk_idx)
-        weights = naive_routing_weights(router_logits, new_idx, rule.rule, rule.renormalize, rule.scale)
+        new_idx, weights = policy.remap(cfg, scores_fn(), topk_idx, router_logits, rule.rule, rule.renormalize,
+                                        rule.scale)
         if rule.dtype is not None:
             weights = weights.to(rule.dtype)
         if telemetry:
             self.telemetry.record(self.num_experts, topk_idx, topk_weights, new_idx)
         return new_idx, weights, True
 
-    def run_experts(self, compute):
-        """Run the routed-expert computation ``compute()`` (hook point for the sparse kernels)."""
-        return compute()
+    def run_experts(self, experts, hidden, topk_idx, topk_weights, changed, default, *, transposed=False,
+                    weight_on_input=False):
+        """Routed-expert output ``[T, H]`` of a decode step.
+
+        When the policy changed the routing and the Triton backend is in use (CUDA tensors, or
+        ``backend="triton"`` under ``TRITON_INTERPRET=1``), runs the sparse decode kernel
+        :func:`lynx_hf.kernels.moe.sparse_moe` on the experts' stacked weights (``gate_up_proj``,
+        ``down_proj``; SiLU-gated experts only); otherwise ``default()`` (the model's own experts or
+        the adapter's torch path). Policy ``"none"`` always takes ``default()`` (bit-identical).
+        """
+        cfg = self.owner.config
+        if not changed or not policy.use_triton(cfg.backend, hidden.device) or not _is_silu(experts):
+            return default()
+        from .kernels.moe import sparse_moe
+
+        return sparse_moe(hidden, topk_idx, topk_weights, experts.gate_up_proj, experts.down_proj,
+                          transposed=transposed, weight_on_input=weight_on_input)
+
+
+def _is_silu(experts) -> bool:
+    act = getattr(experts, "act_fn", None)
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
 
 
 def _patched_forward(self, *args, **kwargs):

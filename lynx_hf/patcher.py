@@ -7,6 +7,7 @@ import warnings
 
 import torch
 
+from . import policy
 from .config import LynxConfig
 from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
 from .layer import LAYER_ATTR, MODEL_ATTR, LynxLayer, ModelState
@@ -46,6 +47,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    _check_backend(cfg, model)
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
     if state is not None:
         state.config = cfg
@@ -80,6 +82,16 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     state.tracker.attach(model)
     object.__setattr__(model, MODEL_ATTR, state)
     return model
+
+
+def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
+    """backend="triton" on a CPU model without the interpreter fails here, not mid-generate."""
+    param = next(model.parameters(), None)
+    device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
+    try:
+        policy.use_triton(cfg.backend, device)
+    except RuntimeError as exc:
+        raise LynxConfigError(f"LynxConfig.backend={cfg.backend!r}: {exc}") from exc
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:

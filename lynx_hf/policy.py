@@ -24,12 +24,21 @@ def bin_parameters(cfg: LynxConfig, num_experts: int, top_k: int) -> tuple[float
     return alpha, beta
 
 
-def _ops(backend: str, device: torch.device):
-    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
-        return naive.naive_lynx_critical_set, naive.naive_oea_critical_set, naive.naive_remap_topk
-    from .kernels import dispatch, routing  # Triton only when asked for / on CUDA
+def use_triton(backend: str, device: torch.device) -> bool:
+    """Whether the Triton kernels run for tensors on ``device`` (see ``kernels.dispatch``).
 
-    dispatch.resolve_backend(backend, device)  # raises a clear RuntimeError when Triton can't run
+    Raises ``RuntimeError`` for ``backend="triton"`` on CPU without ``TRITON_INTERPRET=1``.
+    """
+    from .kernels.dispatch import resolve_backend
+
+    return resolve_backend(backend, device) == "triton"
+
+
+def _ops(backend: str, device: torch.device):
+    if not use_triton(backend, device):
+        return naive.naive_lynx_critical_set, naive.naive_oea_critical_set, naive.naive_remap_topk
+    from .kernels import routing  # imports triton: only when the Triton path is taken
+
     return routing.lynx_critical_set, routing.oea_critical_set, routing.remap_topk
 
 
@@ -49,15 +58,34 @@ def critical_set(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor, 
     return lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
 
 
-def remap(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor | None:
+def remap(
+    cfg: LynxConfig,
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    logits: torch.Tensor | None = None,
+    rule: str | None = None,
+    renormalize: bool = False,
+    scale: float = 1.0,
+):
     """Remapped top-k ``[T, k]`` int64 (each row ``k`` distinct allowed experts), or ``None``.
 
     ``scores [T, N]`` must be fp32 and finite wherever the expert is allowed (callers fall back to
-    the model's own routing otherwise). Raises ``ValueError`` if a row has fewer than k allowed experts.
+    the model's own routing otherwise). With ``rule`` (a ``WEIGHT_RULES`` name) returns
+    ``(idx, weights [T, k] fp32)`` with the weights recomputed from ``logits`` by that rule (fused
+    into the remap kernel on the Triton path). Raises ``ValueError`` if a row has fewer than k
+    allowed experts.
     """
     top_k = topk_idx.shape[-1]
     critical = critical_set(cfg, scores, topk_idx, top_k)
     if critical is None:
         return None
-    _, _, remap_op = _ops(cfg.backend, scores.device)
-    return remap_op(scores, critical, top_k)
+    if rule is None:
+        return _ops(cfg.backend, scores.device)[2](scores, critical, top_k)
+    logits = scores if logits is None else logits.float()
+    if use_triton(cfg.backend, scores.device):
+        from .kernels import routing
+
+        return routing.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize,
+                                  scale=scale)
+    idx = naive.naive_remap_topk(scores, critical, top_k)
+    return idx, naive.naive_routing_weights(logits, idx, rule, renormalize, scale)

@@ -57,9 +57,10 @@ class DeepseekV2Adapter(MoEAdapter):
         orig_shape = hidden_states.shape
         router_logits, topk_weights, topk_indices = block.gate(hidden_states)
         rule = WeightRule("softmax_all", scale=float(block.gate.routed_scaling_factor))
-        topk_indices, topk_weights, _ = lynx.route(
+        topk_indices, topk_weights, changed = lynx.route(
             router_logits, lambda: self.selection_scores(block.gate, router_logits), topk_indices, topk_weights, rule
         )
-        hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
-        hidden_states = block.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)
+        hidden = hidden_states.view(-1, hidden_states.shape[-1])
+        hidden_states = lynx.run_experts(block.experts, hidden, topk_indices, topk_weights, changed,
+                                         lambda: block.experts(hidden, topk_indices, topk_weights)).view(*orig_shape)
         return hidden_states + block.shared_experts(residuals)

@@ -54,5 +54,7 @@ class Llama4Adapter(MoEAdapter):
             out.add_(routed_out.reshape(router_scores.shape[1], -1, routed_out.shape[-1]).sum(dim=0))
             return out, router_logits
         out = block.shared_expert(hidden_states)
-        out.add_(lynx.run_experts(lambda: sparse_experts(block.experts, hidden_states, new_idx, new_weights)))
+        out.add_(lynx.run_experts(block.experts, hidden_states, new_idx, new_weights, changed,
+                                  lambda: sparse_experts(block.experts, hidden_states, new_idx, new_weights),
+                                  transposed=True, weight_on_input=True))
         return out, router_logits

@@ -22,8 +22,9 @@ class MixtralAdapter(MoEAdapter):
         hidden = hidden_states.view(-1, hidden_dim)
         router_logits, top_k_weights, top_k_index = block.gate(hidden)
         rule = WeightRule("softmax_all", renormalize=True)
-        top_k_index, top_k_weights, _ = lynx.route(
+        top_k_index, top_k_weights, changed = lynx.route(
             router_logits, lambda: router_logits.float(), top_k_index, top_k_weights, rule
         )
-        out = block.experts(hidden, top_k_index, top_k_weights)
+        out = lynx.run_experts(block.experts, hidden, top_k_index, top_k_weights, changed,
+                               lambda: block.experts(hidden, top_k_index, top_k_weights))
         return out.reshape(batch_size, sequence_length, hidden_dim)

@@ -22,10 +22,11 @@ class Qwen2MoeAdapter(MoEAdapter):
         shared_expert_output = block.shared_expert(hidden)
         router_logits, routing_weights, selected_experts = block.gate(hidden)
         rule = WeightRule("softmax_all", renormalize=bool(block.gate.norm_topk_prob), dtype=router_logits.dtype)
-        selected_experts, routing_weights, _ = lynx.route(
+        selected_experts, routing_weights, changed = lynx.route(
             router_logits, lambda: router_logits.float(), selected_experts, routing_weights, rule
         )
-        expert_output = block.experts(hidden, selected_experts, routing_weights)
+        expert_output = lynx.run_experts(block.experts, hidden, selected_experts, routing_weights, changed,
+                                         lambda: block.experts(hidden, selected_experts, routing_weights))
         shared_expert_output = F.sigmoid(block.shared_expert_gate(hidden)) * shared_expert_output
         expert_output = expert_output + shared_expert_output
         return expert_output.reshape(batch_size, sequence_length, hidden_dim)

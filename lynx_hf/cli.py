@@ -1,0 +1,133 @@
+"""``lynx-hf`` command line (also ``python -m lynx_hf``).
+
+Subcommands: ``generate`` (patch + generate on a local checkpoint; default the committed fixture).
+Errors are one clear line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL = REPO / "eval" / "fixtures" / "qwen2moe-tiny"
+DEFAULT_PROMPTS = REPO / "eval" / "data" / "prompts.txt"
+
+
+class CliError(Exception):
+    """A user error reported as one line."""
+
+
+def _policy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--policy", default="lynx", choices=["lynx", "oea", "none"], help="routing policy in decode")
+    parser.add_argument("--tau", type=float, default=None, help="LYNX consensus threshold (default: LynxConfig's)")
+    parser.add_argument("--alpha", type=float, default=None, help="LYNX inverse bin width (default: from k/N)")
+    parser.add_argument("--beta", type=int, default=None, help="LYNX number of voting bins below 0 (default: from k/N)")
+    parser.add_argument("--k0", type=int, default=None, help="OEA: experts each token keeps")
+    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+
+
+def _config(args):
+    from . import LynxConfig
+
+    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "k0") if getattr(args, name) is not None}
+    return LynxConfig(policy=args.policy, backend=args.backend, **fields)
+
+
+def _load(model_path: Path, dtype: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not model_path.is_dir() or not (model_path / "config.json").is_file():
+        raise CliError(f"no local checkpoint at {model_path} (a folder with config.json is expected)")
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+    return model, tokenizer
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    import lynx_hf
+
+    model, tokenizer = _load(Path(args.model), args.dtype)
+    prompts = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if not prompts:
+        raise CliError(f"no prompts in {args.prompts}")
+    prompts = (prompts * ((args.batch_size + len(prompts) - 1) // len(prompts)))[: args.batch_size]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    cfg = _config(args)
+    try:
+        lynx_hf.patch(model, cfg)
+    except lynx_hf.LynxError as exc:
+        raise CliError(str(exc)) from exc
+    with torch.inference_mode():
+        with lynx_hf.patched(model, policy="none"):
+            reference = model.generate(**batch, **gen)
+        lynx_hf.reset_stats(model)
+        output = model.generate(**batch, **gen)
+    summary = lynx_hf.stats(model).summary()
+    prompt_len = batch["input_ids"].shape[1]
+    new_ref, new_out = reference[:, prompt_len:], output[:, prompt_len:]
+    agreement = (new_ref == new_out).float().mean().item()
+    exact = (new_ref == new_out).all(dim=1).float().mean().item()
+
+    print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
+          f"  decode steps: {summary['decode_steps']}")
+    print(f"{'layer':<28}{'N':>5}{'k':>4}{'experts before':>16}{'experts after':>15}{'ratio':>8}{'mass kept':>11}")
+    for layer in summary["per_layer"]:
+        ratio = layer["unique_experts_after"] / max(layer["unique_experts_before"], 1e-9)
+        print(f"{layer['layer']:<28}{layer['num_experts']:>5}{layer['top_k']:>4}{layer['unique_experts_before']:>16.2f}"
+              f"{layer['unique_experts_after']:>15.2f}{ratio:>8.3f}{layer['routing_mass_kept']:>11.3f}")
+    print(f"{'mean':<37}{summary['unique_experts_before']:>16.2f}{summary['unique_experts_after']:>15.2f}"
+          f"{summary['ratio']:>8.3f}{summary['routing_mass_kept']:>11.3f}")
+    print(f"token agreement with unpatched greedy decode: {agreement:.3f}; identical continuations: {exact:.3f}")
+    if not args.quiet:
+        for prompt, row in zip(prompts, new_out):
+            text = tokenizer.decode(row, skip_special_tokens=True).replace("\n", "\\n")
+            print(f"--- {prompt!r} -> {text!r}")
+    if args.stats_json:
+        import json
+
+        Path(args.stats_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lynx-hf", description="LYNX dynamic expert reduction for HF MoE models")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="patch a local checkpoint and generate a batch; print experts before/after")
+    g.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
+    g.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
+    g.add_argument("--batch-size", type=int, default=16, help="number of prompts decoded together")
+    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--stats-json", default=None, help="write the stats summary to this JSON file")
+    g.add_argument("--quiet", action="store_true", help="do not print the generated texts")
+    _policy_args(g)
+    g.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except CliError as exc:
+        print(f"lynx-hf {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"lynx-hf {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
