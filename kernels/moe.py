@@ -147,7 +147,7 @@ def _down_kernel(
             acc = tl.dot(h, wd, acc, input_precision="ieee")
         else:
             acc = tl.dot(h, wd, acc)
-    if not WEIGHT_ON_INPUT:
+    if WEIGHT_ON_INPUT == 0:
         rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc = acc * rw[:, None]
     tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :] * stride_yh, acc,

@@ -24,6 +24,7 @@ these kernels do not reproduce it).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -48,7 +49,7 @@ def _bins_f(s, alpha, ok_cols):
 
 @triton.jit
 def _lynx_critical_kernel(
-    s_ptr, idx_ptr, alpha_ptr, tau_ptr, pow_ptr, out_ptr,
+    s_ptr, idx_ptr, par_ptr, out_ptr,
     T, N, top_k,
     stride_st, stride_sn, stride_it, stride_ik,
     K: tl.constexpr, BETA: tl.constexpr, BLOCK_J: tl.constexpr,
@@ -56,8 +57,10 @@ def _lynx_critical_kernel(
 ):
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     nmask = offs_n < N
-    alpha = tl.load(alpha_ptr)
-    tau = tl.load(tau_ptr)
+    # par = [tau, fp32(alpha), fp32(B**-0), ..., fp32(B**-beta)] in fp64
+    tau = tl.load(par_ptr)
+    alpha = tl.load(par_ptr + 1).to(tl.float32)  # exact: the value is an fp32
+    pow_ptr = par_ptr + 2
 
     # Candidates U: union of the model's own top-k.
     cand = tl.zeros([BLOCK_N], dtype=tl.int32)
@@ -141,6 +144,15 @@ def _block_t(num_experts_pow2: int, cap: int = 4096) -> int:
     return max(1, min(64, cap // num_experts_pow2))
 
 
+@functools.lru_cache(maxsize=256)
+def _lynx_params(batch_base: int, beta: int, alpha: float, tau: float, device: torch.device) -> torch.Tensor:
+    """``[tau, fp32(alpha), fp32(B**-j) for j = 0..beta]`` as one fp64 device tensor, cached (no
+    host-to-device copy per decode step; the tensor is only read)."""
+    alpha32 = torch.tensor(alpha, dtype=torch.float32).double().reshape(1)
+    head = torch.cat([torch.tensor([tau], dtype=torch.float64), alpha32])
+    return torch.cat([head, batch_base_powers(batch_base, beta)]).to(device)
+
+
 def lynx_critical_set(
     scores: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -171,14 +183,12 @@ def lynx_critical_set(
         mask[topk_idx.reshape(-1).long()] = True
         return mask
     dev = scores.device
-    powers = batch_base_powers(batch_base or num_tokens, beta).to(dev)
-    alpha_t = torch.tensor([alpha], dtype=torch.float32, device=dev)
-    tau_t = torch.tensor([tau], dtype=torch.float64, device=dev)
+    params = _lynx_params(int(batch_base or num_tokens), int(beta), float(alpha), float(tau), dev)
     out = torch.empty(num_experts, dtype=torch.int8, device=dev)
     block_n = triton.next_power_of_2(num_experts)
     k_width = topk_idx.shape[1]
     _lynx_critical_kernel[(1,)](
-        scores, topk_idx, alpha_t, tau_t, powers, out,
+        scores, topk_idx, params, out,
         num_tokens, num_experts, top_k,
         scores.stride(0), scores.stride(1), topk_idx.stride(0), topk_idx.stride(1),
         K=k_width, BETA=int(beta), BLOCK_J=triton.next_power_of_2(int(beta) + 1),
