@@ -173,8 +173,9 @@ def sparse_moe(
 
     Same arguments and result as :func:`.moe_naive.naive_sparse_moe` (layouts, ``weight_on_input``,
     fp32 accumulation); the gate/up intermediate is stored in ``hidden.dtype`` (exact for fp32; one
-    rounding for bf16/fp16, as the model's own bf16 expert does). fp32/fp16/bf16 on CUDA; fp32 only
-    under the interpreter (``TRITON_INTERPRET=1``). ``block_m`` >= 16 (``tl.dot``), ``block_n`` /
+    rounding for bf16/fp16, as the model's own bf16 expert does). fp32/fp16/bf16 on CUDA; under the
+    interpreter (``TRITON_INTERPRET=1``, CPU) non-fp32 inputs are upcast to fp32 (the interpreter's
+    bf16 ``tl.dot`` is unusable) and the result is cast back to ``hidden.dtype``. ``block_m`` >= 16 (``tl.dot``), ``block_n`` /
     ``block_k`` powers of two >= 16. ``exact_grid`` (default: on non-CUDA devices) launches exactly
     the used blocks (one host sync); otherwise the grid is the data-independent upper bound and
     programs past ``num_tokens_post_padded`` exit at once (no sync, CUDA-graph friendly).
@@ -199,6 +200,9 @@ def sparse_moe(
     dev = hidden.device
     num_pairs = num_tokens * top_k
     out_dtype = hidden.dtype
+    if dev.type != "cuda" and (hidden.dtype != torch.float32 or w_gate_up.dtype != torch.float32):
+        # the interpreter's bf16/fp16 tl.dot is unusable: compute in fp32, return hidden's dtype
+        hidden, w_gate_up, w_down = hidden.float(), w_gate_up.float(), w_down.float()
     if num_pairs == 0:
         return torch.zeros(num_tokens, hidden_size, dtype=out_dtype, device=dev)
     sorted_ids, expert_ids, num_post = moe_align_block_size(topk_idx, num_experts, block_m)

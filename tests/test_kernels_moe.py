@@ -311,3 +311,16 @@ def test_gpu_check_cpu_smoke(capsys):
     mod = _load_gpu_check()
     mod.FAILURES.clear()
     assert mod.main(["--cpu-smoke"]) == 0, capsys.readouterr().out
+
+
+def test_bf16_inputs_on_cpu_are_computed_in_fp32():
+    # interpreter: bf16 tl.dot is unusable, so the launcher upcasts; result in bf16, close to the reference
+    g = torch.Generator().manual_seed(8)
+    T, H, I, N, k = 3, 32, 16, 8, 2
+    x = torch.randn(T, H, generator=g).bfloat16()
+    idx = _routing(T, N, k, g)
+    w = torch.rand(T, k, generator=g).bfloat16()
+    gu, dn = _experts(N, H, I, g, False, torch.bfloat16)
+    got = sparse_moe(x, idx, w, gu, dn, block_n=32, block_k=32)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, naive_sparse_moe(x, idx, w, gu, dn), atol=1e-2, rtol=1e-2)
