@@ -47,6 +47,15 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        warnings.warn(
+            "lynx_hf: patching the module inside a torch.compile wrapper; the decode remap is data-dependent "
+            "(it breaks the compiled graph), so patched MoE blocks run eagerly. Patch before compiling, or "
+            "do not compile, to avoid recompilations.",
+            stacklevel=2,
+        )
+        patch(model._orig_mod, cfg)
+        return model
     _check_backend(cfg, model)
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
     if state is not None:
@@ -99,6 +108,9 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
     A model that is not patched is returned unchanged.
     """
+    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+        unpatch(model._orig_mod)
+        return model
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
     if state is None:
         return model
@@ -111,14 +123,15 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` is currently patched by lynx_hf."""
-    return MODEL_ATTR in getattr(model, "__dict__", {})
+    inner = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
+    return MODEL_ATTR in getattr(inner, "__dict__", {})
 
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides):
     """Context manager: patch on entry; on exit unpatch (or restore the previous config if the model
     was already patched), also when the body raises."""
-    previous = model.__dict__[MODEL_ATTR].config if is_patched(model) else None
+    previous = _state(model).config if is_patched(model) else None
     patch(model, config, **overrides)
     try:
         yield model
@@ -126,10 +139,12 @@ def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **o
         if previous is None:
             unpatch(model)
         else:
-            model.__dict__[MODEL_ATTR].config = previous
+            _state(model).config = previous
 
 
 def _state(model) -> ModelState:
+    if type(model).__name__ == "OptimizedModule":
+        model = model._orig_mod
     state = getattr(model, "__dict__", {}).get(MODEL_ATTR)
     if state is None:
         raise NotPatchedError("this model is not patched by lynx_hf: call lynx_hf.patch(model) first")

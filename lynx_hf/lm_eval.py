@@ -1,0 +1,57 @@
+"""lm-eval integration: the model type ``lynx`` (an lm-eval ``HFLM`` whose model is patched).
+
+lm-eval has no plugin entry point, so registration happens on import of this module. Use either
+
+- Python: ``import lynx_hf.lm_eval`` then ``lm_eval.simple_evaluate(model="lynx",
+  model_args="pretrained=PATH,policy=lynx,tau=1.0", tasks=[...], batch_size=16)``, or pass
+  ``HFLM(pretrained=<patched model object>, tokenizer=tok, batch_size=16)`` directly (CASES C17);
+- the CLI: ``python -m lynx_hf.lm_eval run --model lynx --model_args pretrained=PATH,policy=lynx
+  --tasks TASK --include_path eval/tasks --batch_size 16`` (forwards to lm-eval's own CLI).
+
+LYNX options in ``model_args``: ``policy``, ``phase``, ``tau``, ``alpha``, ``beta``, ``k0``, ``q_max``
+and ``lynx_backend`` (``LynxConfig.backend``; HFLM already has an unrelated ``backend`` argument).
+Every other argument goes to ``HFLM``. Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
+depends on the decode batch.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from .config import LynxConfig
+from .patcher import patch
+
+_LYNX_ARGS = ("policy", "phase", "tau", "alpha", "beta", "k0", "q_max")
+
+
+@register_model("lynx")
+class LynxLM(HFLM):
+    """``HFLM`` over a model patched with ``LynxConfig(**lynx options)``.
+
+    Raises :class:`lynx_hf.LynxConfigError` for a bad LYNX option (before the model is loaded) and
+    whatever :func:`lynx_hf.patch` raises for an unsupported model.
+    """
+
+    def __init__(self, pretrained, *, lynx_backend: str = "auto", **kwargs) -> None:
+        options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
+        options = {name: value for name, value in options.items() if value is not None}
+        self.lynx_config = LynxConfig(backend=lynx_backend, **options)
+        if kwargs.get("batch_size") == "auto":
+            raise ValueError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")
+        super().__init__(pretrained=pretrained, **kwargs)
+        patch(self.model, self.lynx_config)
+
+
+def main() -> None:
+    """``python -m lynx_hf.lm_eval ...``: lm-eval's CLI with the ``lynx`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv[0] = "lm-eval"
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
