@@ -61,7 +61,9 @@ def naive_lynx_bins(scores: torch.Tensor, alpha: float) -> torch.Tensor:
     gap = s - s.max(dim=-1, keepdim=True).values
     bins = torch.ceil(gap * torch.tensor(alpha, dtype=torch.float32))
     finite = torch.isfinite(s)
-    bins = torch.where(finite, bins, torch.zeros_like(bins))
+    # clamp before the int cast (a huge alpha or finfo.min-masked logits would overflow int32); any
+    # bin this low never votes, since beta < 2**30.
+    bins = torch.where(finite, bins.clamp_min(FORBIDDEN_BIN + 1), torch.zeros_like(bins))
     return torch.where(finite, bins.to(torch.int32), torch.full_like(bins, FORBIDDEN_BIN, dtype=torch.int32))
 
 
@@ -217,3 +219,28 @@ def naive_routing_weights(
     if scale != 1.0:
         w = w * scale
     return w
+
+
+def naive_mass_floor_set(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, floor: float) -> torch.Tensor:
+    """Experts some token must keep so that it retains at least ``floor`` of its routing mass.
+
+    ``topk_idx [T, k]`` int, ``topk_weights [T, k]`` (the model's own weights, any float dtype) ->
+    ``[N]`` bool. For each token, its experts in decreasing weight order (ties -> lower slot) are kept
+    while the weight kept *before* them is below ``floor`` of the token's top-k weight sum; so a
+    confident token keeps its top-1 only, an unsure one keeps more. ``floor = 0`` keeps nothing,
+    ``floor = 1`` keeps every original expert. (A project extension of LYNX, DESIGN.md "Improve
+    them when the data says so"; the paper has no such floor.)
+    """
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"floor must be in [0, 1], got {floor}")
+    mask = torch.zeros(num_experts, dtype=torch.bool, device=topk_idx.device)
+    if floor == 0.0:
+        return mask
+    w = topk_weights.float()
+    order = torch.sort(w, dim=-1, descending=True, stable=True).indices
+    w_sorted = w.gather(1, order)
+    total = w_sorted.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    before = (torch.cumsum(w_sorted, dim=-1) - w_sorted) / total  # mass kept before each slot
+    keep = before < floor
+    mask[topk_idx.gather(1, order)[keep].long()] = True
+    return mask

@@ -29,6 +29,9 @@ class LynxConfig:
       Must be an int >= 0. Experts vote iff ``ceil(gap * alpha) >= -beta``.
     - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote). ``>= 0``.
       Default 1.0 (every expert that is some token's bin-0 choice joins the critical set).
+    - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
+      highest-weight experts until they hold at least this share of its original top-k routing
+      weight; 0 (default) disables it, 1 keeps every original expert. In ``[0, 1]``.
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
       decode; speculative decoding may raise it). ``>= 1``.
@@ -41,6 +44,7 @@ class LynxConfig:
     alpha: float | None = None
     beta: int | None = None
     tau: float = 1.0
+    mass_floor: float = 0.0
     k0: int = 1
     q_max: int = 1
     backend: str = "auto"
@@ -59,6 +63,9 @@ class LynxConfig:
         _number("tau", self.tau)
         if not (self.tau >= 0) or math.isinf(self.tau):
             raise LynxConfigError(f"LynxConfig.tau must be finite and >= 0, got {self.tau!r}")
+        _number("mass_floor", self.mass_floor)
+        if not 0.0 <= self.mass_floor <= 1.0:
+            raise LynxConfigError(f"LynxConfig.mass_floor must be in [0, 1], got {self.mass_floor!r}")
         _integer("k0", self.k0, minimum=1)
         _integer("q_max", self.q_max, minimum=1)
         if not isinstance(self.telemetry, bool):

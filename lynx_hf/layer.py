@@ -88,7 +88,7 @@ class LynxLayer:
                 self.telemetry.record(self.num_experts, topk_idx, topk_weights, None, fallback=True)
             return topk_idx, topk_weights, False
         new_idx, weights = policy.remap(cfg, scores_fn(), topk_idx, router_logits, rule.rule, rule.renormalize,
-                                        rule.scale)
+                                        rule.scale, topk_weights=topk_weights)
         if rule.dtype is not None:
             weights = weights.to(rule.dtype)
         if telemetry:

@@ -42,11 +42,19 @@ def _ops(backend: str, device: torch.device):
     return routing.lynx_critical_set, routing.oea_critical_set, routing.remap_topk
 
 
-def critical_set(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor, top_k: int) -> torch.Tensor | None:
+def critical_set(
+    cfg: LynxConfig,
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    top_k: int,
+    topk_weights: torch.Tensor | None = None,
+) -> torch.Tensor | None:
     """Critical set ``[N]`` bool for one decode step, or ``None`` for policy ``"none"``.
 
     ``scores [T, N]`` fp32 selection scores (``-inf`` = forbidden), ``topk_idx [T, k]`` int64 the
-    model's own selection. LYNX: DESIGN.md steps 1-4; OEA: union of each token's top-``k0``.
+    model's own selection, ``topk_weights [T, k]`` its weights (needed only for ``mass_floor``).
+    LYNX: DESIGN.md steps 1-4, plus the experts ``mass_floor`` keeps; OEA: union of each token's
+    top-``k0``. Raises ``ValueError`` when ``mass_floor > 0`` and no weights are given.
     """
     if cfg.policy == "none":
         return None
@@ -55,7 +63,12 @@ def critical_set(cfg: LynxConfig, scores: torch.Tensor, topk_idx: torch.Tensor, 
     if cfg.policy == "oea":
         return oea_op(scores, min(cfg.k0, top_k))
     alpha, beta = bin_parameters(cfg, num_experts, top_k)
-    return lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
+    critical = lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
+    if cfg.mass_floor > 0:
+        if topk_weights is None:
+            raise ValueError("LynxConfig.mass_floor > 0 needs the model's own top-k weights")
+        critical = critical | naive.naive_mass_floor_set(topk_idx, topk_weights, num_experts, cfg.mass_floor)
+    return critical
 
 
 def remap(
@@ -66,17 +79,19 @@ def remap(
     rule: str | None = None,
     renormalize: bool = False,
     scale: float = 1.0,
+    topk_weights: torch.Tensor | None = None,
 ):
     """Remapped top-k ``[T, k]`` int64 (each row ``k`` distinct allowed experts), or ``None``.
 
     ``scores [T, N]`` must be fp32 and finite wherever the expert is allowed (callers fall back to
     the model's own routing otherwise). With ``rule`` (a ``WEIGHT_RULES`` name) returns
     ``(idx, weights [T, k] fp32)`` with the weights recomputed from ``logits`` by that rule (fused
-    into the remap kernel on the Triton path). Raises ``ValueError`` if a row has fewer than k
+    into the remap kernel on the Triton path). ``topk_weights`` (the model's own) serve
+    ``LynxConfig.mass_floor``. Raises ``ValueError`` if a row has fewer than k
     allowed experts.
     """
     top_k = topk_idx.shape[-1]
-    critical = critical_set(cfg, scores, topk_idx, top_k)
+    critical = critical_set(cfg, scores, topk_idx, top_k, topk_weights)
     if critical is None:
         return None
     if rule is None:

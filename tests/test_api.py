@@ -141,7 +141,7 @@ def test_only_moe_blocks_are_patched_dense_layers_untouched():
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_save_pretrained_round_trip_while_patched(family, tmp_path):
+def test_C6_save_pretrained_round_trip_while_patched(family, tmp_path):
     """C6: patch -> save_pretrained -> from_pretrained round-trips keys and tensors exactly."""
     model = tm.build(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -110,7 +110,7 @@ def test_batch_of_one_keeps_each_tokens_top_k(family, policy):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_left_padding_does_not_change_real_rows(family):
+def test_C2_left_padding_does_not_change_real_rows(family):
     """C2: a left-padded row decodes like the same prompt alone (no pad) under policy none, and LYNX
     decodes a left-padded batch whose finished rows keep emitting pad tokens without error."""
     model = tm.build(family)

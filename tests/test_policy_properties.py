@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lynx_hf import LynxConfig
+from lynx_hf import errors as lynx_hf_errors
 from lynx_hf import policy as P
 from lynx_hf.kernels import routing_naive as R
 
@@ -82,7 +83,7 @@ def test_remap_invariants(case, cfg):
 
 @SETTINGS
 @given(case=routing_case(max_n=64, max_t=32), cfg=st.sampled_from(CONFIGS), shift=st.sampled_from([-1000.0, 17.0]))
-def test_shift_invariance(case, cfg, shift):
+def test_C13_shift_invariance(case, cfg, shift):
     """C13: adding a constant to every logit changes neither bins, scores nor the remap."""
     s, k = case
     s = s.clamp(min=-50, max=50).masked_fill(torch.isinf(s), float("-inf"))  # keep the shift exact in fp32
@@ -93,7 +94,7 @@ def test_shift_invariance(case, cfg, shift):
 
 @pytest.mark.parametrize("policy", ["lynx", "oea"])
 @pytest.mark.parametrize("n,k,t", [(8, 2, 5), (60, 4, 16), (384, 8, 3)])
-def test_all_zero_logits_pick_lowest_ids(policy, n, k, t):
+def test_C12_all_zero_logits_pick_lowest_ids(policy, n, k, t):
     """C12: all-zero logits -> every token takes experts 0..k-1 (lower-index tie-breaking)."""
     s = torch.zeros(t, n)
     new = P.remap(LynxConfig(policy=policy, k0=1), s, own_topk(s, k))
@@ -101,7 +102,7 @@ def test_all_zero_logits_pick_lowest_ids(policy, n, k, t):
 
 
 @pytest.mark.parametrize("policy", ["lynx", "oea"])
-def test_rows_inf_except_two_experts(policy):
+def test_C12_rows_inf_except_two_experts(policy):
     """C12: rows that are -inf except two experts: always those two, never a forbidden one."""
     s = torch.full((4, 10), float("-inf"))
     s[0, [3, 7]] = torch.tensor([0.5, 0.5])
@@ -136,7 +137,7 @@ def test_hand_worked_lynx_example():
     assert new.tolist() == [[0, 1], [1, 0], [1, 0]]
 
 
-def test_bf16_ties_within_one_ulp_match_fp32_reference():
+def test_C11_bf16_ties_within_one_ulp_match_fp32_reference():
     """C11: bf16 router logits that tie within one bf16 ulp: the remap runs on the exact fp32 upcast
     and breaks the tie to the lower id; weights computed in fp32 and only then cast."""
     fp32 = torch.tensor([[1.0, 1.001, 0.2, 1.002, -0.5, 0.9]] * 3 + [[0.1, 0.3, 1.0, 1.003, 0.0, 0.2]])
@@ -173,3 +174,27 @@ def test_weight_rules_against_formulas(rule, renorm, scale):
     torch.testing.assert_close(w, ref * scale, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="unknown weight rule"):
         R.naive_routing_weights(logits, idx, "relu")
+
+
+@pytest.mark.parametrize("floor", [0.0, 0.3, 0.6, 1.0])
+def test_mass_floor_keeps_each_tokens_leading_mass(floor):
+    """mass_floor: each token keeps its highest-weight experts until they hold >= floor of its top-k
+    weight (worked by hand for one token below); floor 1 keeps every original expert."""
+    g = torch.Generator().manual_seed(3)
+    s = torch.randn(16, 24, generator=g) * 2
+    idx = own_topk(s, 4)
+    w = torch.softmax(s, -1).gather(1, idx)
+    cfg = LynxConfig(policy="lynx", mass_floor=floor, tau=1e6)  # tau huge: consensus adds nothing
+    new = P.remap(cfg, s, idx, topk_weights=w)
+    share = w / w.sum(-1, keepdim=True)
+    for t in range(16):
+        kept = [e for e in idx[t].tolist() if e in new[t].tolist()]
+        kept_share = sum(share[t, j].item() for j, e in enumerate(idx[t].tolist()) if e in kept)
+        assert kept_share >= floor - 1e-6
+    if floor == 1.0:
+        assert torch.equal(new.sort(-1).values, idx.sort(-1).values)
+    # by hand: weights [0.5, 0.3, 0.15, 0.05], floor 0.6 -> keep slots 0 and 1 (0.5 < 0.6, 0.8 >= 0.6)
+    keep = R.naive_mass_floor_set(torch.tensor([[7, 2, 5, 1]]), torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 8, 0.6)
+    assert keep.nonzero().flatten().tolist() == [2, 7]
+    with pytest.raises(lynx_hf_errors.LynxConfigError, match="mass_floor"):
+        LynxConfig(mass_floor=1.5)
