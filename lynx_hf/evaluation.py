@@ -1,0 +1,461 @@
+"""Accuracy harness for patched MoE models (DESIGN.md "Evaluation"; issue 3 items 3-5).
+
+Everything here runs offline on local checkpoints and the committed held-out data
+(``eval/data/valid_docs.jsonl``, ``valid_code.jsonl``, ``prompts.txt``):
+
+- :func:`heldout_windows`: position-aligned token windows (no padding) from the held-out text;
+- :func:`router_statistics`: what the routers do on held-out text (logit gaps by rank, routing
+  weight by rank, load skew, unique experts per position-aligned decode batch of B tokens);
+- :func:`teacher_forced`: B sequences fed through a ``DynamicCache`` -- a prefill of P tokens, then
+  one token per step, so every scored position is a true decode step and the patch acts -- for a list
+  of policies against the *unpatched* model run the same way (next-token cross-entropy, accuracy,
+  top-1 agreement and KL to unpatched, ``lynx_hf.stats`` telemetry, bit-identity to unpatched);
+- :func:`generation_agreement`: greedy continuations of left-padded prompts vs unpatched;
+- :func:`run_lm_eval`: lm-eval ``simple_evaluate`` through ``HFLM`` over the (patched) model object
+  with the local task YAMLs in ``eval/tasks`` and a fixed batch size.
+
+The functions leave the model as they found it: unpatched models are patched per policy with
+:func:`lynx_hf.patched` and unpatched again; a model that arrives patched is refused (the
+reference run must be the model's own code).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import torch
+
+from . import patcher
+from .config import LynxConfig
+
+REPO = Path(__file__).resolve().parent.parent
+DATA_DIR = REPO / "eval" / "data"
+TASKS_DIR = REPO / "eval" / "tasks"
+FIXTURES_DIR = REPO / "eval" / "fixtures"
+RESULTS_DIR = REPO / "eval" / "results"
+HELDOUT_FILES = (DATA_DIR / "valid_docs.jsonl", DATA_DIR / "valid_code.jsonl")
+
+#: a policy to evaluate: (name, config); config ``None`` = the unpatched model.
+Policy = tuple[str, "LynxConfig | None"]
+
+
+# ----------------------------------------------------------------------------------------------
+# loading
+# ----------------------------------------------------------------------------------------------
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` from a local checkpoint folder (never the hub); tokenizer left-padding.
+
+    Raises ``FileNotFoundError`` when ``path`` has no ``config.json``.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no local checkpoint at {path} (a folder with config.json is expected)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    return model, tokenizer
+
+
+def moe_shape(model) -> tuple[int, int]:
+    """``(N, k)`` of the model's routed experts (from its config)."""
+    cfg = model.config
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts")
+    return int(n), int(cfg.num_experts_per_tok)
+
+
+def read_texts(path: str | os.PathLike) -> list[str]:
+    """The ``text`` field of every line of a held-out jsonl file, in file order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["text"] for line in f if line.strip()]
+
+
+def heldout_windows(tokenizer, length: int, count: int, files: Sequence[str | os.PathLike] = HELDOUT_FILES,
+                    seed: int = 0) -> torch.Tensor:
+    """``[count, length]`` int64 token windows of held-out text, position-aligned, no padding.
+
+    Each file's documents are tokenized and concatenated (EOS between documents) and cut into
+    non-overlapping windows; each file's windows are shuffled with ``seed``; files are interleaved
+    round-robin, so a batch of B consecutive windows mixes the domains (docs, code, docs, ...).
+    Raises ``ValueError`` when the files hold fewer than ``count`` windows.
+    """
+    eos = tokenizer.eos_token_id
+    pools = []
+    for i, path in enumerate(files):
+        stream: list[int] = []
+        for text in read_texts(path):
+            stream.extend(tokenizer(text, verbose=False)["input_ids"])
+            stream.append(eos)
+        n = len(stream) // length
+        windows = torch.tensor(stream[: n * length], dtype=torch.long).view(n, length)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed + i))
+        pools.append(windows[perm])
+    out = []
+    j = 0
+    while len(out) < count:
+        pool, item = pools[j % len(pools)], j // len(pools)
+        if item >= max(len(p) for p in pools):
+            raise ValueError(f"held-out files hold fewer than {count} windows of {length} tokens")
+        if item < len(pool):
+            out.append(pool[item])
+        j += 1
+    return torch.stack(out)
+
+
+def prompts_from_file(path: str | os.PathLike = DATA_DIR / "prompts.txt", count: int | None = None) -> list[str]:
+    lines = [line.rstrip("\n") for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return lines if count is None else lines[:count]
+
+
+def _check_unpatched(model) -> None:
+    if patcher.is_patched(model):
+        raise ValueError("the harness needs an unpatched model (the reference is the model's own code); "
+                         "call lynx_hf.unpatch(model) first")
+
+
+# ----------------------------------------------------------------------------------------------
+# router report
+# ----------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def router_logits_per_layer(model, windows: torch.Tensor, chunk: int = 16) -> list[torch.Tensor]:
+    """Router logits ``[n, L, N]`` fp32 per MoE layer for full-sequence forwards over ``windows [n, L]``."""
+    layers: list[list[torch.Tensor]] = []
+    n, length = windows.shape
+    for start in range(0, n, chunk):
+        ids = windows[start:start + chunk]
+        out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+        logits = [r.float().view(ids.shape[0], length, -1) for r in out.router_logits if r is not None]
+        if not layers:
+            layers = [[] for _ in logits]
+        for acc, r in zip(layers, logits):
+            acc.append(r)
+    return [torch.cat(parts) for parts in layers]
+
+
+QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
+
+
+def router_statistics(model, windows: torch.Tensor, batch_sizes: Iterable[int] = (1, 8, 16, 32, 64),
+                      skip: int = 8) -> dict:
+    """What the routers do on held-out windows ``[n, L]`` (full-sequence forwards, unpatched).
+
+    Per MoE layer: quantiles of the logit gap ``s_0 - s_r`` between rank 0 and each rank
+    ``r = 1..k-1`` (nats; for a softmax router ``exp(-gap) = p_r / p_0``); the mean router
+    probability by rank (softmax over all N) and the share of the top-k weight by rank; the share of
+    assignments whose gap exceeds ``ln(N/k)`` (LYNX's default voting cut-off: the expert would not
+    vote); expert load over all top-k assignments (max/mean, normalized entropy); and the unique
+    experts touched by a position-aligned decode batch of B tokens (the B windows' tokens at one
+    position, positions ``>= skip``), with ``N (1 - (1 - k/N)^B)`` (independent uniform routing)
+    for reference.
+    """
+    num_experts, top_k = moe_shape(model)
+    per_layer = router_logits_per_layer(model, windows)
+    n, length = windows.shape
+    layers = []
+    for index, logits in enumerate(per_layer):
+        flat = logits[:, skip:].reshape(-1, num_experts)
+        sorted_logits, order = torch.sort(flat, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(flat, dim=-1)
+        sorted_probs = torch.gather(probs, 1, order)
+        gaps = {}
+        for r in range(1, top_k):
+            g = sorted_logits[:, 0] - sorted_logits[:, r]
+            gaps[str(r)] = {f"q{int(q * 100)}": float(torch.quantile(g, q)) for q in QUANTILES} | {
+                "mean": float(g.mean())}
+        topk_probs = sorted_probs[:, :top_k]
+        cut = math.log(num_experts / top_k)
+        low = (sorted_logits[:, 0:1] - sorted_logits[:, :top_k]) > cut
+        load = torch.bincount(order[:, :top_k].reshape(-1), minlength=num_experts).double()
+        share = load / load.sum()
+        entropy = float(-(share[share > 0] * share[share > 0].log()).sum() / math.log(num_experts))
+        unique = {}
+        topk_idx = torch.topk(logits, top_k, dim=-1).indices  # [n, L, k]
+        for b in batch_sizes:
+            groups = n // b
+            if groups == 0:
+                continue
+            sets = torch.zeros(groups, length - skip, num_experts, dtype=torch.bool)
+            idx = topk_idx[: groups * b, skip:].reshape(groups, b, length - skip, top_k)
+            for member in range(b):
+                sets.scatter_(2, idx[:, member], True)
+            counts = sets.sum(-1).double()
+            unique[str(b)] = {"mean": float(counts.mean()), "q10": float(torch.quantile(counts.flatten(), 0.1)),
+                              "q90": float(torch.quantile(counts.flatten(), 0.9)),
+                              "independent_uniform": num_experts * (1 - (1 - top_k / num_experts) ** b),
+                              "batches": int(groups * (length - skip))}
+        layers.append({
+            "layer": index,
+            "gap_rank0_to_rank": gaps,
+            "prob_by_rank": [float(v) for v in topk_probs.mean(0)],
+            "topk_mass": float(topk_probs.sum(-1).mean()),
+            "topk_share_by_rank": [float(v) for v in (topk_probs / topk_probs.sum(-1, keepdim=True)).mean(0)],
+            "below_vote_cutoff_by_rank": [float(v) for v in low.double().mean(0)],
+            "load_max_over_mean": float(load.max() / load.mean()),
+            "load_min_over_mean": float(load.min() / load.mean()),
+            "load_entropy_norm": entropy,
+            "unique_experts_per_batch": unique,
+        })
+    return {"num_experts": num_experts, "top_k": top_k, "windows": n, "window_length": length,
+            "skip_positions": skip, "tokens": n * (length - skip), "vote_cutoff_gap": math.log(num_experts / top_k),
+            "layers": layers}
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher-forced decode
+# ----------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits ``[b, L - prefill - 1, V]`` fp32 of the decode steps over ``ids [b, L]``.
+
+    A prefill forward of ``ids[:, :prefill]`` creates the ``DynamicCache``; then each token
+    ``ids[:, t]``, ``t = prefill .. L-2``, is fed alone with ``past_key_values`` (a true decode step:
+    a patched model remaps), and its logits predict ``ids[:, t + 1]``.
+    """
+    if not 1 <= prefill <= ids.shape[1] - 2:
+        raise ValueError(f"prefill must be in 1..L-2 (L={ids.shape[1]}), got {prefill}")
+    out = model(input_ids=ids[:, :prefill], use_cache=True)
+    cache = out.past_key_values
+    steps = []
+    for t in range(prefill, ids.shape[1] - 1):
+        out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        steps.append(out.logits[:, -1].float())
+    return torch.stack(steps, dim=1)
+
+
+def _alpha_mult(cfg: LynxConfig, num_experts: int, top_k: int) -> float | None:
+    if cfg.policy != "lynx":
+        return None
+    from .kernels.routing_naive import default_lynx_bins
+
+    default_alpha, _ = default_lynx_bins(num_experts, top_k)
+    return 1.0 if cfg.alpha is None else cfg.alpha / default_alpha
+
+
+@torch.inference_mode()
+def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, policies: Sequence[Policy],
+                   progress=None) -> dict:
+    """Teacher-forced decode of ``windows [n, L]`` in batches of ``batch_size`` for each policy.
+
+    The unpatched model is run first (the reference: the model's own code, same cache, same steps);
+    then each ``(name, LynxConfig)`` via :func:`lynx_hf.patched`. Scored tokens: ``n * (L - prefill
+    - 1)``, all produced by decode steps. Per policy: ``ce`` (mean next-token cross-entropy, nats),
+    ``acc``, ``delta_ce_rel`` (``ce / ce_unpatched - 1``) with ``delta_ce_rel_se`` (standard error
+    over sequences of the paired per-sequence difference, relative), ``top1_agreement`` and ``kl``
+    (mean KL(unpatched || policy), nats) against the unpatched predictions, ``bit_identical`` (every
+    logit equal to unpatched), and the ``lynx_hf.stats`` summary (means over MoE layers of unique
+    experts per decode step before/after, routing mass kept, remapped fraction; ``per_layer``).
+    ``n`` must be a multiple of ``batch_size``. ``progress`` (optional) is called with a line per policy.
+    """
+    _check_unpatched(model)
+    n, length = windows.shape
+    if n % batch_size:
+        raise ValueError(f"{n} windows is not a multiple of batch_size={batch_size}")
+    num_experts, top_k = moe_shape(model)
+    batches = [windows[i:i + batch_size] for i in range(0, n, batch_size)]
+    targets = [b[:, prefill + 1:] for b in batches]
+
+    t0 = time.perf_counter()
+    ref_logits = [decode_logits(model, b, prefill) for b in batches]
+    ref_logp = [torch.log_softmax(x, dim=-1) for x in ref_logits]
+    ref_nll = torch.cat([-lp.gather(-1, y[..., None])[..., 0] for lp, y in zip(ref_logp, targets)])
+    ref_pred = [x.argmax(-1) for x in ref_logits]
+    ref_correct = torch.cat([p == y for p, y in zip(ref_pred, targets)])
+    ref_ce = float(ref_nll.mean())
+    results = [{
+        "name": "unpatched", "policy": None, "ce": ref_ce, "acc": float(ref_correct.float().mean()),
+        "delta_ce_rel": 0.0, "delta_ce_rel_se": 0.0, "top1_agreement": 1.0, "kl": 0.0, "bit_identical": True,
+        "seconds": time.perf_counter() - t0,
+    }]
+    if progress:
+        progress(f"unpatched: ce {ref_ce:.4f} ({time.perf_counter() - t0:.1f}s)")
+    for name, cfg in policies:
+        if cfg is None:
+            continue
+        t0 = time.perf_counter()
+        nll, correct, agree, kl, identical = [], [], [], [], True
+        with patcher.patched(model, cfg):
+            patcher.reset_stats(model)
+            for b, y, rl, rlp, rp in zip(batches, targets, ref_logits, ref_logp, ref_pred):
+                logits = decode_logits(model, b, prefill)
+                identical = identical and torch.equal(logits, rl)
+                logp = torch.log_softmax(logits, dim=-1)
+                nll.append(-logp.gather(-1, y[..., None])[..., 0])
+                pred = logits.argmax(-1)
+                correct.append(pred == y)
+                agree.append(pred == rp)
+                kl.append((rlp.exp() * (rlp - logp)).sum(-1))
+            summary = patcher.stats(model).summary()
+        nll_t = torch.cat(nll)
+        ce = float(nll_t.mean())
+        diff = (nll_t - ref_nll).mean(dim=1) / ref_ce  # per sequence, relative
+        entry = {
+            "name": name, "policy": cfg.policy, "tau": cfg.tau if cfg.policy == "lynx" else None,
+            "alpha": cfg.alpha, "alpha_mult": _alpha_mult(cfg, num_experts, top_k),
+            "beta": cfg.beta, "k0": cfg.k0 if cfg.policy == "oea" else None,
+            "ce": ce, "acc": float(torch.cat(correct).float().mean()),
+            "delta_ce_rel": ce / ref_ce - 1.0,
+            "delta_ce_rel_se": float(diff.std(unbiased=True) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0,
+            "top1_agreement": float(torch.cat(agree).float().mean()),
+            "kl": float(torch.cat(kl).mean()),
+            "bit_identical": bool(identical),
+            "seconds": time.perf_counter() - t0,
+        }
+        for key in ("decode_steps", "unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept",
+                    "remapped_fraction", "fallbacks"):
+            entry[key] = summary[key]
+        entry["per_layer"] = [{k: layer[k] for k in ("layer", "unique_experts_before", "unique_experts_after",
+                                                     "routing_mass_kept")} for layer in summary["per_layer"]]
+        results.append(entry)
+        if progress:
+            progress(f"{name}: ce {ce:.4f} ({entry['delta_ce_rel'] * 100:+.2f}%), experts "
+                     f"{entry['unique_experts_before']:.2f} -> {entry['unique_experts_after']:.2f} "
+                     f"({entry['seconds']:.1f}s)")
+    base = next((r for r in results if r.get("policy") == "none"), None)
+    if base is not None:  # the model's own routing per decode step: the denominator of every ratio
+        for r in results:
+            if "unique_experts_after" in r:
+                r["unique_ratio_vs_none"] = r["unique_experts_after"] / base["unique_experts_before"]
+    return {"num_experts": num_experts, "top_k": top_k, "batch_size": batch_size, "prefill": prefill,
+            "window_length": length, "sequences": n, "scored_tokens": int(ref_nll.numel()),
+            "decode_steps_per_policy": len(batches) * (length - prefill - 1), "results": results}
+
+
+# ----------------------------------------------------------------------------------------------
+# generation agreement
+# ----------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def generation_agreement(model, tokenizer, prompts: Sequence[str], policies: Sequence[Policy],
+                         max_new_tokens: int = 32) -> dict:
+    """Greedy continuations of the left-padded ``prompts`` (one batch) vs the unpatched model.
+
+    Per policy: ``token_agreement`` (share of the ``len(prompts) * max_new_tokens`` positions with
+    the same token; finished rows are padded), ``exact_match`` (share of identical continuations),
+    ``mean_agree_prefix`` (mean number of leading tokens equal to unpatched) and the stats summary.
+    """
+    _check_unpatched(model)
+    tokenizer.padding_side = "left"
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True)
+    pad = tokenizer.pad_token_id
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+
+    def new_tokens(out):
+        new = out[:, batch["input_ids"].shape[1]:]
+        if new.shape[1] < max_new_tokens:
+            new = torch.cat([new, new.new_full((new.shape[0], max_new_tokens - new.shape[1]), pad)], dim=1)
+        return new
+
+    t0 = time.perf_counter()
+    ref = new_tokens(model.generate(**batch, **gen))
+    results = [{"name": "unpatched", "policy": None, "token_agreement": 1.0, "exact_match": 1.0,
+                "mean_agree_prefix": float(max_new_tokens), "seconds": time.perf_counter() - t0}]
+    texts = {"unpatched": [tokenizer.decode(r, skip_special_tokens=True) for r in ref]}
+    for name, cfg in policies:
+        if cfg is None:
+            continue
+        t0 = time.perf_counter()
+        with patcher.patched(model, cfg):
+            patcher.reset_stats(model)
+            out = new_tokens(model.generate(**batch, **gen))
+            summary = patcher.stats(model).summary()
+        same = out == ref
+        prefix = torch.where(same.all(1), torch.full((len(same),), max_new_tokens),
+                             (~same).float().argmax(1))
+        results.append({
+            "name": name, "policy": cfg.policy, "token_agreement": float(same.float().mean()),
+            "exact_match": float(same.all(1).float().mean()), "mean_agree_prefix": float(prefix.float().mean()),
+            "unique_experts_before": summary["unique_experts_before"],
+            "unique_experts_after": summary["unique_experts_after"],
+            "routing_mass_kept": summary["routing_mass_kept"], "seconds": time.perf_counter() - t0,
+        })
+        texts[name] = [tokenizer.decode(r, skip_special_tokens=True) for r in out]
+    return {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "results": results, "texts": texts}
+
+
+# ----------------------------------------------------------------------------------------------
+# lm-eval
+# ----------------------------------------------------------------------------------------------
+def run_lm_eval(model, tokenizer, tasks: Sequence[str], batch_size: int = 16, config: LynxConfig | None = None,
+                include_path: str | os.PathLike = TASKS_DIR, limit: int | float | None = None) -> dict:
+    """``lm_eval.simple_evaluate`` over ``HFLM(pretrained=model, tokenizer=..., batch_size=N)``.
+
+    ``config``: patch the model with it for the run (``None``: run the model as it is). The batch
+    size must be an int (never "auto": results must not depend on free memory). Offline: the local
+    tasks in ``include_path`` load their data from files next to them. Returns
+    ``{"results": {task: metrics}, "samples": {task: [per-doc dicts]}, "stats": summary or None}``.
+    """
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (never 'auto'), got {batch_size!r}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import logging
+
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import TaskManager
+
+    for name in ("lm_eval", "lm-eval"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    tokenizer.padding_side = "left"
+    stats = None
+    ctx = patcher.patched(model, config) if config is not None else _null()
+    with ctx:
+        if config is not None:
+            patcher.reset_stats(model)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        out = simple_evaluate(model=lm, tasks=list(tasks),
+                              task_manager=TaskManager(include_path=str(include_path), include_defaults=False),
+                              limit=limit, log_samples=True, bootstrap_iters=0, random_seed=0, numpy_random_seed=0,
+                              torch_random_seed=0, fewshot_random_seed=0)
+        if config is not None:
+            stats = patcher.stats(model).summary()
+    results = {task: {k: v for k, v in metrics.items() if k != "alias"} for task, metrics in out["results"].items()}
+    return {"results": results, "samples": out.get("samples", {}), "stats": stats}
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def sample_responses(samples: list[dict]) -> list:
+    """The raw per-request model responses of lm-eval samples, in doc order (for exact comparisons)."""
+    return [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
+
+
+# ----------------------------------------------------------------------------------------------
+# policies and tables
+# ----------------------------------------------------------------------------------------------
+def lynx_config(num_experts: int, top_k: int, tau: float, alpha_mult: float = 1.0, **kw) -> LynxConfig:
+    """A LYNX config whose alpha is ``alpha_mult`` times the k/N-derived default (beta stays default)."""
+    from .kernels.routing_naive import default_lynx_bins
+
+    alpha = None if alpha_mult == 1.0 else alpha_mult * default_lynx_bins(num_experts, top_k)[0]
+    return LynxConfig(policy="lynx", tau=float(tau), alpha=alpha, **kw)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[tuple[str, str, str]]) -> str:
+    """``columns``: ``(header, key, format)``; missing values print as ``-``."""
+    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    lines = [head, sep]
+    for row in rows:
+        cells = []
+        for _, key, fmt in columns:
+            value = row.get(key)
+            cells.append("-" if value is None else format(value, fmt) if fmt else str(value))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
