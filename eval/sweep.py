@@ -46,11 +46,15 @@ def _tau_name(tau: float) -> str:
     return "inf" if tau >= 1e6 else f"{tau:g}"
 
 
-def policies(num_experts: int, top_k: int, taus, alpha_mults) -> list:
+def policies(num_experts: int, top_k: int, taus, alpha_mults, mass_floors=()) -> list:
     out = [("none", LynxConfig(policy="none"))]
     for mult in alpha_mults:
         for tau in taus:
             out.append((f"lynx tau={_tau_name(tau)} a={mult:g}x", ev.lynx_config(num_experts, top_k, tau, mult)))
+    for floor in mass_floors:  # the per-token routing-mass floor extension, alpha 1x
+        for tau in taus:
+            out.append((f"lynx tau={_tau_name(tau)} a=1x m={floor:g}",
+                        ev.lynx_config(num_experts, top_k, tau, 1.0, mass_floor=floor)))
     for k0 in range(1, top_k):
         out.append((f"oea k0={k0}", LynxConfig(policy="oea", k0=k0)))
     return out
@@ -150,7 +154,8 @@ def markdown(report: dict) -> str:
     d = report.get("default")
     if d:
         lines += [f"**Chosen default (fixture {d['chosen_on']}, B = {d['batch_size']}): tau = {_tau_name(d['tau'])}, "
-                  f"alpha = {d['alpha_mult']:g} x the k/N default.**", ""]
+                  f"alpha = {d['alpha_mult']:g} x the k/N default, mass_floor = {d['mass_floor']:g} "
+                  f"({d['name']}); with alpha fixed at 1x the rule picks {d.get('alpha_1x_choice')}.**", ""]
         for name, res in d["applied"].items():
             lines.append(f"- {name}, B = {d['batch_size']}: unique experts {res['unique_before_none']:.2f} -> "
                          f"{res['unique_experts_after']:.2f} ({100 * (1 - res['unique_ratio_vs_none']):.1f} % fewer), "
@@ -187,12 +192,14 @@ def plot(report: dict, path: Path) -> None:
         ax = axes[models.index(run["model"])][sizes.index(run["batch_size"])]
         res = run["results"]
         none = next(r for r in res if r.get("policy") == "none")
-        for mult, marker in zip(sorted({r["alpha_mult"] for r in res if r.get("policy") == "lynx"}), "os^vD"):
-            pts = sorted([r for r in res if r.get("policy") == "lynx" and r["alpha_mult"] == mult],
-                         key=lambda r: r["tau"])
+        series = sorted({(r["alpha_mult"], r.get("mass_floor") or 0.0) for r in res if r.get("policy") == "lynx"})
+        for (mult, floor), marker in zip(series, "os^vDP"):
+            pts = sorted([r for r in res if r.get("policy") == "lynx" and r["alpha_mult"] == mult
+                          and (r.get("mass_floor") or 0.0) == floor], key=lambda r: r["tau"])
+            label = f"LYNX a={mult:g}x" + (f" m={floor:g}" if floor else "") + " (tau)"
             ax.plot([r["unique_experts_after"] for r in pts], [100 * r["delta_ce_rel"] for r in pts], marker=marker,
-                    ms=4, lw=1, label=f"LYNX a={mult:g}x (tau)")
-            if mult == 1.0:
+                    ms=4, lw=1, label=label)
+            if mult == 1.0 and not floor:
                 for r in pts:
                     ax.annotate(_tau_name(r["tau"]), (r["unique_experts_after"], 100 * r["delta_ce_rel"]), fontsize=6,
                                 xytext=(2, 2), textcoords="offset points")
@@ -206,7 +213,7 @@ def plot(report: dict, path: Path) -> None:
         d = report.get("default")
         if d:
             for r in res:
-                if r.get("policy") == "lynx" and r["tau"] == d["tau"] and r["alpha_mult"] == d["alpha_mult"]:
+                if r.get("policy") == "lynx" and r["name"] == d["name"]:
                     ax.plot([r["unique_experts_after"]], [100 * r["delta_ce_rel"]], "o", mfc="none", mec="red",
                             ms=11, label="default")
         ax.axhline(100 * report["settings"]["ce_budget"], color="grey", lw=0.6, ls=":")
@@ -227,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="16,8,32,64", help="the first gets the full grid; the others alpha 1x only")
     p.add_argument("--taus", default=",".join(_tau_name(t) for t in TAUS))
     p.add_argument("--alpha-mults", default=",".join(f"{m:g}" for m in ALPHA_MULTS))
+    p.add_argument("--mass-floors", default="", help="extra LYNX series with LynxConfig.mass_floor (e.g. 0.5)")
     p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=64, help="decode steps (scored tokens) per sequence")
@@ -239,6 +247,7 @@ def main(argv=None) -> int:
     taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",")]
     mults = [float(m) for m in args.alpha_mults.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
+    floors = [float(m) for m in args.mass_floors.split(",") if m.strip()]
     rule = (f"among the LYNX grid at B = {sizes[0]} on {Path(args.models[0]).name}, the fewest unique experts with "
             f"dCE <= {100 * args.ce_budget:g} % relative (ties: smaller dCE); then fixed for every other model")
     report = {"settings": {"sequences": args.sequences, "prefill": args.prefill, "decode": args.decode,
@@ -254,7 +263,7 @@ def main(argv=None) -> int:
         windows = ev.heldout_windows(tok, args.prefill + args.decode + 1, args.sequences)
         loaded[name] = (model, windows, num_experts, top_k)
         for i, b in enumerate(sizes):
-            pol = policies(num_experts, top_k, taus, mults if i == 0 else [1.0])
+            pol = policies(num_experts, top_k, taus, mults if i == 0 else [1.0], floors if i == 0 else [])
             t0 = time.perf_counter()
             print(f"== {name} B={b}: {len(pol)} policies", file=sys.stderr, flush=True)
             run = ev.teacher_forced(model, windows, b, args.prefill, pol,
@@ -267,13 +276,14 @@ def main(argv=None) -> int:
     chosen = choose_default(base["results"], args.ce_budget)
     if chosen is not None:
         d = {"chosen_on": first, "batch_size": sizes[0], "tau": chosen["tau"], "alpha_mult": chosen["alpha_mult"],
-             "applied": {}}
+             "mass_floor": chosen.get("mass_floor") or 0.0, "name": chosen["name"], "applied": {}}
         for run in report["runs"]:
             if run["batch_size"] != sizes[0]:
                 continue
             none = next(r for r in run["results"] if r.get("policy") == "none")
             hit = next((r for r in run["results"] if r.get("policy") == "lynx" and r["tau"] == d["tau"]
-                        and abs(r["alpha_mult"] - d["alpha_mult"]) < 1e-9), None)
+                        and abs(r["alpha_mult"] - d["alpha_mult"]) < 1e-9
+                        and (r.get("mass_floor") or 0.0) == d["mass_floor"]), None)
             if hit is not None:
                 d["applied"][run["model"]] = {**{k: hit[k] for k in ("name", "unique_experts_after", "unique_ratio_vs_none",
                                                                       "delta_ce_rel", "delta_ce_rel_se", "top1_agreement",
@@ -282,7 +292,8 @@ def main(argv=None) -> int:
             own = choose_default(run["results"], args.ce_budget)  # what the rule would pick there (not used)
             d.setdefault("rule_on_each_model", {})[run["model"]] = None if own is None else own["name"]
         # at alpha 1x only (the k/N-derived alpha LynxConfig uses when alpha is None)
-        only1 = choose_default([r for r in base["results"] if r.get("alpha_mult") in (None, 1.0)], args.ce_budget)
+        only1 = choose_default([r for r in base["results"] if r.get("alpha_mult") in (None, 1.0)
+                                and not r.get("mass_floor")], args.ce_budget)
         d["alpha_1x_choice"] = None if only1 is None else only1["name"]
         report["default"] = d
     report["seconds"] = time.perf_counter() - t_all
