@@ -25,6 +25,8 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tau", type=float, default=None, help="LYNX consensus threshold (default: LynxConfig's)")
     parser.add_argument("--alpha", type=float, default=None, help="LYNX inverse bin width (default: from k/N)")
     parser.add_argument("--beta", type=int, default=None, help="LYNX number of voting bins below 0 (default: from k/N)")
+    parser.add_argument("--mass-floor", dest="mass_floor", type=float, default=None,
+                        help="LYNX extension: share of each token's top-k weight it always keeps (0..1)")
     parser.add_argument("--k0", type=int, default=None, help="OEA: experts each token keeps")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
 
@@ -32,7 +34,7 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
 def _config(args):
     from . import LynxConfig
 
-    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "k0") if getattr(args, name) is not None}
+    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "mass_floor", "k0") if getattr(args, name) is not None}
     return LynxConfig(policy=args.policy, backend=args.backend, **fields)
 
 
@@ -40,7 +42,9 @@ def _load(model_path: Path, dtype: str):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # keep stderr for our own messages
     if not model_path.is_dir() or not (model_path / "config.json").is_file():
         raise CliError(f"no local checkpoint at {model_path} (a folder with config.json is expected)")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -56,6 +60,7 @@ def cmd_generate(args) -> int:
 
     import lynx_hf
 
+    cfg = _config(args)  # validate options before loading anything
     model, tokenizer = _load(Path(args.model), args.dtype)
     prompts = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:
@@ -63,7 +68,6 @@ def cmd_generate(args) -> int:
     prompts = (prompts * ((args.batch_size + len(prompts) - 1) // len(prompts)))[: args.batch_size]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    cfg = _config(args)
     try:
         lynx_hf.patch(model, cfg)
     except lynx_hf.LynxError as exc:
@@ -100,6 +104,49 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def plot_stats(summary: dict, out: Path, title: str | None = None) -> Path:
+    """Bar chart of unique experts per layer before/after from a stats summary dict; returns ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = summary.get("per_layer", [])
+    if not layers:
+        raise CliError("the stats JSON has no per_layer entries (was it written by `lynx-hf generate --stats-json`?)")
+    names = [str(i) for i in range(len(layers))]
+    before = [layer["unique_experts_before"] for layer in layers]
+    after = [layer["unique_experts_after"] for layer in layers]
+    fig, ax = plt.subplots(figsize=(max(4, 0.8 * len(layers) + 2), 3.2))
+    xs = range(len(layers))
+    ax.bar([x - 0.2 for x in xs], before, width=0.4, label="model's own routing")
+    ax.bar([x + 0.2 for x in xs], after, width=0.4, label=f"policy {summary.get('policy', '?')}")
+    ax.set_xticks(list(xs), names)
+    ax.set_xlabel("MoE layer")
+    ax.set_ylabel("unique experts / decode step")
+    ax.set_title(title or f"unique experts per layer ({summary.get('decode_steps', '?')} decode steps)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def cmd_plot(args) -> int:
+    import json
+
+    path = Path(args.stats_json)
+    if not path.is_file():
+        raise CliError(f"no stats JSON at {path}")
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{path} is not JSON: {exc}") from exc
+    out = plot_stats(summary, Path(args.out), args.title)
+    print(f"wrote {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lynx-hf", description="LYNX dynamic expert reduction for HF MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quiet", action="store_true", help="do not print the generated texts")
     _policy_args(g)
     g.set_defaults(func=cmd_generate)
+    p = sub.add_parser("plot", aliases=["stats"], help="turn a saved stats JSON into a PNG bar chart")
+    p.add_argument("stats_json", help="file written by `lynx-hf generate --stats-json`")
+    p.add_argument("--out", default="lynx_stats.png", help="PNG to write")
+    p.add_argument("--title", default=None)
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -11,22 +11,9 @@ import tiny_models as tm
 
 
 
-def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(tm.VOCAB)}
-    vocab.update({"<pad>": 0, "<s>": 1, "</s>": 2})
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    fast.padding_side = "left"
-    return fast
-
-
 @pytest.mark.parametrize("family", ["qwen2_moe", "llama4"])
 def test_text_generation_pipeline_on_patched_model(family):
-    model, tok = tm.build(family), _tokenizer()
+    model, tok = tm.build(family), tm.tokenizer()
     texts = ["w5 w9 w11 w40", "w7 w3", "w12 w13 w14", "w50 w51 w52 w53 w54"]
     kw = dict(max_new_tokens=4, do_sample=False, batch_size=4, return_full_text=False)
     ref = pipeline("text-generation", model=model, tokenizer=tok)(texts, **kw)

@@ -79,3 +79,23 @@ def prompts(batch: int, length: int, seed: int = 0, left_pad: bool = True):
             ids[row, :pad] = COMMON["pad_token_id"]
             mask[row, :pad] = 0
     return ids, mask
+
+
+def tokenizer():
+    """A word-level fast tokenizer over the tiny vocabulary ("w5 w9" -> [5, 9]); left padding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    fast.padding_side = "left"
+    return fast
+
+
+def save_checkpoint(family: str, path, **kw):
+    """Save a tiny model of ``family`` plus the word-level tokenizer as a local HF checkpoint."""
+    build(family, **kw).save_pretrained(path)
+    tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,83 @@
+"""The lynx-hf CLI driven as a subprocess: outputs and exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tiny_models as tm
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "lynx_hf", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "qwen2moe"
+    tm.save_checkpoint("qwen2_moe", path)
+    prompts = path.parent / "prompts.txt"
+    prompts.write_text("w5 w9 w11\nw7 w3\nw12 w13 w14 w15\nw50\n")
+    return path, prompts
+
+
+def test_generate_prints_per_layer_table_and_writes_stats(checkpoint, tmp_path):
+    path, prompts = checkpoint
+    stats = tmp_path / "stats.json"
+    res = run("generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "8",
+              "--max-new-tokens", "4", "--stats-json", str(stats))
+    assert res.returncode == 0, res.stderr
+    assert "experts before" in res.stdout and "model.layers.0.mlp" in res.stdout and "model.layers.2.mlp" in res.stdout
+    assert "token agreement" in res.stdout
+    summary = json.loads(stats.read_text())
+    assert summary["decode_steps"] == 3 and summary["num_moe_layers"] == 2
+    assert summary["unique_experts_after"] <= summary["unique_experts_before"]
+    png = tmp_path / "stats.png"
+    res = run("plot", str(stats), "--out", str(png))
+    assert res.returncode == 0, res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generate_policy_none_agrees_fully(checkpoint):
+    path, prompts = checkpoint
+    res = run("generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "4",
+              "--max-new-tokens", "3", "--policy", "none", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "token agreement with unpatched greedy decode: 1.000; identical continuations: 1.000" in res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--model", "/no/such/dir"], "no local checkpoint"),
+    (["generate", "--tau", "-1"], "tau"),
+    (["plot", "/no/such.json"], "no stats JSON"),
+])
+def test_errors_are_one_line_and_nonzero(args, message, checkpoint):
+    path, prompts = checkpoint
+    if args[0] == "generate" and "--model" not in args:
+        args = args + ["--model", str(path), "--prompts", str(prompts)]
+    res = run(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_dense_model_is_refused_with_one_line(tmp_path):
+    cfg = LlamaConfig(vocab_size=tm.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    tm.tokenizer().save_pretrained(tmp_path)
+    res = run("generate", "--model", str(tmp_path))
+    assert res.returncode == 2 and "no MoE block of a supported family" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_help_of_each_subcommand():
+    for sub in ("generate", "plot"):
+        res = run(sub, "--help")
+        assert res.returncode == 0 and "usage" in res.stdout
