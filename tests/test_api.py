@@ -176,3 +176,51 @@ def test_deepcopy_of_patched_model_is_independent():
     ids, mask = tm.prompts(8, 5)
     clone.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert lynx_hf.stats(clone).summary()["decode_steps"] == 2
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_exception_mid_generate_then_unpatch_leaves_model_exactly_as_before():
+    """Nothing lost: an exception raised inside a decode step (here from a logits processor at the
+    third step) leaves no phase state behind, and unpatch restores outputs, modules, hooks, state_dict."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class RaiseAt(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise _Boom()
+            return scores
+
+    model = tm.build("deepseek_v2")
+    keys = list(model.state_dict().keys())
+    hooks = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    ids, mask = tm.prompts(4, 5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    lynx_hf.patch(model, policy="lynx")
+    with pytest.raises(_Boom):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                       logits_processor=LogitsProcessorList([RaiseAt()]))
+    state = model.__dict__["_lynx_state"]
+    assert state.tracker._tokens == [] and state.tracker.phase == "prefill"  # reset by the always-called hook
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 2
+    lynx_hf.unpatch(model)
+    assert list(model.state_dict().keys()) == keys
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks
+    assert all("forward" not in vars(m) and "_lynx_layer" not in vars(m) for m in model.modules())
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
+
+
+def test_same_inputs_same_outputs_run_after_run():
+    model = lynx_hf.patch(tm.build("qwen2_moe"), policy="lynx")
+    ids, mask = tm.prompts(16, 6)
+    runs = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True) for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].scores, runs[1].scores))
+    lynx_hf.unpatch(model)
