@@ -64,6 +64,14 @@ def _pick(cands, rng, items):
     return sorted(out, key=lambda c: (c[1], c[2]))
 
 
+def _word_boundary(line: str, start: int) -> int:
+    """First index >= start of a space that follows a non-space and precedes text (-1 if none)."""
+    for i in range(max(start, 1), len(line)):
+        if line[i] == " " and line[i - 1] != " " and line[i:].strip():
+            return i
+    return -1
+
+
 def build_generation(docs, items=ITEMS, seed=0):
     rng = random.Random(seed)
     out = []
@@ -71,9 +79,11 @@ def build_generation(docs, items=ITEMS, seed=0):
         indent = len(line) - len(line.lstrip())
         content = line.rstrip()
         start = indent + max(4, (len(content) - indent) // 3)
-        cut = content.find(" ", start)
-        if cut < 0 or not content[cut:].strip():
-            cut = content.find(" ", indent)
+        cut = _word_boundary(content, start)
+        if cut < 0:
+            cut = _word_boundary(content, indent + 1)
+        if cut < 0:
+            continue
         out.append({"id": f"{path}:{i + 1}", "prompt": context + content[:cut], "target": content[cut:]})
     return out
 

@@ -1,0 +1,92 @@
+"""lm-eval over a patched model (CASES C17): HFLM(pretrained=<patched model object>, tokenizer,
+batch_size=N) runs the local tasks in eval/tasks end to end, offline, with a fixed batch size; the
+loglikelihood task (prefill only) gives results bit-identical to the unpatched model.
+
+Uses the committed fixture eval/fixtures/qwen2moe-tiny: missing is a failure, never a skip
+(``LYNX_FIXTURES_DIR`` may point at another folder, development only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lynx_hf
+from lynx_hf import LynxConfig
+from lynx_hf import evaluation as ev
+
+FIXTURE = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR)) / "qwen2moe-tiny"
+GEN_TASK, LL_TASK = "lynx_code_line_completion", "lynx_code_next_line_mc"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny model: intra-op threads buy nothing and oversubscribe a shared CPU badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_and_tok():
+    assert (FIXTURE / "config.json").is_file() and any(FIXTURE.glob("*.safetensors")), (
+        f"committed fixture {FIXTURE} is missing: train it with eval/train_fixture.py and commit it")
+    return ev.load_model(FIXTURE)
+
+
+def test_local_tasks_are_indexed_and_data_is_what_build_tasks_writes():
+    from lm_eval.tasks import TaskManager
+
+    tm = TaskManager(include_path=str(ev.TASKS_DIR), include_defaults=False)
+    assert {GEN_TASK, LL_TASK} <= set(tm.all_tasks)
+    sys.path.insert(0, str(ev.TASKS_DIR))
+    try:
+        import build_tasks
+    finally:
+        sys.path.pop(0)
+    docs = [json.loads(line) for line in build_tasks.SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
+    for name, rows in (("code_line_completion.jsonl", build_tasks.build_generation(docs)),
+                       ("code_next_line_mc.jsonl", build_tasks.build_multiple_choice(docs))):
+        committed = [json.loads(line) for line in (ev.TASKS_DIR / "data" / name).read_text().splitlines()]
+        assert committed == rows and len(rows) >= 150
+    assert all(r["target"].startswith(" ") and not r["prompt"][-1].isspace() for r in committed_gen())
+
+
+def committed_gen():
+    return [json.loads(line) for line in (ev.TASKS_DIR / "data" / "code_line_completion.jsonl").read_text().splitlines()]
+
+
+def test_generate_until_task_end_to_end_on_patched_model(model_and_tok):
+    model, tok = model_and_tok
+    out = ev.run_lm_eval(model, tok, [GEN_TASK], batch_size=8, config=LynxConfig(policy="lynx"), limit=16)
+    metrics = out["results"][GEN_TASK]
+    assert 0.0 <= metrics["exact_match,none"] <= 1.0 and 0.0 <= metrics["prefix_match,none"] <= 1.0
+    assert len(out["samples"][GEN_TASK]) == 16
+    stats = out["stats"]  # generate_until decodes in batches: the patch acted
+    assert stats["decode_steps"] > 0 and stats["unique_experts_after"] < stats["unique_experts_before"]
+    assert not lynx_hf.is_patched(model)
+
+
+def test_loglikelihood_task_bit_identical_to_unpatched_c17(model_and_tok):
+    model, tok = model_and_tok
+    ref = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, limit=24)
+    ref_resps = ev.sample_responses(ref["samples"][LL_TASK])
+    assert len(ref_resps) == 24 and all(len(r) == 4 for r in ref_resps)
+    for cfg in (LynxConfig(policy="lynx"), LynxConfig(policy="oea", k0=1), LynxConfig(policy="lynx", tau=8.0)):
+        out = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, config=cfg, limit=24)
+        assert ev.sample_responses(out["samples"][LL_TASK]) == ref_resps, cfg  # exact floats
+        assert out["results"][LL_TASK] == ref["results"][LL_TASK]
+        assert out["stats"]["decode_steps"] == 0  # loglikelihood is prefill only: the policy never ran
+
+
+def test_fixed_batch_size_required(model_and_tok):
+    model, tok = model_and_tok
+    for bad in ("auto", "auto:4", 0, True):
+        with pytest.raises(ValueError, match="batch_size"):
+            ev.run_lm_eval(model, tok, [LL_TASK], batch_size=bad)
