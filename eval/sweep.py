@@ -38,7 +38,7 @@ from lynx_hf import LynxConfig  # noqa: E402
 from lynx_hf import evaluation as ev  # noqa: E402
 
 DEFAULT_MODELS = [str(ev.FIXTURES_DIR / "qwen2moe-tiny"), str(ev.FIXTURES_DIR / "mixtral-tiny")]
-TAUS = [0.0, 0.5, 1.0, 2.0, 4.0, 8.0, 1e6]
+TAUS = [0.5, 1.0, 2.0, 4.0, 8.0, 1e6]  # tau = 0 keeps every candidate: identical to none
 ALPHA_MULTS = [0.5, 1.0, 2.0]
 
 
@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default="16,8,32,64", help="the first gets the full grid; the others alpha 1x only")
     p.add_argument("--taus", default=",".join(_tau_name(t) for t in TAUS))
     p.add_argument("--alpha-mults", default=",".join(f"{m:g}" for m in ALPHA_MULTS))
-    p.add_argument("--mass-floors", default="", help="extra LYNX series with LynxConfig.mass_floor (e.g. 0.5)")
+    p.add_argument("--mass-floors", default="0.75", help="extra LYNX series (alpha 1x, first batch size) with LynxConfig.mass_floor; \"\" for none")
     p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=64, help="decode steps (scored tokens) per sequence")
