@@ -242,6 +242,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ev.RESULTS_DIR))
     p.add_argument("--name", default="sweep", help="output file stem")
+    p.add_argument("--load", nargs="*", default=[], help="earlier sweep JSON files: reuse their runs (same settings) "
+                   "instead of recomputing models already in them; the report, default and plot cover all runs")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",")]
@@ -255,13 +257,24 @@ def main(argv=None) -> int:
                            "threads": args.threads, "torch": torch.__version__},
               "rule": rule, "runs": []}
     t_all = time.perf_counter()
-    loaded = {}
+    reused = set()
+    for earlier in args.load:
+        data = json.loads(Path(earlier).read_text())
+        for key in ("sequences", "prefill", "decode"):
+            if data["settings"][key] != report["settings"][key]:
+                raise SystemExit(f"{earlier}: settings differ ({key}); rerun instead of --load")
+        for run in data["runs"]:
+            if run["batch_size"] in sizes:
+                report["runs"].append(run)
+                reused.add(run["model"])
     for path in args.models:
         name = Path(path).resolve().name
+        if name in reused:
+            print(f"== {name}: reusing runs from --load", file=sys.stderr)
+            continue
         model, tok = ev.load_model(path)
         num_experts, top_k = ev.moe_shape(model)
         windows = ev.heldout_windows(tok, args.prefill + args.decode + 1, args.sequences)
-        loaded[name] = (model, windows, num_experts, top_k)
         for i, b in enumerate(sizes):
             pol = policies(num_experts, top_k, taus, mults if i == 0 else [1.0], floors if i == 0 else [])
             t0 = time.perf_counter()
@@ -271,6 +284,9 @@ def main(argv=None) -> int:
             run.update(model=name, seconds=time.perf_counter() - t0)
             run["comparison"] = compare(run["results"])
             report["runs"].append(run)
+    order = [Path(m).resolve().name for m in args.models]
+    report["runs"].sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order),
+                                       sizes.index(r["batch_size"])))
     first = Path(args.models[0]).resolve().name
     base = next(r for r in report["runs"] if r["model"] == first and r["batch_size"] == sizes[0])
     chosen = choose_default(base["results"], args.ce_budget)
