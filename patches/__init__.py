@@ -8,11 +8,18 @@ import torch
 
 from .base import MoEAdapter, WeightRule
 from .deepseek_v2 import DeepseekV2Adapter
+from .deepseek_v3 import DeepseekV3Adapter
+from .generic import GenericAdapter
 from .llama4 import Llama4Adapter
 from .mixtral import MixtralAdapter
+from .olmoe import OlmoeAdapter
 from .qwen2_moe import Qwen2MoeAdapter
+from .qwen3_moe import Qwen3MoeAdapter
 
-ADAPTERS: tuple[MoEAdapter, ...] = (Qwen2MoeAdapter(), MixtralAdapter(), DeepseekV2Adapter(), Llama4Adapter())
+_DEDICATED: tuple[MoEAdapter, ...] = (Qwen2MoeAdapter(), MixtralAdapter(), DeepseekV2Adapter(), Llama4Adapter(),
+                                      Qwen3MoeAdapter(), OlmoeAdapter(), DeepseekV3Adapter())
+# The generic adapter comes last and never claims a block a dedicated adapter matches.
+ADAPTERS: tuple[MoEAdapter, ...] = (*_DEDICATED, GenericAdapter(exclude=_DEDICATED))
 
 _MOE_NAME = re.compile(r"moe|mixture|sparse.*block|expert", re.IGNORECASE)
 

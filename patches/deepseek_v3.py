@@ -1,0 +1,125 @@
+"""DeepSeek-V3 (``DeepseekV3MoE``, transformers 5.23): fp32 sigmoid router with a selection-only
+``e_score_correction_bias`` and group-limited top-k.
+
+The model's own rule (``DeepseekV3TopkRouter.forward``):
+
+- ``p = sigmoid(logits)`` (fp32); ``c = p + e_score_correction_bias`` (the *corrected* scores);
+- group score = sum of the top-2 corrected scores of each of ``n_group`` groups; a token may use only
+  the experts of its ``topk_group`` best groups (the others are masked with ``-inf``, so a masked
+  expert never wins, even when every corrected score is negative);
+- top-k of the masked corrected scores selects the experts;
+- weights = the *unbiased* ``p`` of the chosen experts, divided by their sum (+1e-20) iff
+  ``norm_topk_prob``, times ``routed_scaling_factor``; fp32. The bias never enters the weights.
+
+A remap reproduces it with ``WeightRule("sigmoid", renormalize=norm_topk_prob,
+scale=routed_scaling_factor)`` on the router logits: ``naive_routing_weights`` already applies
+sigmoid to the logits of the new set, renormalizes over the chosen k, then scales (the model's
+``+1e-20`` in the denominator is below one fp32 ulp of any sum larger than ~1e-13, i.e. of any sum
+not made of underflowed sigmoids). Shared experts untouched; ``first_k_dense_replace`` layers are
+``DeepseekV3MLP`` and never patched.
+
+Selection scores handed to the policy (our choice, the paper is silent on bias-corrected routers):
+``s = log(c - min(e_score_correction_bias))`` (fp32, clamped at the smallest normal fp32 so every
+allowed expert is finite), ``-inf`` outside the token's allowed groups (same group ops as the model,
+so the same groups). Why:
+
+1. *Order*: ``s`` is a strictly increasing function of ``c``, the quantity the model ranks by, so a
+   remap restricted to the critical set picks what the model itself would pick there (no swap that
+   saves nothing), and with ``B = 1`` the routing is unchanged.
+2. *Defined everywhere*: ``c - min(bias) = p + (bias - min(bias)) >= p > 0``, so the log exists for
+   any bias sign, including the all-negative corrected scores of a strongly negative bias (where
+   ``log c`` or ``logit c`` would be undefined).
+3. *Meaning of the gap*: with zero bias (or a bias that is the same for every expert: a uniform
+   offset cancels) ``s = log p`` and the affinity gap is ``log(p_e / p_top1)``, the log ratio of the
+   two experts' routing weights before renormalization -- exactly the quantity DESIGN.md's bins are
+   defined on ("an expert votes iff its probability is at least k/N of the token's top-1"). Using
+   the corrected scores themselves would measure gaps in probability units (all <= 1 + bias spread),
+   so with bins of width ``ln(N/k)/beta`` (0.58 for V3's N 256, k 8) nearly every expert would sit
+   in bin 0 or -1 and LYNX would remap far too aggressively. The pre-sigmoid logit that DESIGN.md
+   uses for bias-free sigmoid routers (Llama-4) cannot express the bias at all; ``log p = logit -
+   softplus(logit)`` equals the logit for the unconfident experts (``p`` small) LYNX remaps, and
+   unlike the logit it does not call two saturated experts (``p`` ~ 1, equal weights) far apart.
+   The bias spread (``bias - min(bias)``) shifts experts the load balancer favours up, as it does
+   in the model's own selection.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import ModelConfigError
+from .base import MoEAdapter, WeightRule
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+class DeepseekV3Adapter(MoEAdapter):
+    family = "deepseek_v3"
+    block_class_paths = (("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE"),)
+
+    def experts_and_top_k(self, block):
+        return block.gate.num_experts, block.gate.top_k
+
+    def check_block(self, block, name):
+        """C10 for V3: the group settings must let every token's allowed groups supply k experts."""
+        super().check_block(block, name)
+        gate = block.gate
+        n_group, topk_group, num_experts, top_k = gate.num_group, gate.topk_group, gate.num_experts, gate.top_k
+        if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+            raise ModelConfigError(
+                f"{name}: n_group={n_group} must be a positive divisor of num_experts (n_routed_experts)={num_experts}"
+            )
+        if num_experts // n_group < 2:
+            raise ModelConfigError(
+                f"{name}: n_group={n_group} leaves {num_experts // n_group} expert per group; the group score "
+                f"(sum of the top-2 corrected scores) needs n_routed_experts/n_group >= 2"
+            )
+        if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+            raise ModelConfigError(f"{name}: topk_group={topk_group} must be in 1..n_group={n_group}")
+        allowed = topk_group * (num_experts // n_group)
+        if allowed < top_k:
+            raise ModelConfigError(
+                f"{name}: group routing cannot supply num_experts_per_tok={top_k} experts: topk_group="
+                f"{topk_group} groups of n_routed_experts/n_group={num_experts}/{n_group} experts allow only {allowed}"
+            )
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if bias is None or tuple(bias.shape) != (num_experts,):
+            raise ModelConfigError(
+                f"{name}: e_score_correction_bias must have shape ({num_experts},), got "
+                f"{None if bias is None else tuple(bias.shape)}"
+            )
+
+    @staticmethod
+    def allowed_mask(gate, scores_for_choice: torch.Tensor) -> torch.Tensor:
+        """``[T, N]`` bool: the experts of each token's ``topk_group`` best groups (the model's ops)."""
+        per_group = gate.num_experts // gate.num_group
+        group_scores = scores_for_choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+        return group_mask.repeat_interleave(per_group, dim=-1)
+
+    @classmethod
+    def selection_scores(cls, gate, router_logits: torch.Tensor) -> torch.Tensor:
+        """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups."""
+        logits = router_logits.float()
+        bias = gate.e_score_correction_bias
+        scores_for_choice = logits.sigmoid() + bias  # exactly the model's corrected scores
+        allowed = cls.allowed_mask(gate, scores_for_choice)
+        shifted = (scores_for_choice - bias.min().float()).clamp_min(_TINY)
+        return torch.log(shifted).masked_fill(~allowed, float("-inf"))
+
+    def forward(self, block, hidden_states, lynx):
+        # Mirrors DeepseekV3MoE.forward (transformers 5.23) with the routing handed to lynx.
+        residuals = hidden_states
+        orig_shape = hidden_states.shape
+        router_logits, topk_weights, topk_indices = block.gate(hidden_states)
+        gate = block.gate
+        rule = WeightRule("sigmoid", renormalize=bool(gate.norm_topk_prob), scale=float(gate.routed_scaling_factor),
+                          dtype=topk_weights.dtype)
+        topk_indices, topk_weights, changed = lynx.route(
+            router_logits, lambda: self.selection_scores(gate, router_logits), topk_indices, topk_weights, rule
+        )
+        hidden = hidden_states.view(-1, hidden_states.shape[-1])
+        hidden_states = lynx.run_experts(block.experts, hidden, topk_indices, topk_weights, changed,
+                                         lambda: block.experts(hidden, topk_indices, topk_weights)).view(*orig_shape)
+        return hidden_states + block.shared_experts(residuals)

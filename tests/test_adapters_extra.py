@@ -1,0 +1,343 @@
+"""Issue 7 adapters on tiny random models: dedicated Qwen3-MoE, OLMoE, DeepSeek-V3 and the generic
+adapter (verified here on GraniteMoE, FlexOlmo, HunYuan-V1-MoE; PhiMoE refused). The same suite as
+the seed families: bit-identical prefill and policy none, unpatch exact, remap invariants, generate;
+plus DeepSeek-V3 group/bias cases and the generic adapter's rule inference and refusals."""
+
+import os
+
+import pytest
+import torch
+
+import lynx_hf
+from lynx_hf.layer import LynxLayer
+from lynx_hf.patches import ADAPTERS
+from lynx_hf.patches.deepseek_v3 import DeepseekV3Adapter
+from lynx_hf.patches.generic import GenericAdapter
+import tiny_models_extra as tx
+
+FAMILIES = list(tx.DEDICATED) + list(tx.GENERIC)
+GENERIC = next(a for a in ADAPTERS if isinstance(a, GenericAdapter))
+NO_CONSENSUS = dict(policy="lynx", tau=1000.0)  # S = cover set (+grow): forces remaps on tiny batches
+
+
+def _generate(model, ids, mask, **kw):
+    kw.setdefault("max_new_tokens", 5)
+    kw.setdefault("do_sample", False)
+    return model.generate(input_ids=ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **kw)
+
+
+def _spy_route(monkeypatch):
+    seen = []
+    real_route = LynxLayer.route
+
+    def spy(self, router_logits, scores_fn, topk_idx, topk_weights, rule):
+        new_idx, new_w, changed = real_route(self, router_logits, scores_fn, topk_idx, topk_weights, rule)
+        seen.append((router_logits.float(), scores_fn(), topk_idx, topk_weights, new_idx, new_w, rule))
+        return new_idx, new_w, changed
+
+    monkeypatch.setattr(LynxLayer, "route", spy)
+    return seen
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_right_adapter_patches_only_moe_blocks(family):
+    model = tx.build(family)
+    lynx_hf.patch(model)
+    state = model.__dict__["_lynx_state"]
+    want = family if family in tx.DEDICATED else "generic"
+    assert {layer.adapter.family for layer in state.layers} == {want}
+    moe_blocks = [n for n, m in model.named_modules() if "experts" in dict(m.named_children())]
+    assert [layer.name for layer in state.layers] == moe_blocks  # dense layers (Qwen3 layer 1, V3 layer 0) untouched
+    lynx_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_without_cache_is_bit_identical(family, policy="lynx"):
+    """Prefill never reaches an adapter, whatever the policy (the seed suite runs all three)."""
+    model = tx.build(family)
+    ids, mask = tx.prompts(6, 7)
+    ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    ref_cached = model(input_ids=ids, attention_mask=mask, use_cache=True).logits
+    with lynx_hf.patched(model, policy=policy):
+        out = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        out_cached = model(input_ids=ids, attention_mask=mask, use_cache=True).logits
+        plain = model(ids).logits
+        assert lynx_hf.stats(model).summary()["decode_steps"] == 0
+    assert torch.equal(out, ref)
+    assert torch.equal(out_cached, ref_cached)
+    assert torch.equal(plain, model(ids).logits)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_policy_none_decode_is_bit_identical(family):
+    model = tx.build(family)
+    ids, mask = tx.prompts(8, 6)
+    ref = _generate(model, ids, mask)
+    with lynx_hf.patched(model, policy="none"):
+        out = _generate(model, ids, mask)
+        summary = lynx_hf.stats(model).summary()
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        assert torch.equal(a, b)
+    assert summary["decode_steps"] == 4
+    assert summary["unique_experts_after"] == summary["unique_experts_before"] > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_unpatch_restores_exactly(family):
+    model = tx.build(family)
+    keys = list(model.state_dict().keys())
+    dicts = {n: set(vars(m)) for n, m in model.named_modules()}
+    hooks = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    ids, mask = tx.prompts(4, 5)
+    ref = _generate(model, ids, mask, max_new_tokens=4)
+    lynx_hf.patch(model, **NO_CONSENSUS)
+    assert list(model.state_dict().keys()) == keys
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    # between steps (generic: the temporary router hook / experts forward are gone after each call)
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
+            if n} == {n: h for n, h in hooks.items() if n}
+    lynx_hf.unpatch(model)
+    assert list(model.state_dict().keys()) == keys
+    assert {n: set(vars(m)) for n, m in model.named_modules()} == dicts
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks
+    out = _generate(model, ids, mask, max_new_tokens=4)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lynx_generate_reduces_or_keeps_unique_experts(family):
+    model = tx.build(family)
+    ids, mask = tx.prompts(16, 6)
+    ref = _generate(model, ids, mask, max_new_tokens=4)
+    for config in (dict(policy="lynx"), dict(policy="oea", k0=1)):
+        with lynx_hf.patched(model, **config):
+            out = _generate(model, ids, mask, max_new_tokens=4)
+            summary = lynx_hf.stats(model).summary()
+        assert torch.equal(out.scores[0], ref.scores[0])  # the first token comes from prefill
+        assert summary["decode_steps"] == 3
+        assert summary["unique_experts_after"] <= summary["unique_experts_before"]
+        assert 0.0 < summary["routing_mass_kept"] <= 1.0 + 1e-6
+    assert summary["unique_experts_after"] < summary["unique_experts_before"]  # OEA k0=1 reduces on every family
+
+
+@pytest.mark.parametrize("family,kw", [("qwen3_moe", {}), ("qwen3_moe", {"norm_topk_prob": False}), ("olmoe", {}),
+                                       ("olmoe", {"norm_topk_prob": True}), ("deepseek_v3", {}),
+                                       ("deepseek_v3", {"norm_topk_prob": False}), ("granitemoe", {}),
+                                       ("flex_olmo", {}), ("hunyuan_v1_moe", {})])
+def test_remapped_weights_follow_the_family_rule(family, kw, monkeypatch):
+    """Unchanged rows: recomputed weights equal the model's own (same rule, same dtype); every row:
+    k distinct experts the model's routing allows, weights = the rule applied to the new set."""
+    model = tx.build(family, **kw)
+    seen = _spy_route(monkeypatch)
+    ids, mask = tx.prompts(16, 6)
+    with lynx_hf.patched(model, **NO_CONSENSUS):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert seen
+    unchanged = changed = 0
+    for logits, scores, idx, w, new_idx, new_w, rule in seen:
+        assert new_w.dtype == w.dtype and new_idx.shape == idx.shape
+        assert bool(torch.isfinite(scores.gather(1, new_idx)).all())  # never a forbidden expert
+        assert bool((new_idx.sort(dim=-1).values.diff(dim=-1) != 0).all())  # k distinct
+        if family == "deepseek_v3":  # weights from the *unbiased* sigmoid, renormalized, scaled
+            gate = model.model.layers[1].mlp.gate
+            p = torch.sigmoid(logits.gather(1, new_idx))
+            want = (p / p.sum(-1, keepdim=True) if gate.norm_topk_prob else p) * gate.routed_scaling_factor
+            torch.testing.assert_close(new_w.float(), want, rtol=1e-6, atol=1e-7)
+        for t in range(idx.shape[0]):
+            if set(idx[t].tolist()) == set(new_idx[t].tolist()):
+                unchanged += 1
+                own = dict(zip(idx[t].tolist(), w[t].float().tolist()))
+                ours = dict(zip(new_idx[t].tolist(), new_w[t].float().tolist()))
+                for e in own:
+                    assert ours[e] == pytest.approx(own[e], rel=1e-5, abs=1e-7)
+            else:
+                changed += 1
+    assert unchanged > 0 and changed > 0
+
+
+# -- DeepSeek-V3 ------------------------------------------------------------------------------------
+def _v3_negative(**kw):
+    """Correction bias in [-4, -3]: every corrected score sigmoid(l) + b is negative."""
+    model = tx.build("deepseek_v3", **kw)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(-3.0 - torch.rand(b.shape, generator=g))
+    return model
+
+
+def test_deepseek_v3_selection_scores_reproduce_the_model_and_mask_groups():
+    """All corrected scores negative: the adapter's selection scores are finite exactly on the allowed
+    groups, their top-k is the model's own choice, and a masked expert never wins (a 0-filled mask
+    would let it)."""
+    model = _v3_negative()
+    gate = model.model.layers[1].mlp.gate
+    hidden = torch.randn(40, gate.hidden_dim)
+    with torch.no_grad():
+        logits, weights, idx = gate(hidden)
+        corrected = logits.sigmoid() + gate.e_score_correction_bias
+        scores = DeepseekV3Adapter.selection_scores(gate, logits)
+    assert bool((corrected < 0).all())
+    allowed = torch.isfinite(scores)
+    assert (allowed.view(40, gate.num_group, -1).all(-1).sum(-1) == gate.topk_group).all()  # whole groups
+    assert bool(allowed.gather(1, idx).all())
+    own = set(map(tuple, idx.sort(-1).values.tolist()))
+    ours = set(map(tuple, scores.topk(gate.top_k, dim=-1).indices.sort(-1).values.tolist()))
+    assert ours == own
+    zero_filled = corrected.masked_fill(~allowed, 0.0).topk(gate.top_k, dim=-1).indices
+    assert not bool(allowed.gather(1, zero_filled).all())  # the bug this guards against is real here
+    p = torch.sigmoid(logits.gather(1, idx))  # weights: unbiased sigmoid, renormalized, scaled
+    torch.testing.assert_close(weights, p / p.sum(-1, keepdim=True) * gate.routed_scaling_factor)
+
+
+@pytest.mark.parametrize("config", [dict(policy="lynx"), NO_CONSENSUS, dict(policy="oea", k0=1)])
+def test_deepseek_v3_negative_bias_remaps_stay_in_allowed_groups(config, monkeypatch):
+    model = _v3_negative(router_scale=60.0)
+    seen = _spy_route(monkeypatch)
+    ids, mask = tx.prompts(16, 6)
+    with lynx_hf.patched(model, **config):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        summary = lynx_hf.stats(model).summary()
+    assert summary["unique_experts_after"] <= summary["unique_experts_before"]
+    remapped = 0
+    for logits, scores, idx, w, new_idx, new_w, rule in seen:
+        assert bool(torch.isfinite(scores.gather(1, idx)).all())
+        assert bool(torch.isfinite(scores.gather(1, new_idx)).all())  # masked experts never chosen
+        remapped += int((new_idx.sort(-1).values != idx.sort(-1).values).any(-1).sum())
+        p = torch.sigmoid(logits.gather(1, new_idx))
+        torch.testing.assert_close(new_w, p / p.sum(-1, keepdim=True) * 2.5, rtol=1e-6, atol=1e-7)
+    if config is NO_CONSENSUS or config["policy"] == "oea":  # default LYNX may keep every token's set
+        assert remapped > 0
+
+
+@pytest.mark.parametrize("kw,fields", [
+    (dict(n_routed_experts=8, num_experts_per_tok=2, n_group=8, topk_group=1), ("n_group",)),  # groups of 1
+    (dict(n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=1),
+     ("n_group", "topk_group", "num_experts_per_tok")),  # 1 group of 2 cannot supply 3
+    (dict(n_routed_experts=12, n_group=5), ("n_group",)),  # does not divide
+    (dict(n_group=4, topk_group=5), ("topk_group",)),
+])
+def test_C10_deepseek_v3_inconsistent_group_routing_rejected_at_patch_time(kw, fields):
+    torch.manual_seed(0)
+    model = tx.deepseek_v3(**kw).eval()
+    with pytest.raises(lynx_hf.ModelConfigError) as info:
+        lynx_hf.patch(model)
+    for field in fields:
+        assert field in str(info.value)
+    assert not lynx_hf.is_patched(model) and all("forward" not in vars(m) for m in model.modules())
+
+
+# -- generic adapter ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("family,want", [
+    ("granitemoe", ("softmax_all", True, 1.0)),  # softmax over the chosen k (no attribute says so)
+    ("flex_olmo", ("softmax_all", False, 1.0)),  # norm_topk_prob=False stated
+    ("hunyuan_v1_moe", ("softmax_all", True, 1.0)),  # always renormalized
+])
+def test_generic_infers_and_verifies_the_weight_rule(family, want):
+    model = tx.build(family)
+    lynx_hf.patch(model)
+    layers = model.__dict__["_lynx_state"].layers
+    for layer, block in zip(layers, model.__dict__["_lynx_state"].blocks):
+        rule = GENERIC._rules[block]
+        assert (rule.rule, rule.renormalize, rule.scale) == want
+        assert (layer.num_experts, layer.top_k) == (block.experts.num_experts, rule.top_k)
+    lynx_hf.unpatch(model)
+
+
+def test_generic_bf16_weights_cast_like_the_model(monkeypatch):
+    """GraniteMoE casts its weights to the hidden dtype: the remap does too (bf16)."""
+    model = tx.build("granitemoe", dtype=torch.bfloat16)
+    seen = _spy_route(monkeypatch)
+    ids, mask = tx.prompts(8, 5)
+    with lynx_hf.patched(model, **NO_CONSENSUS):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert seen and all(new_w.dtype == w.dtype == torch.bfloat16 for *_, w, new_idx, new_w, rule in seen)
+
+
+def test_generic_refuses_phimoe_sparsemixer_naming_the_block():
+    model = tx.build("phimoe")
+    with pytest.raises(lynx_hf.UnsupportedModelError, match="PhimoeSparseMoeBlock"):
+        lynx_hf.patch(model)
+    assert not lynx_hf.is_patched(model) and all("forward" not in vars(m) for m in model.modules())
+
+
+def test_generic_refuses_a_stated_rule_the_router_does_not_follow():
+    model = tx.build("flex_olmo")
+    model.model.layers[0].mlp.gate.routed_scaling_factor = 2.0  # stated, but the router never applies it
+    with pytest.raises(lynx_hf.UnsupportedModelError, match="FlexOlmoSparseMoeBlock.*weight rule"):
+        lynx_hf.patch(model)
+    assert not lynx_hf.is_patched(model)
+
+
+def test_generic_refuses_a_router_that_selects_by_something_else_than_its_logits(monkeypatch):
+    """A selection bias (as Ernie-4.5's moe_statics or DeepSeek-V3's) cannot be reproduced from logits."""
+    model = tx.build("flex_olmo")
+    gate_cls = type(model.model.layers[0].mlp.gate)
+    real = gate_cls.forward
+
+    def biased(self, hidden_states):
+        logits, weights, idx = real(self, hidden_states)
+        return logits, weights, (idx + 1) % self.num_experts
+
+    monkeypatch.setattr(gate_cls, "forward", biased)
+    with pytest.raises(lynx_hf.UnsupportedModelError, match="FlexOlmoSparseMoeBlock.*top-3 of its logits"):
+        lynx_hf.patch(model)
+
+
+def test_generic_deferred_verification_runs_on_the_first_decode_call():
+    """Routers not materialized at patch time (meta / offloaded) are verified on real decode outputs."""
+    model = tx.build("hunyuan_v1_moe")
+    ids, mask = tx.prompts(8, 5)
+    ref = _generate(model, ids, mask, max_new_tokens=3)
+    with lynx_hf.patched(model, policy="none"):
+        blocks = model.__dict__["_lynx_state"].blocks
+        for block in blocks:
+            GENERIC._rules[block] = None
+        out = _generate(model, ids, mask, max_new_tokens=3)
+        assert all(GENERIC._rules[b].rule == "softmax_all" and GENERIC._rules[b].renormalize for b in blocks)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "qwen3_moe"])
+def test_C1_router_logits_requested_in_decode(family):
+    """The block's return contract and the recorded router logits are the model's own in decode."""
+    model = tx.build(family)
+    ids, mask = tx.prompts(4, 6)
+    pre = model(input_ids=ids, use_cache=True, output_router_logits=True)
+    ref = model(input_ids=ids[:, -1:], past_key_values=model(input_ids=ids, use_cache=True).past_key_values,
+                use_cache=True, output_router_logits=True)
+    for policy in ("none", "lynx"):
+        with lynx_hf.patched(model, policy=policy):
+            out = model(input_ids=ids[:, -1:], past_key_values=model(input_ids=ids, use_cache=True).past_key_values,
+                        use_cache=True, output_router_logits=True)
+            assert lynx_hf.stats(model).summary()["decode_steps"] == 1
+        assert len(out.router_logits) == len(ref.router_logits) == len(pre.router_logits)
+        assert torch.equal(out.router_logits[0], ref.router_logits[0])
+        if policy == "none":
+            assert torch.equal(out.logits, ref.logits)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
+def test_generic_triton_backend_matches_torch(monkeypatch):
+    """The generic adapter's temporary experts interception runs the sparse kernel (interpreted)."""
+    import lynx_hf.kernels.moe as kmoe
+
+    calls = []
+    real = kmoe.sparse_moe
+    monkeypatch.setattr(kmoe, "sparse_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tx.build("flex_olmo")
+    ids, mask = tx.prompts(4, 5)
+    with lynx_hf.patched(model, policy="oea", k0=1, backend="torch"):
+        ref = _generate(model, ids, mask, max_new_tokens=2)
+    assert not calls
+    with lynx_hf.patched(model, policy="oea", k0=1, backend="triton"):
+        out = _generate(model, ids, mask, max_new_tokens=2)
+    assert len(calls) == 2  # one decode step x two MoE layers
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
