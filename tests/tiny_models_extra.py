@@ -35,7 +35,7 @@ def qwen3_moe(norm_topk_prob=True, **kw):
 
 
 def olmoe(norm_topk_prob=False, **kw):
-    # Real OLMoE: 64 experts, top-8; tiny: 16 experts, top-4 (same N/k = 8 ratio as the real model... halved).
+    # Real OLMoE-1B-7B: 64 experts, top-8 (N/k = 8); tiny: 16 experts, top-4 (N/k = 4).
     params = dict(intermediate_size=16, num_hidden_layers=2, num_experts=16, num_experts_per_tok=4,
                   norm_topk_prob=norm_topk_prob)
     params.update(kw)
