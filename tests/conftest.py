@@ -14,18 +14,24 @@ import torch  # noqa: E402
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    """NaN for floats, 77 for int8 (reads as True when cast to bool), True for bool, a large negative
+    sentinel for other integers: any element a kernel forgets to write shows in the comparison."""
+    if t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.dtype == torch.int8:
+        t.fill_(77)
+    else:
+        t.fill_(-123456789)
+    return t
+
+
 @pytest.fixture
 def poisoned_empty(monkeypatch):
-    """``torch.empty``/``empty_like`` filled with NaN (floats) or a sentinel (ints): unwritten outputs show."""
+    """``torch.empty`` / ``empty_like`` poisoned (fla-style) for kernel tests."""
     real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def _poison(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(-123456789 if t.dtype in (torch.int32, torch.int64) else 0)
-        return t
-
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(real_empty_like(*a, **k)))
     yield

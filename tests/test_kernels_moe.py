@@ -29,19 +29,8 @@ ATOL, RTOL = 1e-5, 1e-5  # fp32
 
 
 @pytest.fixture(autouse=True)
-def _poison_empty(monkeypatch):
-    """``torch.empty`` poisoned: NaN for floats, a large negative sentinel for integers."""
-    real = torch.empty
-
-    def empty(*a, **k):
-        t = real(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        elif t.dtype != torch.bool:
-            t.fill_(-123456789 if t.dtype in (torch.int32, torch.int64) else 77)
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
+def _poison_empty(poisoned_empty):
+    """Every test here allocates through a poisoned ``torch.empty`` (tests/conftest.py)."""
 
 
 def _routing(T, N, k, g, mode="random"):
