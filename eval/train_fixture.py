@@ -1,0 +1,346 @@
+"""Train a small MoE fixture (Qwen2-MoE or Mixtral) on CPU, save it as a HF checkpoint in bf16.
+
+Prerequisite: ``python eval/build_corpus.py`` (writes eval/work/train_tokens.npy and eval/work/tokenizer).
+
+    python eval/train_fixture.py --family qwen2_moe --minutes 30 --out eval/fixtures/qwen2moe-tiny
+    python eval/train_fixture.py --family mixtral   --minutes 20 --out eval/fixtures/mixtral-tiny
+    python eval/train_fixture.py --eval-only --out eval/fixtures/qwen2moe-tiny   # metrics of a saved checkpoint
+
+Training: random 256-token windows of the train split, fp32, AdamW, linear warmup + cosine decay,
+router aux (load-balancing) loss on (output_router_logits=True, router_aux_loss_coef=0.01).
+``--minutes`` is a time budget: the cosine schedule runs on elapsed time / budget (robust to a shared,
+slowing CPU); the resulting step count is recorded in CARD.md, and ``--steps N`` runs a step-based
+schedule instead. Not bit-reproducible across CPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORK = REPO / "eval" / "work"
+DATA = REPO / "eval" / "data"
+
+
+def make_config(family: str, vocab: int, eos: int):
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        use_cache=True,
+    )
+    if family == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        cfg = Qwen2MoeConfig(
+            **common,
+            intermediate_size=256,  # dense MLP size, unused (all layers sparse)
+            num_experts=32,
+            num_experts_per_tok=4,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=256,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        return cfg, Qwen2MoeForCausalLM
+    if family == "mixtral":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        # I=256: 8 experts x 3 x 256 x 256 = 1.57M params per layer, the same as Qwen's 32 x 3 x 256 x 64,
+        # and the active (top-2) expert params per token equal Qwen's top-4 + shared expert.
+        cfg = MixtralConfig(**common, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)
+        return cfg, MixtralForCausalLM
+    raise SystemExit(f"unknown family {family}")
+
+
+def load_valid(tok, domain: str) -> torch.Tensor:
+    ids: list[int] = []
+    with open(DATA / f"valid_{domain}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            ids.extend(tok(json.loads(line)["text"], add_special_tokens=False)["input_ids"])
+            ids.append(tok.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@torch.no_grad()
+def evaluate(model, tok, seq: int = 256, batch: int = 16) -> dict:
+    """CE / next-token accuracy over non-overlapping `seq` windows of the committed validation set,
+    plus mean router probabilities (softmax over all experts) of the top-1..top-k experts per layer."""
+    model.eval()
+    k = model.config.num_experts_per_tok
+    res = {}
+    router = None
+    for dom in ("docs", "code"):
+        ids = load_valid(tok, dom)
+        n = ids.numel() // seq
+        windows = ids[: n * seq].view(n, seq)
+        nll, correct, count = 0.0, 0, 0
+        for i in range(0, n, batch):
+            x = windows[i : i + batch]
+            out = model(input_ids=x, output_router_logits=True, use_cache=False)
+            logits = out.logits[:, :-1].float()
+            tgt = x[:, 1:]
+            nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1), reduction="sum").item()
+            correct += (logits.argmax(-1) == tgt).sum().item()
+            count += tgt.numel()
+            rl = out.router_logits
+            probs = [torch.softmax(r.float().reshape(-1, r.size(-1)), -1).topk(k, -1).values.sum(0) for r in rl]
+            cur = torch.stack(probs)  # [layers, k]
+            router = (cur, x.numel()) if router is None else (router[0] + cur, router[1] + x.numel())
+        res[dom] = {"ce": nll / count, "acc": correct / count, "tokens": count}
+    res["router_topk_mean_p"] = (router[0] / router[1]).tolist()
+    return res
+
+
+def lr_at(step: int, progress: float, peak: float, warmup: int, floor: float = 0.1) -> float:
+    """Linear warmup over `warmup` steps, then cosine from peak to floor*peak as progress goes 0 -> 1."""
+    cos = peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+    return min(cos, peak * (step + 1) / warmup)
+
+
+def portable_tokenizer_class(folder: Path) -> None:
+    """transformers 5 writes "TokenizersBackend"; "PreTrainedTokenizerFast" (an alias in v5) also loads in v4."""
+    p = Path(folder) / "tokenizer_config.json"
+    cfg = json.loads(p.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for key in ("is_local", "local_files_only"):  # load-time flags transformers 5 writes back
+        cfg.pop(key, None)
+    p.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def save(model, tok, out: Path, family: str) -> None:
+    from transformers import GenerationConfig
+
+    out.mkdir(parents=True, exist_ok=True)
+    model = model.to(torch.bfloat16)
+    model.config.output_router_logits = False  # inference default; aux coef stays recorded
+    model.config.use_cache = True
+    eos = tok.eos_token_id
+    model.generation_config = GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    portable_tokenizer_class(out)
+    model.to(torch.float32)
+    model.config.output_router_logits = True
+
+
+def write_card(out: Path, info: dict) -> None:
+    a = info["args"]
+    ev = info["eval"]
+    name = Path(a["out"]).name
+    cfg = json.loads((Path(out) / "config.json").read_text())
+    if info["family"] == "qwen2_moe":
+        arch = (f"Qwen2MoeForCausalLM: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), N {cfg['num_experts']} experts, "
+                f"top-{cfg['num_experts_per_tok']}, moe_intermediate_size {cfg['moe_intermediate_size']}, "
+                f"shared expert {cfg['shared_expert_intermediate_size']} (sigmoid-gated), norm_topk_prob {cfg['norm_topk_prob']}")
+    else:
+        arch = (f"MixtralForCausalLM: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+                f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), N {cfg['num_local_experts']} experts, "
+                f"top-{cfg['num_experts_per_tok']}, intermediate_size {cfg['intermediate_size']}")
+    size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file()) / 2**20
+    rows = "\n".join(
+        f"| {i} | " + " | ".join(f"{p:.3f}" for p in layer) + " |" for i, layer in enumerate(ev["router_topk_mean_p"])
+    )
+    k = len(ev["router_topk_mean_p"][0])
+    sched = (
+        f"Step-based LR schedule over {a['steps']} steps."
+        if a.get("steps")
+        else f"The LR schedule ran on wall time; a step-based rerun of the same length: replace `--minutes` by `--steps {info['steps']}`."
+    )
+    text = f"""# {name}
+
+Small MoE test fixture for lynx_hf, trained from scratch on CPU by `eval/train_fixture.py`.
+It is a *fixture*, not a useful language model: it exists so tests, evaluation and the demo
+can load a real trained MoE with `from_pretrained` offline.
+
+## Model
+- {arch}
+- vocab {cfg['vocab_size']} (byte-level BPE, `<|endoftext|>` = id 0 = bos/eos/pad), tied embeddings,
+  {info['params'] / 1e6:.2f}M parameters, stored in bfloat16 (`model.safetensors`), {size:.1f} MiB folder.
+- Saved with `output_router_logits: false`; trained with the router load-balancing loss on
+  (`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`).
+- Tokenizer: left padding (`padding_side: left`), pad = eos; identical in both fixtures.
+
+## Data (PSF licence)
+- docs: reST sources of the Python 3.11 documentation (Debian bookworm `python3.11-doc`,
+  `/usr/share/doc/python3.11-doc/html/_sources/**/*.txt`).
+- code: CPython 3.11 standard library (Debian `libpython3.11-stdlib`, `/usr/lib/python3.11/**/*.py`,
+  without `test/`, `tests/`, `idle_test/`, site/dist-packages).
+- File-level split: `sha1("<docs|code>/<relative path>") % 20 == 0` -> validation. Tokenizer and
+  training use the train split only ({info['train_tokens']:,} tokens). The committed held-out set is
+  `eval/data/valid_docs.jsonl` / `valid_code.jsonl` (validation files, each truncated to 12,000 chars).
+  Built by `python eval/build_corpus.py`.
+
+## Training
+- Command: `{info['command']}` (after `python eval/build_corpus.py`)
+- {sched}
+- {info['steps']} steps x batch {a['batch']} x {a['seq']} tokens = {info['tokens_seen']:,} tokens seen
+  ({info['epochs']:.2f} epochs), {info['wall_minutes']:.1f} min wall on {a['threads']} CPU threads
+  (shared machine), fp32, AdamW (betas 0.9/0.95, wd {a['weight_decay']}), peak lr {a['lr']},
+  {a['warmup']} warmup steps, cosine to 10 % (over the time budget), grad clip 1.0, seed {a['seed']},
+  experts implementation `{a['experts_impl']}`; torch {info['torch']}, transformers {info['transformers']}.
+- Final training LM loss (last logged batch): {info['log'][-1]['lm_loss'] if info['log'] else 'n/a'}, aux loss {info['log'][-1]['aux'] if info['log'] else 'n/a'}.
+- Not bit-reproducible across CPUs / thread counts: the committed weights are the reference.
+
+## Held-out metrics (committed checkpoint, {info['eval_dtype']}, non-overlapping 256-token windows)
+| split | tokens | cross-entropy (nats) | next-token accuracy |
+|---|---|---|---|
+| docs | {ev['docs']['tokens']:,} | {ev['docs']['ce']:.3f} | {ev['docs']['acc']:.3f} |
+| code | {ev['code']['tokens']:,} | {ev['code']['ce']:.3f} | {ev['code']['acc']:.3f} |
+
+Reproduce: `python eval/train_fixture.py --eval-only --out eval/fixtures/{name}`.
+
+## Router confidence (same windows, docs + code)
+Mean softmax probability (over all experts) of the rank-1..rank-{k} expert, per layer:
+
+| layer | """ + " | ".join(f"rank {r + 1}" for r in range(k)) + """ |
+|---|""" + "---|" * k + f"""
+{rows}
+"""
+    if info.get("note"):
+        text += f"\n## Notes\n{info['note']}\n"
+    (Path(out) / "CARD.md").write_text(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", choices=["qwen2_moe", "mixtral"], default="qwen2_moe")
+    ap.add_argument("--minutes", type=float, default=30.0, help="training time budget")
+    ap.add_argument("--steps", type=int, default=0, help="fixed step count (overrides --minutes)")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--weight-decay", type=float, default=0.1)
+    ap.add_argument("--tokens", type=Path, default=WORK / "train_tokens.npy")
+    ap.add_argument("--tokenizer", type=Path, default=WORK / "tokenizer")
+    ap.add_argument("--experts-impl", default="grouped_mm")
+    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--card-only", action="store_true", help="rewrite CARD.md from eval/work/train_log_<name>.json")
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    torch.manual_seed(args.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.card_only:
+        write_card(args.out, json.loads((WORK / f"train_log_{args.out.name}.json").read_text()))
+        return
+    if args.eval_only:
+        tok = AutoTokenizer.from_pretrained(args.out)
+        model = AutoModelForCausalLM.from_pretrained(args.out)
+        if args.experts_impl and hasattr(model, "set_experts_implementation"):
+            model.set_experts_implementation(args.experts_impl)
+        t0 = time.time()
+        print(json.dumps(evaluate(model, tok, args.seq), indent=1), f"({time.time() - t0:.0f}s, dtype {model.dtype})")
+        return
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    data = torch.from_numpy(np.load(args.tokens).astype(np.int64))
+    cfg, cls = make_config(args.family, len(tok), tok.eos_token_id)
+    model = cls(cfg).float()
+    if args.experts_impl and hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation(args.experts_impl)
+    nparams = sum(p.numel() for p in model.parameters())
+    print(f"{args.family}: {nparams / 1e6:.2f}M params, {data.numel()} train tokens", flush=True)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+    )
+    gen = torch.Generator().manual_seed(args.seed)
+    budget = args.minutes * 60
+    model.train()
+    t0 = time.time()
+    log = []
+    step = 0
+    tokens_seen = 0
+    while True:
+        # Schedule progress: by steps with --steps, else by elapsed time over --minutes, so the cosine
+        # decay completes on schedule even when the (shared) CPU slows down mid-run.
+        progress = step / args.steps if args.steps else (time.time() - t0) / budget
+        if progress >= 1.0:
+            break
+        lr = lr_at(step, progress, args.lr, args.warmup)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        starts = torch.randint(0, data.numel() - args.seq, (args.batch,), generator=gen)
+        x = torch.stack([data[s : s + args.seq] for s in starts.tolist()])
+        out = model(input_ids=x, labels=x, use_cache=False)
+        out.loss.backward()
+        gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_seen += x.numel()
+        step += 1
+        if step % 25 == 0:
+            aux = out.aux_loss.item() if out.aux_loss is not None else 0.0
+            lm = out.loss.item() - cfg.router_aux_loss_coef * aux
+            el = time.time() - t0
+            rec = {"step": step, "lm_loss": round(lm, 4), "aux": round(aux, 4), "lr": round(lr, 6), "gnorm": round(gn.item(), 3), "min": round(el / 60, 2)}
+            log.append(rec)
+            print(json.dumps(rec), flush=True)
+    wall = time.time() - t0
+
+    save(model, tok, args.out, args.family)
+    # metrics of the committed (bf16) checkpoint, as users load it
+    m = AutoModelForCausalLM.from_pretrained(args.out)
+    if args.experts_impl and hasattr(m, "set_experts_implementation"):
+        m.set_experts_implementation(args.experts_impl)
+    ev = evaluate(m, tok, args.seq)
+    print(json.dumps(ev, indent=1), flush=True)
+    info = {
+        "family": args.family,
+        "command": "python " + " ".join(sys.argv),
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "params": nparams,
+        "steps": step,
+        "tokens_seen": tokens_seen,
+        "train_tokens": data.numel(),
+        "epochs": tokens_seen / data.numel(),
+        "wall_minutes": wall / 60,
+        "eval_dtype": str(m.dtype),
+        "eval": ev,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "log": log,
+    }
+    WORK.mkdir(parents=True, exist_ok=True)
+    (WORK / f"train_log_{args.out.name}.json").write_text(json.dumps(info, indent=1))
+    write_card(args.out, info)
+    print(f"saved {args.out} ({sum(f.stat().st_size for f in args.out.iterdir()) / 2**20:.1f} MiB), {wall / 60:.1f} min", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()
