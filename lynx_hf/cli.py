@@ -147,6 +147,29 @@ def cmd_plot(args) -> int:
     return 0
 
 
+_SCRIPTS = {
+    "eval": ("harness.py", "accuracy harness: teacher-forced decode, generation agreement, lm-eval (eval/harness.py)"),
+    "sweep": ("sweep.py", "Pareto sweep LYNX vs OEA on the fixtures (eval/sweep.py)"),
+    "bench": ("bench.py", "MoE-layer and end-to-end decode latency benchmark (eval/bench.py)"),
+    "report": ("router_report.py", "router statistics of a checkpoint (eval/router_report.py)"),
+}
+
+
+def cmd_script(args) -> int:
+    """Forward to a script of the source checkout's eval/ folder (not installed with the package)."""
+    import importlib.util
+
+    script = REPO / "eval" / _SCRIPTS[args.command][0]
+    if not script.is_file():
+        raise CliError(f"{script} not found: `lynx-hf {args.command}` needs the source checkout (pip install -e .)")
+    sys.path.insert(0, str(script.parent))
+    sys.argv[0] = f"lynx-hf {args.command}"  # the script's argparse prog
+    spec = importlib.util.spec_from_file_location(f"lynx_eval_{script.stem}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return int(module.main(args.args) or 0)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lynx-hf", description="LYNX dynamic expert reduction for HF MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,12 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="lynx_stats.png", help="PNG to write")
     p.add_argument("--title", default=None)
     p.set_defaults(func=cmd_plot)
+    for name, (_, text) in _SCRIPTS.items():
+        s = sub.add_parser(name, help=text, add_help=False,
+                           description=f"{text}; all arguments are passed on (try `lynx-hf {name} --help`)")
+        s.add_argument("args", nargs=argparse.REMAINDER)
+        s.set_defaults(func=cmd_script)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _SCRIPTS:  # pass everything (``--help`` included) on to the script
+        args = argparse.Namespace(command=argv[0], args=argv[1:], func=cmd_script)
+    else:
+        args = parser.parse_args(argv)
     try:
         return args.func(args)
     except CliError as exc:

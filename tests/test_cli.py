@@ -78,6 +78,6 @@ def test_dense_model_is_refused_with_one_line(tmp_path):
 
 
 def test_help_of_each_subcommand():
-    for sub in ("generate", "plot"):
+    for sub in ("generate", "plot", "eval", "sweep", "bench", "report"):
         res = run(sub, "--help")
-        assert res.returncode == 0 and "usage" in res.stdout
+        assert res.returncode == 0 and f"usage: lynx-hf {sub}" in res.stdout, (sub, res.stdout[:200], res.stderr)
