@@ -122,7 +122,9 @@ def choose_default(results: list[dict], budget: float) -> dict | None:
     ok = [r for r in results if r.get("policy") == "lynx" and r["delta_ce_rel"] <= budget]
     if not ok:
         return None
-    return min(ok, key=lambda r: (round(r["unique_experts_after"], 6), r["delta_ce_rel"]))
+    # identical measurements (e.g. tau 0.5 and 1 when no expert scores in between): prefer the current
+    # LynxConfig default tau = 1, then the smaller tau
+    return min(ok, key=lambda r: (round(r["unique_experts_after"], 6), r["delta_ce_rel"], r["tau"] != 1.0, r["tau"]))
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -251,7 +253,8 @@ def main(argv=None) -> int:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     floors = [float(m) for m in args.mass_floors.split(",") if m.strip()]
     rule = (f"among the LYNX grid at B = {sizes[0]} on {Path(args.models[0]).name}, the fewest unique experts with "
-            f"dCE <= {100 * args.ce_budget:g} % relative (ties: smaller dCE); then fixed for every other model")
+            f"dCE <= {100 * args.ce_budget:g} % relative (ties: smaller dCE, then tau = 1, then smaller tau); then fixed "
+            f"for every other model")
     report = {"settings": {"sequences": args.sequences, "prefill": args.prefill, "decode": args.decode,
                            "taus": taus, "alpha_mults": mults, "batch_sizes": sizes, "ce_budget": args.ce_budget,
                            "threads": args.threads, "torch": torch.__version__},
