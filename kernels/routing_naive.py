@@ -244,3 +244,38 @@ def naive_mass_floor_set(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
     keep = before < floor
     mask[topk_idx.gather(1, order)[keep].long()] = True
     return mask
+
+
+def naive_mass_greedy_grow(
+    scores: torch.Tensor, topk_idx: torch.Tensor, critical: torch.Tensor, top_k: int, price: float
+) -> torch.Tensor:
+    """Grow a critical set greedily by routing mass gained per expert loaded (project extension).
+
+    ``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` the model's own selection,
+    ``critical [N]`` bool the starting set (e.g. LYNX's cover) -> ``[N]`` bool, a superset.
+
+    Each token's relative weights ``w[t, e] = exp(s - max s) / sum over its own top-k of exp(s - max s)``
+    (for softmax routers: its routing probabilities as a share of its original top-k mass). With S
+    fixed, a token keeps the top-k of ``w`` inside S, so adding expert ``e`` gains it
+    ``max(0, w[t, e] - kth_t)`` (``kth_t``: the k-th largest ``w`` of the token inside S, 0 if fewer).
+    Repeatedly add the candidate of ``U`` (union of the model's top-k) with the largest total gain
+    while that gain is ``>= price`` (units: one token's whole top-k mass), and in any case until
+    ``|S| >= k``; ties -> lower id. Deterministic; ``S`` stays inside ``U``.
+    """
+    num_tokens, num_experts = scores.shape
+    s = scores.float()
+    rel = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+    rel = torch.where(torch.isfinite(s), rel, torch.zeros_like(rel))
+    w = rel / rel.gather(1, topk_idx.long()).sum(dim=-1, keepdim=True)
+    candidates = union_mask(topk_idx, num_experts)
+    critical = critical.clone()
+    kk = min(top_k, num_experts)
+    while True:
+        in_s = torch.where(critical[None, :], w, torch.full_like(w, -1.0))
+        kth = in_s.topk(kk, dim=-1).values[:, -1].clamp_min(0.0)  # -1 (missing) -> 0
+        gain = (w - kth[:, None]).clamp_min(0.0).sum(dim=0).double()
+        gain = torch.where(candidates & ~critical, gain, torch.full_like(gain, -1.0))
+        best = int(torch.argmax(gain))  # first maximum: lower id on ties
+        if gain[best] < 0 or (gain[best] < price and int(critical.sum()) >= top_k):
+            return critical
+        critical[best] = True

@@ -27,6 +27,9 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beta", type=int, default=None, help="LYNX number of voting bins below 0 (default: from k/N)")
     parser.add_argument("--mass-floor", dest="mass_floor", type=float, default=None,
                         help="LYNX extension: share of each token's top-k weight it always keeps (0..1)")
+    parser.add_argument("--mass-price", dest="mass_price", type=float, default=None,
+                        help="LYNX extension: grow the critical set by routing mass, an expert joins while it restores "
+                             ">= this many tokens' worth of top-k mass")
     parser.add_argument("--k0", type=int, default=None, help="OEA: experts each token keeps")
     parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
 
@@ -34,7 +37,7 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
 def _config(args):
     from . import LynxConfig
 
-    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "mass_floor", "k0") if getattr(args, name) is not None}
+    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "mass_floor", "mass_price", "k0") if getattr(args, name) is not None}
     return LynxConfig(policy=args.policy, backend=args.backend, **fields)
 
 

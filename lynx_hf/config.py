@@ -32,6 +32,11 @@ class LynxConfig:
     - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
       highest-weight experts until they hold at least this share of its original top-k routing
       weight; 0 (default) disables it, 1 keeps every original expert. In ``[0, 1]``.
+    - ``mass_price``: LYNX extension (ours): when set, the critical set is LYNX's cover (and
+      consensus) grown greedily by routing mass: an expert of the batch's union joins while the
+      routing mass it restores, summed over the batch's tokens (units: one token's whole top-k
+      mass), is at least ``mass_price``; this replaces LYNX's grow-by-score step. ``None``
+      (default) keeps the paper's rule. ``>= 0``.
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
       decode; speculative decoding may raise it). ``>= 1``.
@@ -45,6 +50,7 @@ class LynxConfig:
     beta: int | None = None
     tau: float = 1.0
     mass_floor: float = 0.0
+    mass_price: float | None = None
     k0: int = 1
     q_max: int = 1
     backend: str = "auto"
@@ -66,6 +72,10 @@ class LynxConfig:
         _number("mass_floor", self.mass_floor)
         if not 0.0 <= self.mass_floor <= 1.0:
             raise LynxConfigError(f"LynxConfig.mass_floor must be in [0, 1], got {self.mass_floor!r}")
+        if self.mass_price is not None:
+            _number("mass_price", self.mass_price)
+            if not (0.0 <= self.mass_price < math.inf):
+                raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {self.mass_price!r}")
         _integer("k0", self.k0, minimum=1)
         _integer("q_max", self.q_max, minimum=1)
         if not isinstance(self.telemetry, bool):

@@ -8,7 +8,7 @@ lm-eval has no plugin entry point, so registration happens on import of this mod
 - the CLI: ``python -m lynx_hf.lm_eval run --model lynx --model_args pretrained=PATH,policy=lynx
   --tasks TASK --include_path eval/tasks --batch_size 16`` (forwards to lm-eval's own CLI).
 
-LYNX options in ``model_args``: ``policy``, ``phase``, ``tau``, ``alpha``, ``beta``, ``mass_floor``, ``k0``, ``q_max``
+LYNX options in ``model_args``: ``policy``, ``phase``, ``tau``, ``alpha``, ``beta``, ``mass_floor``, ``mass_price``, ``k0``, ``q_max``
 and ``lynx_backend`` (``LynxConfig.backend``; HFLM already has an unrelated ``backend`` argument).
 Every other argument goes to ``HFLM``. Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
@@ -24,7 +24,7 @@ from lm_eval.models.huggingface import HFLM
 from .config import LynxConfig
 from .patcher import patch
 
-_LYNX_ARGS = ("policy", "phase", "tau", "alpha", "beta", "mass_floor", "k0", "q_max")
+_LYNX_ARGS = ("policy", "phase", "tau", "alpha", "beta", "mass_floor", "mass_price", "k0", "q_max")
 
 
 @register_model("lynx")

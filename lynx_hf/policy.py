@@ -63,7 +63,11 @@ def critical_set(
     if cfg.policy == "oea":
         return oea_op(scores, min(cfg.k0, top_k))
     alpha, beta = bin_parameters(cfg, num_experts, top_k)
-    critical = lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
+    if cfg.mass_price is None:
+        critical = lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
+    else:  # cover + consensus (grow to 1 only), then grow by routing mass (torch; small [T, N] ops)
+        critical = lynx_op(scores, topk_idx, 1, alpha, beta, cfg.tau, scores.shape[0])
+        critical = naive.naive_mass_greedy_grow(scores, topk_idx, critical, top_k, cfg.mass_price)
     if cfg.mass_floor > 0:
         if topk_weights is None:
             raise ValueError("LynxConfig.mass_floor > 0 needs the model's own top-k weights")

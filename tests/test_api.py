@@ -17,7 +17,8 @@ FAMILIES = list(tm.FAMILIES)
     "field,value",
     [("policy", "fast"), ("phase", "always"), ("backend", "cuda"), ("alpha", 0.0), ("alpha", -1.0),
      ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
-     ("k0", 0), ("k0", True), ("q_max", 0), ("telemetry", "yes")],
+     ("k0", 0), ("k0", True), ("q_max", 0), ("telemetry", "yes"), ("mass_floor", 1.5), ("mass_price", -1.0),
+     ("mass_price", float("inf"))],
 )
 def test_config_rejects_bad_field_naming_it(field, value):
     with pytest.raises(lynx_hf.LynxConfigError, match=field) as info:

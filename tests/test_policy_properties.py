@@ -198,3 +198,33 @@ def test_mass_floor_keeps_each_tokens_leading_mass(floor):
     assert keep.nonzero().flatten().tolist() == [2, 7]
     with pytest.raises(lynx_hf_errors.LynxConfigError, match="mass_floor"):
         LynxConfig(mass_floor=1.5)
+
+
+def test_mass_price_hand_worked():
+    """k=2, N=4, two tokens. Token 0 relative weights (e0, e1) = (2/3, 1/3), token 1 (e2, e1) = (0.8, 0.2).
+    Cover (bin width ln 2 / 2 = 0.347) gives {e0, e2}; adding e1 restores 1/3 + 0.2 = 0.533 of a token's
+    top-k mass: joins at price 0.5, not at 0.6."""
+    s = torch.full((2, 4), -20.0)
+    s[0, 0], s[0, 1] = 0.0, math.log(0.5)
+    s[1, 2], s[1, 1] = 0.0, math.log(0.25)
+    idx = own_topk(s, 2)
+    for price, expected in ((0.5, [0, 1, 2]), (0.6, [0, 2])):
+        new = P.remap(LynxConfig(mass_price=price, tau=1e9), s, idx)
+        assert sorted(set(new.flatten().tolist())) == expected
+
+
+@SETTINGS
+@given(case=routing_case(max_n=96, max_t=48), prices=st.tuples(st.floats(0, 3), st.floats(0, 3)))
+def test_mass_price_is_monotone_and_stays_in_union(case, prices):
+    """A higher price never loads more experts (the greedy path is the same, it stops earlier); the set
+    stays inside the union of the model's own top-k and always holds >= k experts."""
+    s, k = case
+    n = s.shape[1]
+    idx = own_topk(s, k)
+    lo, hi = sorted(prices)
+    crit = {p: P.critical_set(LynxConfig(mass_price=p), s, idx, k) for p in (lo, hi)}
+    assert bool((crit[hi] <= crit[lo]).all())
+    assert bool((crit[lo] <= R.union_mask(idx, n)).all())
+    assert int(crit[hi].sum()) >= k
+    new = P.remap(LynxConfig(mass_price=hi), s, idx)
+    assert bool(torch.isfinite(s.gather(1, new)).all())
