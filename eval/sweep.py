@@ -195,12 +195,14 @@ def plot(report: dict, path: Path) -> None:
         res = run["results"]
         none = next(r for r in res if r.get("policy") == "none")
         series = sorted({(r["alpha_mult"], r.get("mass_floor") or 0.0) for r in res if r.get("policy") == "lynx"})
-        for (mult, floor), marker in zip(series, "os^vDP"):
+        for mult, floor in series:
+            style = {(1.0, 0.0): ("C0", "o"), (0.5, 0.0): ("C1", "s"), (2.0, 0.0): ("C3", "v")}.get((mult, floor),
+                                                                                              ("C2", "^"))
             pts = sorted([r for r in res if r.get("policy") == "lynx" and r["alpha_mult"] == mult
                           and (r.get("mass_floor") or 0.0) == floor], key=lambda r: r["tau"])
             label = f"LYNX a={mult:g}x" + (f" m={floor:g}" if floor else "") + " (tau)"
-            ax.plot([r["unique_experts_after"] for r in pts], [100 * r["delta_ce_rel"] for r in pts], marker=marker,
-                    ms=4, lw=1, label=label)
+            ax.plot([r["unique_experts_after"] for r in pts], [100 * r["delta_ce_rel"] for r in pts], marker=style[1],
+                    color=style[0], ms=4, lw=1, label=label)
             if mult == 1.0 and not floor:
                 for r in pts:
                     ax.annotate(_tau_name(r["tau"]), (r["unique_experts_after"], 100 * r["delta_ce_rel"]), fontsize=6,
@@ -224,7 +226,8 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("delta CE vs unpatched (%)", fontsize=8)
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=6)
+    first = sizes.index(report["settings"]["batch_sizes"][0]) if report["settings"]["batch_sizes"][0] in sizes else 0
+    axes[0][first].legend(fontsize=6)  # the batch size with the full grid
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -244,9 +247,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=str(ev.RESULTS_DIR))
     p.add_argument("--name", default="sweep", help="output file stem")
+    p.add_argument("--replot", default=None, help="only redraw the PNG of this sweep JSON, then exit")
     p.add_argument("--load", nargs="*", default=[], help="earlier sweep JSON files: reuse their runs (same settings) "
                    "instead of recomputing models already in them; the report, default and plot cover all runs")
     args = p.parse_args(argv)
+    if args.replot:
+        plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_name(Path(args.replot).stem + "_pareto.png"))
+        return 0
     torch.set_num_threads(args.threads)
     taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",")]
     mults = [float(m) for m in args.alpha_mults.split(",")]
