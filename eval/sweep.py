@@ -46,7 +46,7 @@ def _tau_name(tau: float) -> str:
     return "inf" if tau >= 1e6 else f"{tau:g}"
 
 
-def policies(num_experts: int, top_k: int, taus, alpha_mults, mass_floors=()) -> list:
+def policies(num_experts: int, top_k: int, taus, alpha_mults, mass_floors=(), mass_prices=(), price_mults=(1.0, 2.0)) -> list:
     out = [("none", LynxConfig(policy="none"))]
     for mult in alpha_mults:
         for tau in taus:
@@ -55,9 +55,22 @@ def policies(num_experts: int, top_k: int, taus, alpha_mults, mass_floors=()) ->
         for tau in taus:
             out.append((f"lynx tau={_tau_name(tau)} a=1x m={floor:g}",
                         ev.lynx_config(num_experts, top_k, tau, 1.0, mass_floor=floor)))
+    for price in mass_prices:  # the routing-mass greedy extension: cover, then grow by mass (no consensus)
+        for mult in price_mults:
+            out.append((f"lynx price={price:g} a={mult:g}x",
+                        ev.lynx_config(num_experts, top_k, 1e6, mult, mass_price=price)))
     for k0 in range(1, top_k):
         out.append((f"oea k0={k0}", LynxConfig(policy="oea", k0=k0)))
     return out
+
+
+def is_paper_lynx(r: dict) -> bool:
+    """LYNX as the paper (and DESIGN.md) specifies it: no mass floor, no mass price."""
+    return r.get("policy") == "lynx" and not r.get("mass_floor") and r.get("mass_price") is None
+
+
+def is_price_lynx(r: dict) -> bool:
+    return r.get("policy") == "lynx" and r.get("mass_price") is not None
 
 
 # -- frontier comparisons ----------------------------------------------------------------------------
@@ -82,14 +95,16 @@ def interpolate(front: list[tuple[float, float]], x: float) -> float | None:
     return front[-1][1] if abs(x - front[-1][0]) < 1e-9 else front[0][1]
 
 
-def compare(results: list[dict]) -> dict:
+def compare(results: list[dict], select=lambda r: r.get("policy") == "lynx") -> dict:
     """OEA vs LYNX at equal unique experts, both ways: at each measured OEA point the LYNX frontier's
     delta CE, and at each LYNX Pareto point the OEA frontier's. ``winner`` is "tie" when the two
     differ by less than the measured point's standard error."""
     none = next(r for r in results if r.get("policy") == "none")
     anchor = (none["unique_experts_after"], none["delta_ce_rel"])
-    lynx = [r for r in results if r.get("policy") == "lynx"]
+    lynx = [r for r in results if select(r)]
     oea = [r for r in results if r.get("policy") == "oea"]
+    if not lynx:
+        return {"lynx_frontier": [], "oea_frontier": [], "rows": []}
     lf = frontier([anchor] + [(r["unique_experts_after"], r["delta_ce_rel"]) for r in lynx])
     of = frontier([anchor] + [(r["unique_experts_after"], r["delta_ce_rel"]) for r in oea])
 
@@ -124,7 +139,8 @@ def choose_default(results: list[dict], budget: float) -> dict | None:
         return None
     # identical measurements (e.g. tau 0.5 and 1 when no expert scores in between): prefer the current
     # LynxConfig default tau = 1, then the smaller tau
-    return min(ok, key=lambda r: (round(r["unique_experts_after"], 6), r["delta_ce_rel"], r["tau"] != 1.0, r["tau"]))
+    return min(ok, key=lambda r: (round(r["unique_experts_after"], 6), r["delta_ce_rel"], r["tau"] != 1.0, r["tau"],
+                                  r.get("mass_price") or 0.0))
 
 
 # -- output -----------------------------------------------------------------------------------------
@@ -155,9 +171,11 @@ def markdown(report: dict) -> str:
              f"Default rule: {report['rule']}", ""]
     d = report.get("default")
     if d:
+        price = d.get("mass_price")
         lines += [f"**Chosen default (fixture {d['chosen_on']}, B = {d['batch_size']}): tau = {_tau_name(d['tau'])}, "
-                  f"alpha = {d['alpha_mult']:g} x the k/N default, mass_floor = {d['mass_floor']:g} "
-                  f"({d['name']}); with alpha fixed at 1x the rule picks {d.get('alpha_1x_choice')}.**", ""]
+                  f"alpha = {d['alpha_mult']:g} x the k/N default, mass_floor = {d['mass_floor']:g}, mass_price = "
+                  f"{'None' if price is None else f'{price:g}'} ({d['name']}); among the paper's rule alone the rule picks "
+                  f"{d.get('paper_rule_choice')}; with alpha fixed at 1x, {d.get('alpha_1x_choice')}.**", ""]
         for name, res in d["applied"].items():
             lines.append(f"- {name}, B = {d['batch_size']}: unique experts {res['unique_before_none']:.2f} -> "
                          f"{res['unique_experts_after']:.2f} ({100 * (1 - res['unique_ratio_vs_none']):.1f} % fewer), "
@@ -168,16 +186,22 @@ def markdown(report: dict) -> str:
         lines += [f"## {run['model']}, B = {run['batch_size']} (N = {run['num_experts']}, k = {run['top_k']}; "
                   f"{run['scored_tokens']} tokens; {run['seconds']:.0f} s)", "",
                   ev.markdown_table(_rows(run["results"]), COLUMNS), "",
-                  "OEA vs LYNX at equal unique experts (frontiers piecewise linear between measured Pareto points, "
-                  "anchored at policy none):", "",
-                  ev.markdown_table([{**r, "oea_pct": None if r["oea_delta"] is None else 100 * r["oea_delta"],
-                                      "lynx_pct": None if r["lynx_delta"] is None else 100 * r["lynx_delta"],
-                                      "diff_pct": None if r["diff"] is None else 100 * r["diff"], "se_pct": 100 * r["se"]}
-                                     for r in run["comparison"]["rows"]],
-                                    [("measured point", "at", ""), ("unique experts", "unique", ".2f"),
-                                     ("OEA dCE %", "oea_pct", "+.2f"), ("LYNX dCE %", "lynx_pct", "+.2f"),
-                                     ("LYNX - OEA (pp)", "diff_pct", "+.2f"), ("se of point (pp)", "se_pct", ".2f"),
-                                     ("loses less", "winner", "")]), ""]
+                  ]
+        for key, what in (("comparison", "LYNX as the paper specifies it (tau / alpha grid)"),
+                          ("comparison_price", "LYNX with our routing-mass greedy (mass_price series)")):
+            rows = run.get(key, {}).get("rows", [])
+            if not rows:
+                continue
+            lines += [f"OEA vs {what} at equal unique experts (frontiers piecewise linear between measured Pareto "
+                      "points, anchored at policy none):", "",
+                      ev.markdown_table([{**r, "oea_pct": None if r["oea_delta"] is None else 100 * r["oea_delta"],
+                                          "lynx_pct": None if r["lynx_delta"] is None else 100 * r["lynx_delta"],
+                                          "diff_pct": None if r["diff"] is None else 100 * r["diff"],
+                                          "se_pct": 100 * r["se"]} for r in rows],
+                                        [("measured point", "at", ""), ("unique experts", "unique", ".2f"),
+                                         ("OEA dCE %", "oea_pct", "+.2f"), ("LYNX dCE %", "lynx_pct", "+.2f"),
+                                         ("LYNX - OEA (pp)", "diff_pct", "+.2f"), ("se of point (pp)", "se_pct", ".2f"),
+                                         ("loses less", "winner", "")]), ""]
     return "\n".join(lines) + "\n"
 
 
@@ -194,12 +218,14 @@ def plot(report: dict, path: Path) -> None:
         ax = axes[models.index(run["model"])][sizes.index(run["batch_size"])]
         res = run["results"]
         none = next(r for r in res if r.get("policy") == "none")
-        series = sorted({(r["alpha_mult"], r.get("mass_floor") or 0.0) for r in res if r.get("policy") == "lynx"})
+        series = sorted({(r["alpha_mult"], r.get("mass_floor") or 0.0) for r in res if is_paper_lynx(r)
+                         or (r.get("policy") == "lynx" and r.get("mass_floor"))})
         for mult, floor in series:
             style = {(1.0, 0.0): ("C0", "o"), (0.5, 0.0): ("C1", "s"), (2.0, 0.0): ("C3", "v")}.get((mult, floor),
                                                                                               ("C2", "^"))
             pts = sorted([r for r in res if r.get("policy") == "lynx" and r["alpha_mult"] == mult
-                          and (r.get("mass_floor") or 0.0) == floor], key=lambda r: r["tau"])
+                          and (r.get("mass_floor") or 0.0) == floor and r.get("mass_price") is None],
+                         key=lambda r: r["tau"])
             label = f"LYNX a={mult:g}x" + (f" m={floor:g}" if floor else "") + " (tau)"
             ax.plot([r["unique_experts_after"] for r in pts], [100 * r["delta_ce_rel"] for r in pts], marker=style[1],
                     color=style[0], ms=4, lw=1, label=label)
@@ -207,6 +233,14 @@ def plot(report: dict, path: Path) -> None:
                 for r in pts:
                     ax.annotate(_tau_name(r["tau"]), (r["unique_experts_after"], 100 * r["delta_ce_rel"]), fontsize=6,
                                 xytext=(2, 2), textcoords="offset points")
+        for mult, color in ((1.0, "C4"), (2.0, "C5")):
+            pts = sorted([r for r in res if is_price_lynx(r) and r["alpha_mult"] == mult], key=lambda r: -r["mass_price"])
+            if pts:
+                ax.plot([r["unique_experts_after"] for r in pts], [100 * r["delta_ce_rel"] for r in pts], marker="D",
+                        color=color, ms=4, lw=1.4, label=f"LYNX+mass price a={mult:g}x (ours)")
+                for r in pts:
+                    ax.annotate(f"{r['mass_price']:g}", (r["unique_experts_after"], 100 * r["delta_ce_rel"]), fontsize=6,
+                                xytext=(2, 2), textcoords="offset points", color=color)
         oea = sorted([r for r in res if r.get("policy") == "oea"], key=lambda r: r["k0"])
         ax.plot([r["unique_experts_after"] for r in oea] + [none["unique_experts_after"]],
                 [100 * r["delta_ce_rel"] for r in oea] + [0.0], "k--x", ms=6, lw=1, label="OEA (k0)")
@@ -240,6 +274,8 @@ def main(argv=None) -> int:
     p.add_argument("--taus", default=",".join(_tau_name(t) for t in TAUS))
     p.add_argument("--alpha-mults", default=",".join(f"{m:g}" for m in ALPHA_MULTS))
     p.add_argument("--mass-floors", default="0.75", help="extra LYNX series (alpha 1x, first batch size) with LynxConfig.mass_floor; \"\" for none")
+    p.add_argument("--mass-prices", default="0.1,0.25,0.5,1",
+                   help="extra LYNX series with LynxConfig.mass_price (alpha 1x and 2x at the first batch size, 1x at the others); \"\" for none")
     p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=64, help="decode steps (scored tokens) per sequence")
@@ -259,6 +295,7 @@ def main(argv=None) -> int:
     mults = [float(m) for m in args.alpha_mults.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     floors = [float(m) for m in args.mass_floors.split(",") if m.strip()]
+    prices = [float(m) for m in args.mass_prices.split(",") if m.strip()]
     rule = (f"among the LYNX grid at B = {sizes[0]} on {Path(args.models[0]).name}, the fewest unique experts with "
             f"dCE <= {100 * args.ce_budget:g} % relative (ties: smaller dCE, then tau = 1, then smaller tau); then fixed "
             f"for every other model")
@@ -286,13 +323,15 @@ def main(argv=None) -> int:
         num_experts, top_k = ev.moe_shape(model)
         windows = ev.heldout_windows(tok, args.prefill + args.decode + 1, args.sequences)
         for i, b in enumerate(sizes):
-            pol = policies(num_experts, top_k, taus, mults if i == 0 else [1.0], floors if i == 0 else [])
+            pol = policies(num_experts, top_k, taus, mults if i == 0 else [1.0], floors if i == 0 else [],
+                           prices, (1.0, 2.0) if i == 0 else (1.0,))
             t0 = time.perf_counter()
             print(f"== {name} B={b}: {len(pol)} policies", file=sys.stderr, flush=True)
             run = ev.teacher_forced(model, windows, b, args.prefill, pol,
                                     progress=lambda line: print("  " + line, file=sys.stderr, flush=True))
             run.update(model=name, seconds=time.perf_counter() - t0)
-            run["comparison"] = compare(run["results"])
+            run["comparison"] = compare(run["results"], is_paper_lynx)
+            run["comparison_price"] = compare(run["results"], is_price_lynx)
             report["runs"].append(run)
     order = [Path(m).resolve().name for m in args.models]
     report["runs"].sort(key=lambda r: (order.index(r["model"]) if r["model"] in order else len(order),
@@ -302,14 +341,16 @@ def main(argv=None) -> int:
     chosen = choose_default(base["results"], args.ce_budget)
     if chosen is not None:
         d = {"chosen_on": first, "batch_size": sizes[0], "tau": chosen["tau"], "alpha_mult": chosen["alpha_mult"],
-             "mass_floor": chosen.get("mass_floor") or 0.0, "name": chosen["name"], "applied": {}}
+             "mass_floor": chosen.get("mass_floor") or 0.0, "mass_price": chosen.get("mass_price"),
+             "name": chosen["name"], "applied": {}}
         for run in report["runs"]:
             if run["batch_size"] != sizes[0]:
                 continue
             none = next(r for r in run["results"] if r.get("policy") == "none")
             hit = next((r for r in run["results"] if r.get("policy") == "lynx" and r["tau"] == d["tau"]
                         and abs(r["alpha_mult"] - d["alpha_mult"]) < 1e-9
-                        and (r.get("mass_floor") or 0.0) == d["mass_floor"]), None)
+                        and (r.get("mass_floor") or 0.0) == d["mass_floor"]
+                        and r.get("mass_price") == d["mass_price"]), None)
             if hit is not None:
                 d["applied"][run["model"]] = {**{k: hit[k] for k in ("name", "unique_experts_after", "unique_ratio_vs_none",
                                                                       "delta_ce_rel", "delta_ce_rel_se", "top1_agreement",
@@ -319,8 +360,10 @@ def main(argv=None) -> int:
             d.setdefault("rule_on_each_model", {})[run["model"]] = None if own is None else own["name"]
         # at alpha 1x only (the k/N-derived alpha LynxConfig uses when alpha is None)
         only1 = choose_default([r for r in base["results"] if r.get("alpha_mult") in (None, 1.0)
-                                and not r.get("mass_floor")], args.ce_budget)
+                                and is_paper_lynx(r)], args.ce_budget)
         d["alpha_1x_choice"] = None if only1 is None else only1["name"]
+        paper = choose_default([r for r in base["results"] if is_paper_lynx(r)], args.ce_budget)
+        d["paper_rule_choice"] = None if paper is None else paper["name"]
         report["default"] = d
     report["seconds"] = time.perf_counter() - t_all
     out = Path(args.out)
