@@ -35,3 +35,12 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(real_empty_like(*a, **k)))
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models: intra-op threads buy nothing and oversubscribe a shared 2-core CPU badly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -7,8 +7,11 @@ import torch
 
 import lynx_hf
 import tiny_models as tm
+import tiny_models_extra as tx
 
 FAMILIES = list(tm.FAMILIES)
+# the seed families plus the issue-7 adapters (dedicated and generic): the same bit-identity suite
+ALL_FAMILIES = {**{f: tm for f in tm.FAMILIES}, **{f: tx for f in (*tx.DEDICATED, *tx.GENERIC)}}
 POLICIES = ["lynx", "oea", "none"]
 
 
@@ -19,11 +22,12 @@ def _generate(model, ids, mask, **kw):
                           return_dict_in_generate=True, **kw)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_forward_without_cache_is_bit_identical(family, policy):
-    model = tm.build(family)
-    ids, mask = tm.prompts(6, 7)
+    builders = ALL_FAMILIES[family]
+    model = builders.build(family)
+    ids, mask = builders.prompts(6, 7)
     ref = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
     ref_cached = model(input_ids=ids, attention_mask=mask, use_cache=True).logits  # prefill with a cache
     with lynx_hf.patched(model, policy=policy):
@@ -36,10 +40,11 @@ def test_forward_without_cache_is_bit_identical(family, policy):
     assert torch.equal(plain, model(ids).logits)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", list(ALL_FAMILIES))
 def test_policy_none_decode_is_bit_identical(family):
-    model = tm.build(family)
-    ids, mask = tm.prompts(8, 6)
+    builders = ALL_FAMILIES[family]
+    model = builders.build(family)
+    ids, mask = builders.prompts(8, 6)
     ref = _generate(model, ids, mask)
     with lynx_hf.patched(model, policy="none"):
         out = _generate(model, ids, mask)

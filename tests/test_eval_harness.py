@@ -27,12 +27,8 @@ _CACHE: dict = {}
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """These models are tiny: intra-op threads buy nothing and oversubscribe a shared CPU badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (tests/conftest.py)."""
 
 
 def fixture(name: str):

@@ -25,12 +25,8 @@ GEN_TASK, LL_TASK = "lynx_code_line_completion", "lynx_code_next_line_mc"
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny model: intra-op threads buy nothing and oversubscribe a shared CPU badly."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _one_thread(one_thread):
+    """Every test here runs with one intra-op thread (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")
