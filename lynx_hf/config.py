@@ -32,11 +32,11 @@ class LynxConfig:
     - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
       highest-weight experts until they hold at least this share of its original top-k routing
       weight; 0 (default) disables it, 1 keeps every original expert. In ``[0, 1]``.
-    - ``mass_price``: LYNX extension (ours): when set, the critical set is LYNX's cover (and
-      consensus) grown greedily by routing mass: an expert of the batch's union joins while the
-      routing mass it restores, summed over the batch's tokens (units: one token's whole top-k
-      mass), is at least ``mass_price``; this replaces LYNX's grow-by-score step. ``None``
-      (default) keeps the paper's rule. ``>= 0``.
+    - ``mass_price``: LYNX extension (ours): when set, the critical set is LYNX's cover grown
+      greedily by routing mass: an expert of the batch's union joins while the routing mass it
+      restores, summed over the batch's tokens (units: one token's whole top-k mass), is at least
+      ``mass_price``. This replaces the consensus and grow-by-score steps (``tau`` is then unused).
+      ``None`` gives the paper's rule. ``>= 0``.
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
       decode; speculative decoding may raise it). ``>= 1``.

@@ -8,6 +8,8 @@ tested to agree exactly; this module only picks parameters and the backend.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import LynxConfig
@@ -65,8 +67,8 @@ def critical_set(
     alpha, beta = bin_parameters(cfg, num_experts, top_k)
     if cfg.mass_price is None:
         critical = lynx_op(scores, topk_idx, top_k, alpha, beta, cfg.tau, scores.shape[0])
-    else:  # cover + consensus (grow to 1 only), then grow by routing mass (torch; small [T, N] ops)
-        critical = lynx_op(scores, topk_idx, 1, alpha, beta, cfg.tau, scores.shape[0])
+    else:  # cover only (no consensus, grow to 1), then grow by routing mass (torch; small [T, N] ops)
+        critical = lynx_op(scores, topk_idx, 1, alpha, beta, math.inf, scores.shape[0])
         critical = naive.naive_mass_greedy_grow(scores, topk_idx, critical, top_k, cfg.mass_price)
     if cfg.mass_floor > 0:
         if topk_weights is None:
