@@ -225,3 +225,22 @@ def test_same_inputs_same_outputs_run_after_run():
     assert torch.equal(runs[0].sequences, runs[1].sequences)
     assert all(torch.equal(a, b) for a, b in zip(runs[0].scores, runs[1].scores))
     lynx_hf.unpatch(model)
+
+
+def test_installed_layout_does_not_shadow_kernels(tmp_path):
+    """patches/ and kernels/ are installed inside lynx_hf; no top-level ``kernels`` module is ours
+    (HF's ``kernels`` distribution must never be shadowed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lynx_hf.kernels
+    import lynx_hf.patches
+
+    repo = Path(__file__).resolve().parent.parent
+    assert Path(lynx_hf.kernels.__file__).parent == repo / "kernels"
+    assert Path(lynx_hf.patches.__file__).parent == repo / "patches"
+    probe = ("import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+             "print('none' if s is None else s.origin)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert str(repo / "kernels") not in out.stdout
