@@ -176,7 +176,8 @@ def cmd_script(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lynx-hf", description="LYNX dynamic expert reduction for HF MoE models")
     sub = parser.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="patch a local checkpoint and generate a batch; print experts before/after")
+    g = sub.add_parser("generate", help="patch a local checkpoint and generate a batch; print experts before/after",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
     g.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
     g.add_argument("--batch-size", type=int, default=16, help="number of prompts decoded together")

@@ -10,6 +10,8 @@ from .errors import LynxConfigError
 POLICIES = ("lynx", "oea", "none")
 PHASES = ("auto", "decode", "never")
 BACKENDS = ("auto", "torch", "triton")
+#: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
+MAX_BETA = 64
 
 
 @dataclass(frozen=True)
@@ -24,9 +26,9 @@ class LynxConfig:
     - ``phase``: ``"auto"`` (decode detected from the KV-cache length, DESIGN.md "Phase detection"),
       ``"decode"`` (every forward is treated as decode: decode emulation), ``"never"`` (never remap).
     - ``alpha``: inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
-      from k/N: ``beta / ln(N/k)``. Must be > 0.
+      from k/N: ``beta / ln(N/k)``. Must be finite and > 0.
     - ``beta``: number of bins below bin 0 that still vote. ``None`` derives ``ceil(log2(N/k)) + 1``.
-      Must be an int >= 0. Experts vote iff ``ceil(gap * alpha) >= -beta``.
+      Must be an int in ``0..64``. Experts vote iff ``ceil(gap * alpha) >= -beta``.
     - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote). ``>= 0``.
       Default 1.0 (every expert that is some token's bin-0 choice joins the critical set).
     - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
@@ -62,10 +64,14 @@ class LynxConfig:
         _choice("backend", self.backend, BACKENDS)
         if self.alpha is not None:
             _number("alpha", self.alpha)
-            if not (self.alpha > 0):
-                raise LynxConfigError(f"LynxConfig.alpha must be > 0 (or None), got {self.alpha!r}")
+            if not (0 < self.alpha < math.inf):
+                raise LynxConfigError(f"LynxConfig.alpha must be finite and > 0 (or None), got {self.alpha!r}")
         if self.beta is not None:
             _integer("beta", self.beta, minimum=0)
+            if self.beta > MAX_BETA:
+                raise LynxConfigError(
+                    f"LynxConfig.beta must be <= {MAX_BETA} (B**-beta is below fp32 range long before), got {self.beta!r}"
+                )
         _number("tau", self.tau)
         if not (self.tau >= 0) or math.isinf(self.tau):
             raise LynxConfigError(f"LynxConfig.tau must be finite and >= 0, got {self.tau!r}")

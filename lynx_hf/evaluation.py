@@ -442,10 +442,12 @@ def sample_responses(samples: list[dict]) -> list:
 # policies and tables
 # ----------------------------------------------------------------------------------------------
 def lynx_config(num_experts: int, top_k: int, tau: float, alpha_mult: float = 1.0, **kw) -> LynxConfig:
-    """A LYNX config whose alpha is ``alpha_mult`` times the k/N-derived default (beta stays default)."""
+    """A LYNX config whose alpha is ``alpha_mult`` times the k/N-derived default (beta stays default);
+    the paper's rule (``mass_price=None``) unless ``mass_price`` is passed."""
     from .kernels.routing_naive import default_lynx_bins
 
     alpha = None if alpha_mult == 1.0 else alpha_mult * default_lynx_bins(num_experts, top_k)[0]
+    kw.setdefault("mass_price", None)  # the paper's rule unless a mass price is asked for
     return LynxConfig(policy="lynx", tau=float(tau), alpha=alpha, **kw)
 
 

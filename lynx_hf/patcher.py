@@ -17,7 +17,7 @@ from .telemetry import LynxStats
 
 def _as_config(config, overrides) -> LynxConfig:
     if config is None:
-        return LynxConfig(**overrides)
+        return LynxConfig.from_dict(overrides)  # unknown names -> LynxConfigError listing the fields
     if isinstance(config, dict):
         return LynxConfig.from_dict({**config, **overrides})
     if not isinstance(config, LynxConfig):
@@ -28,7 +28,8 @@ def _as_config(config, overrides) -> LynxConfig:
 
 
 def _families_text() -> str:
-    return "; ".join(f"{family} ({', '.join(classes)})" for family, classes in supported_families().items())
+    return "; ".join(f"{family} ({', '.join(classes) or 'blocks with the standard router/experts contract'})"
+                     for family, classes in supported_families().items())
 
 
 def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides) -> torch.nn.Module:
@@ -36,7 +37,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
 
     ``config``: a :class:`LynxConfig` (default ``LynxConfig()``: policy ``"lynx"``), a dict of its
     fields, or ``None``; keyword ``overrides`` set single fields (``patch(m, policy="oea")``).
-    Patching a patched model only swaps the config. Only the MoE blocks' ``forward`` (or, under
+    Patching a patched model only swaps the config (and, if it changed, resets the telemetry, so
+    :func:`stats` always describes one config). Only the MoE blocks' ``forward`` (or, under
     accelerate hooks, ``_old_forward``) is swapped and two hooks are added to ``model``: no module,
     parameter or buffer is added, so ``state_dict`` and ``save_pretrained`` are unchanged (CASES C6).
 
@@ -59,7 +61,10 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     _check_backend(cfg, model)
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
     if state is not None:
-        state.config = cfg
+        if cfg != state.config:  # telemetry describes one config: start it afresh
+            state.config = cfg
+            for layer in state.layers:
+                layer.telemetry.reset()
         return model
 
     found = []
@@ -139,7 +144,7 @@ def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **o
         if previous is None:
             unpatch(model)
         else:
-            _state(model).config = previous
+            patch(model, previous)  # restores the previous config (telemetry restarts)
 
 
 def _state(model) -> ModelState:

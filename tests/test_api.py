@@ -18,7 +18,7 @@ FAMILIES = list(tm.FAMILIES)
     [("policy", "fast"), ("phase", "always"), ("backend", "cuda"), ("alpha", 0.0), ("alpha", -1.0),
      ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
      ("k0", 0), ("k0", True), ("q_max", 0), ("telemetry", "yes"), ("mass_floor", 1.5), ("mass_price", -1.0),
-     ("mass_price", float("inf"))],
+     ("mass_price", float("inf")), ("alpha", float("inf")), ("beta", 65)],
 )
 def test_config_rejects_bad_field_naming_it(field, value):
     with pytest.raises(lynx_hf.LynxConfigError, match=field) as info:
@@ -29,6 +29,26 @@ def test_config_rejects_bad_field_naming_it(field, value):
 def test_config_from_dict_rejects_unknown_field():
     with pytest.raises(lynx_hf.LynxConfigError, match="gamma"):
         lynx_hf.LynxConfig.from_dict({"policy": "lynx", "gamma": 1})
+    model = tm.build("mixtral")
+    with pytest.raises(lynx_hf.LynxConfigError, match="kk0"):  # keyword overrides are checked the same way
+        lynx_hf.patch(model, kk0=2)
+    assert not lynx_hf.is_patched(model)
+
+
+def test_stats_restart_when_the_config_changes():
+    """stats describe one config: swapping it (patch again, or leaving a nested patched()) restarts them."""
+    model = tm.build("mixtral")
+    ids, mask = tm.prompts(8, 5)
+    lynx_hf.patch(model, policy="none")
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 3
+    lynx_hf.patch(model, policy="none")  # same config: nothing restarts
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 3
+    lynx_hf.patch(model, policy="lynx")
+    assert lynx_hf.stats(model).summary() == {**lynx_hf.stats(model).summary(), "decode_steps": 0, "policy": "lynx"}
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 2
+    lynx_hf.unpatch(model)
 
 
 def test_patch_dense_model_raises_unsupported_listing_families():

@@ -44,7 +44,9 @@ def own_topk(s, k):
     return torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
 
 
-CONFIGS = [LynxConfig(policy="lynx"), LynxConfig(policy="lynx", tau=0.0), LynxConfig(policy="lynx", tau=4.0, alpha=4.0),
+PAPER = dict(policy="lynx", mass_price=None)  # LYNX as the paper specifies it (no project extension)
+CONFIGS = [LynxConfig(policy="lynx"), LynxConfig(**PAPER), LynxConfig(**PAPER, tau=0.0), LynxConfig(**PAPER, tau=4.0, alpha=4.0),
+           LynxConfig(policy="lynx", mass_price=2.0),
            LynxConfig(policy="oea", k0=1), LynxConfig(policy="oea", k0=3)]
 
 
@@ -146,7 +148,7 @@ def test_C11_bf16_ties_within_one_ulp_match_fp32_reference():
     s = bf16.float()
     idx = own_topk(s, 2)
     assert idx[0].tolist() == [0, 1]
-    new = P.remap(LynxConfig(policy="lynx"), s, idx)
+    new = P.remap(LynxConfig(**PAPER), s, idx)
     ref = R.naive_remap_topk(s, R.naive_lynx_critical_set(s, idx, 2, *R.default_lynx_bins(6, 2), 1.0), 2)
     assert torch.equal(new, ref)
     w = R.naive_routing_weights(bf16, new, "softmax_all").to(torch.bfloat16)
@@ -184,7 +186,7 @@ def test_mass_floor_keeps_each_tokens_leading_mass(floor):
     s = torch.randn(16, 24, generator=g) * 2
     idx = own_topk(s, 4)
     w = torch.softmax(s, -1).gather(1, idx)
-    cfg = LynxConfig(policy="lynx", mass_floor=floor, tau=1e6)  # tau huge: consensus adds nothing
+    cfg = LynxConfig(**PAPER, mass_floor=floor, tau=1e6)  # tau huge: consensus adds nothing
     new = P.remap(cfg, s, idx, topk_weights=w)
     share = w / w.sum(-1, keepdim=True)
     for t in range(16):

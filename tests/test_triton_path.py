@@ -14,16 +14,17 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 @pytest.mark.parametrize("family", list(tm.FAMILIES))
-@pytest.mark.parametrize("policy", ["lynx", "oea"])
-def test_generate_triton_backend_matches_torch(family, policy):
+@pytest.mark.parametrize("policy,extra", [("lynx", {}), ("lynx", {"mass_price": None}), ("oea", {})],
+                         ids=["lynx-default", "lynx-paper", "oea"])
+def test_generate_triton_backend_matches_torch(family, policy, extra):
     model = tm.build(family)
     ids, mask = tm.prompts(4, 5)
     gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_scores=True,
                return_dict_in_generate=True)
-    with lynx_hf.patched(model, policy=policy, backend="torch"):
+    with lynx_hf.patched(model, policy=policy, backend="torch", **extra):
         ref = model.generate(**gen)
         ref_stats = lynx_hf.stats(model).summary()
-    with lynx_hf.patched(model, policy=policy, backend="triton"):
+    with lynx_hf.patched(model, policy=policy, backend="triton", **extra):
         out = model.generate(**gen)
         stats = lynx_hf.stats(model).summary()
     assert torch.equal(out.sequences, ref.sequences)
