@@ -29,8 +29,9 @@ class LynxConfig:
       from k/N: ``beta / ln(N/k)``. Must be finite and > 0.
     - ``beta``: number of bins below bin 0 that still vote. ``None`` derives ``ceil(log2(N/k)) + 1``.
       Must be an int in ``0..64``. Experts vote iff ``ceil(gap * alpha) >= -beta``.
-    - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote). ``>= 0``.
-      Default 1.0 (every expert that is some token's bin-0 choice joins the critical set).
+    - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote), used by the
+      paper's rule (``mass_price=None``). ``>= 0``. Default 1.0 (every expert that is some token's
+      bin-0 choice joins the critical set).
     - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
       highest-weight experts until they hold at least this share of its original top-k routing
       weight; 0 (default) disables it, 1 keeps every original expert. In ``[0, 1]``.
@@ -38,7 +39,10 @@ class LynxConfig:
       greedily by routing mass: an expert of the batch's union joins while the routing mass it
       restores, summed over the batch's tokens (units: one token's whole top-k mass), is at least
       ``mass_price``. This replaces the consensus and grow-by-score steps (``tau`` is then unused).
-      ``None`` gives the paper's rule. ``>= 0``.
+      Default 0.5: chosen by the Pareto sweep (``eval/sweep.py``, rule: on fixture A at B = 16 the
+      fewest unique experts with next-token cross-entropy up <= 1 % relative, over the paper's
+      tau/alpha grid and this series), then fixed. ``None`` gives the paper's rule (tau, grow by
+      score). ``>= 0``.
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
       decode; speculative decoding may raise it). ``>= 1``.
@@ -52,7 +56,7 @@ class LynxConfig:
     beta: int | None = None
     tau: float = 1.0
     mass_floor: float = 0.0
-    mass_price: float | None = None
+    mass_price: float | None = 0.5
     k0: int = 1
     q_max: int = 1
     backend: str = "auto"
