@@ -246,6 +246,9 @@ def naive_mass_floor_set(topk_idx: torch.Tensor, topk_weights: torch.Tensor, num
     return mask
 
 
+_MASS_UNIT = float(2**24)  # fixed-point resolution of routing-mass gains
+
+
 def naive_mass_greedy_grow(
     scores: torch.Tensor, topk_idx: torch.Tensor, critical: torch.Tensor, top_k: int, price: float
 ) -> torch.Tensor:
@@ -270,12 +273,15 @@ def naive_mass_greedy_grow(
     candidates = union_mask(topk_idx, num_experts)
     critical = critical.clone()
     kk = min(top_k, num_experts)
+    price_fixed = math.ceil(price * _MASS_UNIT)
     while True:
         in_s = torch.where(critical[None, :], w, torch.full_like(w, -1.0))
         kth = in_s.topk(kk, dim=-1).values[:, -1].clamp_min(0.0)  # -1 (missing) -> 0
-        gain = (w - kth[:, None]).clamp_min(0.0).sum(dim=0).double()
-        gain = torch.where(candidates & ~critical, gain, torch.full_like(gain, -1.0))
+        # per-token gains in fixed point (2**-24 of a token's mass), summed in int64: exact, so the
+        # result does not depend on the order of the tokens (row-order invariance, ties stay ties)
+        gain = torch.round((w - kth[:, None]).clamp_min(0.0) * _MASS_UNIT).long().sum(dim=0)
+        gain = torch.where(candidates & ~critical, gain, torch.full_like(gain, -1))
         best = int(torch.argmax(gain))  # first maximum: lower id on ties
-        if gain[best] < 0 or (gain[best] < price and int(critical.sum()) >= top_k):
+        if gain[best] < 0 or (gain[best] < price_fixed and int(critical.sum()) >= top_k):
             return critical
         critical[best] = True
