@@ -69,7 +69,7 @@ ALIGN_CASES = [
 
 
 @pytest.mark.parametrize("T,k,N,bm,mode", ALIGN_CASES)
-def test_align_matches_reference(T, k, N, bm, mode):
+def test_C16_align_matches_reference(T, k, N, bm, mode):
     g = torch.Generator().manual_seed(T * 31 + N)
     idx = _routing(T, N, k, g, mode)
     want = naive_moe_align_block_size(idx, N, bm)
@@ -124,7 +124,7 @@ MOE_CASES = [
 
 
 @pytest.mark.parametrize("T,H,I,N,k,tr,woi,mode,bn,bk", MOE_CASES)
-def test_sparse_moe_matches_reference(T, H, I, N, k, tr, woi, mode, bn, bk):
+def test_C16_sparse_moe_matches_reference(T, H, I, N, k, tr, woi, mode, bn, bk):
     g = torch.Generator().manual_seed(T * 7 + H + N)
     x = torch.randn(T, H, generator=g)
     idx = _routing(T, N, k, g, mode)
@@ -139,7 +139,7 @@ def test_sparse_moe_matches_reference(T, H, I, N, k, tr, woi, mode, bn, bk):
 
 # C15: kernel tails at batch 1, hidden sizes 64/200/1000/2880, every element written.
 @pytest.mark.parametrize("H", [64, 200, 1000, 2880])
-def test_hidden_size_tails_batch1(H):
+def test_C15_hidden_size_tails_batch1(H):
     g = torch.Generator().manual_seed(H)
     T, I, N, k = 1, 16, 4, 2
     x = torch.randn(T, H, generator=g)

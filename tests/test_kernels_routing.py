@@ -75,7 +75,7 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("T,N,k", SHAPES)
-def test_random_scores_match_reference(T, N, k):
+def test_C16_random_scores_match_reference(T, N, k):
     g = torch.Generator().manual_seed(T * 1000 + N + k)
     scores = torch.randn(T, N, generator=g) * 2.0
     _check_all(scores, k)
@@ -116,7 +116,7 @@ def test_tau_exactly_on_a_score():
 
 
 # C12: exact ties -> deterministic lower-index choice, k distinct, never a forbidden expert.
-def test_all_zero_logits():
+def test_C12_all_zero_logits():
     scores = torch.zeros(8, 12)
     crits = _check_all(scores, 3)
     for crit in crits:
@@ -126,7 +126,7 @@ def test_all_zero_logits():
     assert lynx_critical_set(scores, _topk(scores, 3), 3, *ref.default_lynx_bins(12, 3), 1.0).nonzero().flatten().tolist() == [0, 1, 2]
 
 
-def test_rows_forbidden_except_two():
+def test_C12_rows_forbidden_except_two():
     # rows are -inf except two experts (one of them tied): k=2 must take exactly those two
     g = torch.Generator().manual_seed(5)
     T, N = 9, 24
@@ -164,7 +164,7 @@ def test_too_few_allowed_raises():
 # C13: every logit negative / shifted by -1000: kernels still equal the reference, and with an exact
 # shift (values on a 1/64 grid, so s - 1000 is exact in fp32) nothing changes at all.
 @pytest.mark.parametrize("shift", [-1000.0, -30.0])
-def test_shift_invariance(shift):
+def test_C13_shift_invariance(shift):
     g = torch.Generator().manual_seed(13)
     scores = torch.round(torch.randn(16, 32, generator=g) * 2 * 64) / 64
     shifted = scores + shift

@@ -69,7 +69,7 @@ def test_generate_until_task_end_to_end_on_patched_model(model_and_tok):
     assert not lynx_hf.is_patched(model)
 
 
-def test_loglikelihood_task_bit_identical_to_unpatched_c17(model_and_tok):
+def test_C17_loglikelihood_task_bit_identical_to_unpatched(model_and_tok):
     model, tok = model_and_tok
     ref = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, limit=24)
     ref_resps = ev.sample_responses(ref["samples"][LL_TASK])
