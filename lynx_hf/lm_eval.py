@@ -10,7 +10,7 @@ lm-eval has no plugin entry point, so registration happens on import of this mod
 
 LYNX options in ``model_args``: ``policy``, ``phase``, ``tau``, ``alpha``, ``beta``, ``mass_floor``, ``mass_price``, ``k0``, ``q_max``
 and ``lynx_backend`` (``LynxConfig.backend``; HFLM already has an unrelated ``backend`` argument).
-Every other argument goes to ``HFLM``. Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
+Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -39,6 +40,7 @@ class LynxLM(HFLM):
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
         options = {name: value for name, value in options.items() if value is not None}
         self.lynx_config = LynxConfig(backend=lynx_backend, **options)
+        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM assumes CUDA
         if kwargs.get("batch_size") == "auto":
             raise ValueError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")
         super().__init__(pretrained=pretrained, **kwargs)

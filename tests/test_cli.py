@@ -81,3 +81,16 @@ def test_help_of_each_subcommand():
     for sub in ("generate", "plot", "eval", "sweep", "bench", "report"):
         res = run(sub, "--help")
         assert res.returncode == 0 and f"usage: lynx-hf {sub}" in res.stdout, (sub, res.stdout[:200], res.stderr)
+
+
+def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
+    """`lynx-hf eval` (eval/harness.py) end to end on the committed fixture with tiny settings: teacher-forced
+    decode, generation agreement and the local lm-eval tasks; its built-in checks must all PASS."""
+    fixture = os.path.join(os.path.dirname(__file__), "..", "eval", "fixtures", "qwen2moe-tiny")
+    res = run("eval", "--model", fixture, "--sequences", "8", "--batch-size", "8", "--decode", "4",
+              "--gen-prompts", "4", "--gen-tokens", "4", "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1",
+              "--threads", "1", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FAIL" not in res.stdout and res.stdout.count("PASS") >= 4
+    report = json.loads((tmp_path / "harness_qwen2moe-tiny.json").read_text())
+    assert report  # written

@@ -86,3 +86,35 @@ def test_fixed_batch_size_required(model_and_tok):
     for bad in ("auto", "auto:4", 0, True):
         with pytest.raises(ValueError, match="batch_size"):
             ev.run_lm_eval(model, tok, [LL_TASK], batch_size=bad)
+
+
+def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_path):
+    """The lm-eval model type ``lynx`` (lynx_hf/lm_eval.py): model_args carry the LYNX options, a
+    fixed batch size is required, and lm-eval's own CLI runs it through ``python -m lynx_hf.lm_eval``.
+    Loglikelihood (prefill) results equal the unpatched model's."""
+    import subprocess
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import lynx_hf.lm_eval as lynx_lm_eval
+
+    tasks = TaskManager(include_path=str(ev.TASKS_DIR), include_defaults=False)
+    args = f"pretrained={FIXTURE},policy=lynx,mass_price=0.25,lynx_backend=torch"
+    out = lm_eval.simple_evaluate(model="lynx", model_args=args, tasks=[LL_TASK], batch_size=8, limit=8,
+                                  task_manager=tasks)
+    model, tok = model_and_tok
+    ref = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, config=None, limit=8)
+    assert out["results"][LL_TASK]["acc,none"] == ref["results"][LL_TASK]["acc,none"]
+    with pytest.raises(ValueError, match="fixed batch_size"):
+        lynx_lm_eval.LynxLM(pretrained=str(FIXTURE), batch_size="auto")
+    with pytest.raises(lynx_hf.LynxConfigError, match="tau"):
+        lynx_lm_eval.LynxLM(pretrained=str(FIXTURE), tau=-1.0, batch_size=8)
+    res = subprocess.run(
+        [sys.executable, "-m", "lynx_hf.lm_eval", "run", "--model", "lynx", "--model_args",
+         f"pretrained={FIXTURE},policy=oea,k0=1", "--tasks", LL_TASK, "--include_path", str(ev.TASKS_DIR),
+         "--batch_size", "8", "--limit", "4", "--output_path", str(tmp_path)],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+        timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert LL_TASK in res.stdout and "acc" in res.stdout
