@@ -44,3 +44,29 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- fuzz counts: every example hypothesis runs is counted and reported at the end of the session ----------
+_HYPOTHESIS_CASES: dict = {}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        handle = getattr(getattr(item, "obj", None), "hypothesis", None)
+        if handle is None or getattr(handle.inner_test, "_lynx_counted", False):
+            continue
+        inner, name = handle.inner_test, item.nodeid.split("[")[0]
+
+        def counted(*args, _inner=inner, _name=name, **kwargs):
+            _HYPOTHESIS_CASES[_name] = _HYPOTHESIS_CASES.get(_name, 0) + 1
+            return _inner(*args, **kwargs)
+
+        counted._lynx_counted = True
+        handle.inner_test = counted
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _HYPOTHESIS_CASES:
+        per_test = ", ".join(f"{name.split('::')[-1]} {count}" for name, count in sorted(_HYPOTHESIS_CASES.items()))
+        terminalreporter.write_line(f"hypothesis: {sum(_HYPOTHESIS_CASES.values())} generated cases in "
+                                    f"{len(_HYPOTHESIS_CASES)} property tests ({per_test})")

@@ -13,7 +13,7 @@ from lynx_hf import errors as lynx_hf_errors
 from lynx_hf import policy as P
 from lynx_hf.kernels import routing_naive as R
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=350, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @st.composite
