@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
 from . import patcher
 from .config import LynxConfig
@@ -279,7 +280,8 @@ def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, 
     }]
     if progress:
         progress(f"unpatched: ce {ref_ce:.4f} ({time.perf_counter() - t0:.1f}s)")
-    for name, cfg in policies:
+    for name, cfg in tqdm(policies, desc=f"teacher-forced B={batch_size}", unit="policy", disable=progress is None,
+                          leave=False):
         if cfg is None:
             continue
         t0 = time.perf_counter()

@@ -79,3 +79,18 @@ def test_training_still_works_gradients_flow_through_prefill():
     assert torch.equal(loss, loss2)
     for name, grad in ref.items():
         assert torch.equal(model.get_parameter(name).grad, grad), name
+
+
+def test_device_map_single_device_keeps_hooks(tmp_path):
+    """C4 (simple form): from_pretrained(device_map={"": "cpu"}); patch/unpatch keep accelerate's state."""
+    from transformers import AutoModelForCausalLM
+
+    tm.build("mixtral").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, device_map={"": "cpu"})
+    before = {n: (vars(m).get("forward"), vars(m).get("_hf_hook")) for n, m in model.named_modules()}
+    ids, mask = tm.prompts(4, 5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with lynx_hf.patched(model, policy="none"):
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref)
+    assert {n: (vars(m).get("forward"), vars(m).get("_hf_hook")) for n, m in model.named_modules()} == before
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref)
