@@ -98,7 +98,7 @@ def cmd_generate(args) -> int:
     print(f"token agreement with unpatched greedy decode: {agreement:.3f}; identical continuations: {exact:.3f}")
     if not args.quiet:
         for prompt, row in zip(prompts, new_out):
-            text = tokenizer.decode(row, skip_special_tokens=True).replace("\n", "\\n")
+            text = tokenizer.decode(row, skip_special_tokens=True)  # repr() below shows newlines as \n
             print(f"--- {prompt!r} -> {text!r}")
     if args.stats_json:
         import json
