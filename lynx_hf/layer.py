@@ -24,6 +24,11 @@ class ModelState:
         self.tracker = PhaseTracker(self)
         self.layers: list[LynxLayer] = []
 
+    @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The patched MoE blocks, in module order."""
+        return [layer.block for layer in self.layers]
+
 
 class LynxLayer:
     """The state of one patched MoE block; its ``route`` is what adapters call in decode."""
@@ -32,13 +37,15 @@ class LynxLayer:
         self.owner = owner
         self.adapter = adapter
         self.name = name
+        self.block = block
         self.num_experts, self.top_k = adapter.experts_and_top_k(block)
         self.telemetry = LayerTelemetry()
         self._installed = None  # (attribute, had_instance_value, previous_value, our_method)
         self.original_forward = None
 
     # -- installation (HF kernels' _replace_forward style: swap only ``forward``) -----------------
-    def install(self, block: torch.nn.Module) -> None:
+    def install(self) -> None:
+        block = self.block
         # accelerate hooks wrap ``forward`` and call ``_old_forward``: swap that one so hooks stay.
         attr = "_old_forward" if hasattr(block, "_hf_hook") and "_old_forward" in block.__dict__ else "forward"
         had = attr in block.__dict__
@@ -49,7 +56,8 @@ class LynxLayer:
         object.__setattr__(block, attr, ours)
         object.__setattr__(block, LAYER_ATTR, self)
 
-    def uninstall(self, block: torch.nn.Module) -> None:
+    def uninstall(self) -> None:
+        block = self.block
         attr, had, previous, ours = self._installed
         for where in ("forward", "_old_forward"):
             if block.__dict__.get(where) is not ours:

@@ -27,6 +27,11 @@ def _as_config(config, overrides) -> LynxConfig:
     return config
 
 
+def _unwrap(model):
+    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``), else ``model`` itself."""
+    return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
+
+
 def _families_text() -> str:
     return "; ".join(f"{family} ({', '.join(classes) or 'blocks with the standard router/experts contract'})"
                      for family, classes in supported_families().items())
@@ -49,14 +54,14 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+    if _unwrap(model) is not model:
         warnings.warn(
             "lynx_hf: patching the module inside a torch.compile wrapper; the decode remap is data-dependent "
             "(it breaks the compiled graph), so patched MoE blocks run eagerly. Patch before compiling, or "
             "do not compile, to avoid recompilations.",
             stacklevel=2,
         )
-        patch(model._orig_mod, cfg)
+        patch(_unwrap(model), cfg)
         return model
     _check_backend(cfg, model)
     state: ModelState | None = model.__dict__.get(MODEL_ATTR)
@@ -90,9 +95,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
         if LAYER_ATTR in module.__dict__:
             raise UnsupportedModelError(f"{name} is already patched through another model; unpatch that one first")
         layer = LynxLayer(state, adapter, name, module)
-        layer.install(module)
+        layer.install()
         state.layers.append(layer)
-    state.blocks = [module for _, module, _ in found]
     state.tracker.attach(model)
     object.__setattr__(model, MODEL_ATTR, state)
     return model
@@ -113,23 +117,20 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
 
     A model that is not patched is returned unchanged.
     """
-    if hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
-        unpatch(model._orig_mod)
-        return model
-    state: ModelState | None = model.__dict__.get(MODEL_ATTR)
+    inner = _unwrap(model)
+    state: ModelState | None = inner.__dict__.get(MODEL_ATTR)
     if state is None:
         return model
-    state.tracker.detach(model)
-    for layer, block in zip(state.layers, state.blocks):
-        layer.uninstall(block)
-    del model.__dict__[MODEL_ATTR]
+    state.tracker.detach(inner)
+    for layer in state.layers:
+        layer.uninstall()
+    del inner.__dict__[MODEL_ATTR]
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
     """Whether ``model`` is currently patched by lynx_hf."""
-    inner = getattr(model, "_orig_mod", model) if type(model).__name__ == "OptimizedModule" else model
-    return MODEL_ATTR in getattr(inner, "__dict__", {})
+    return MODEL_ATTR in getattr(_unwrap(model), "__dict__", {})
 
 
 @contextlib.contextmanager
@@ -148,9 +149,7 @@ def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **o
 
 
 def _state(model) -> ModelState:
-    if type(model).__name__ == "OptimizedModule":
-        model = model._orig_mod
-    state = getattr(model, "__dict__", {}).get(MODEL_ATTR)
+    state = getattr(_unwrap(model), "__dict__", {}).get(MODEL_ATTR)
     if state is None:
         raise NotPatchedError("this model is not patched by lynx_hf: call lynx_hf.patch(model) first")
     return state
