@@ -10,14 +10,14 @@ Sections
 1. layer: one MoE block per shape (Qwen2-57B-A14B, DeepSeek-V2-Lite, Mixtral-8x7B), B in {1,4,16,32,64}.
    Variants: HF block with experts implementation "eager" and "grouped_mm" (HF's default for a
    model on this machine), the lynx_hf-patched block (LynxConfig(phase="decode")) with policy none,
-   lynx, oea on the block's own experts (grouped_mm), and lynx with lynx_hf.sparse_torch's
+   lynx, oea on the block's own experts (grouped_mm), and lynx with eval/sparse_torch.py's
    sparse_experts_torch as the experts path ("lynx+sparse"). Router logits are injected by setting
    the router weight W so that router(hidden) = L (least squares, exact for B <= H up to bf16
    rounding). Sources of L: "real" = i.i.d. normal logits scaled by a temperature calibrated so that
    the mean top-1 router probability is 0.42 (the trained fixture's routers: mean top-1 p 0.34-0.50,
    rank k-1 p < 0.1 for > 90 % of tokens, DESIGN.md), "uniform" = U[0, 1) logits (near-flat routing:
    the worst case). Per cell: median time, ratio to HF grouped_mm, T before/after (unique experts),
-   the ideal ratio T_after/T_before, and the routing overhead = median time of lynx_hf.policy.remap
+   the ideal ratio T_after/T_before, and the routing overhead = median time of lynx_hf.policies.remap
    on the same logits / median lynx layer time.
 2. T sweep: Qwen2-57B shape, B = 16, the HF block (grouped_mm) with a router forced to touch exactly
    T experts, T = k..N; least-squares line time = a + b*T, R^2. Also the sparse torch path.
@@ -47,9 +47,9 @@ import torch.nn.functional as F  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 import lynx_hf  # noqa: E402
-from lynx_hf import policy  # noqa: E402
-from lynx_hf.patches import find_adapter  # noqa: E402
-from lynx_hf.sparse_torch import sparse_experts_torch  # noqa: E402
+from lynx_hf import policies  # noqa: E402
+from lynx_hf.patches import find_spec  # noqa: E402
+from sparse_torch import sparse_experts_torch  # noqa: E402  (eval/sparse_torch.py)
 
 hf_logging.set_verbosity_error()
 RESULTS = ROOT / "eval" / "results"
@@ -193,7 +193,7 @@ def time_remap(cfg, scores, topk_idx, logits, rule, reps: int) -> float:
     ts = []
     for _ in range(reps + 1):
         t0 = _now()
-        policy.remap(cfg, scores, topk_idx, logits, *rule)
+        policies.remap(cfg, scores, topk_idx, logits, *rule)
         ts.append(_now() - t0)
     return statistics.median(ts[1:])
 
@@ -214,7 +214,7 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
         t_build = _now()
         block, cfg = build_block(family, kwargs)
         holder = Holder(block)
-        num_experts, top_k = find_adapter(block).experts_and_top_k(block)
+        num_experts, top_k = find_spec(block).shape(block)
         scale, cal = calibrate_temperature(num_experts, top_k)
         log(f"\n## {name}: H={cfg.hidden_size} N={num_experts} k={top_k}; built in {_now() - t_build:.1f}s; "
             f"real-routing temperature: logits = N(0,1) x {scale:.3f} -> mean top-1 p {cal['mean_top1']:.3f}, "
@@ -267,7 +267,7 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                     t_before = unique_count(idx_hf)
                     t_after = {}
                     for p in ("lynx", "oea"):
-                        new_idx, _ = policy.remap(configs[p], scores, idx_hf, logits, *rule)
+                        new_idx, _ = policies.remap(configs[p], scores, idx_hf, logits, *rule)
                         t_after[p] = unique_count(new_idx)
                     fns = {"hf_eager": hf("eager", x), "hf_grouped_mm": hf("grouped_mm", x),
                            "none": patched("none", x), "lynx": patched("lynx", x), "oea": patched("oea", x),
@@ -489,7 +489,7 @@ def layer_markdown(rows: list, header: str) -> str:
            "(HF's default experts implementation). T = unique experts the step touches; ideal = T_after/T_before; "
            "ideal (bytes) = weight bytes the step reads after/before, counting the router and shared experts "
            "that every step reads (the best a memory-bound layer can do); "
-           "overhead = lynx_hf.policy.remap time / lynx layer time.", ""]
+           "overhead = lynx_hf.policies.remap time / lynx layer time.", ""]
     cells = {}
     for r in rows:
         cells.setdefault((r["shape"], r["source"], r["B"]), {})[r["variant"]] = r

@@ -48,17 +48,10 @@ FAILURES: list[str] = []
 
 
 def _import_kernels():
-    try:
-        from lynx_hf.kernels import moe, moe_naive, routing, routing_naive
-    except ImportError:  # running from a checkout without `pip install -e .`
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-        import importlib
+    """The installed package's kernels (``pip install -e .``); never the folder as a top-level ``kernels``."""
+    from lynx_hf.kernels import moe, moe_naive, routing, routing_torch
 
-        pkg = importlib.import_module("kernels")
-        moe, moe_naive, routing, routing_naive = (
-            importlib.import_module(f"{pkg.__name__}.{m}") for m in ("moe", "moe_naive", "routing", "routing_naive")
-        )
-    return moe, moe_naive, routing, routing_naive
+    return moe, moe_naive, routing, routing_torch
 
 
 def check(name: str, ok: bool, detail: str = "") -> None:
@@ -140,19 +133,19 @@ def run_model(name, shape, args, dev, dtype, kernels):
     for B in batches:
         logits = skewed_logits(B, N, gen, dev)
         idx0 = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
-        w0 = ref.naive_routing_weights(logits, idx0, "softmax_all")
+        w0 = ref.routing_weights(logits, idx0, "softmax_all")
         x = torch.randn(B, H, generator=gen).to(dev, dtype)
 
         # --- routing kernels: exact ---
-        crit_ref = ref.naive_lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
+        crit_ref = ref.lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
         crit = routing.lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
         check(f"B={B} lynx_critical_set", torch.equal(crit, crit_ref), f"|S|={int(crit.sum())}")
-        oea_ref = ref.naive_oea_critical_set(logits, min(2, k))
+        oea_ref = ref.oea_critical_set(logits, min(2, k))
         check(f"B={B} oea_critical_set", torch.equal(routing.oea_critical_set(logits, min(2, k)), oea_ref))
-        idx1_ref = ref.naive_remap_topk(logits, crit_ref, k)
+        idx1_ref = ref.remap_topk(logits, crit_ref, k)
         idx1, w1 = routing.remap_topk(logits, crit, k, rule="softmax_all", renormalize=True)
         check(f"B={B} remap_topk", torch.equal(idx1, idx1_ref))
-        w1_ref = ref.naive_routing_weights(logits, idx1_ref, "softmax_all", renormalize=True)
+        w1_ref = ref.routing_weights(logits, idx1_ref, "softmax_all", renormalize=True)
         check(f"B={B} remap weights", torch.allclose(w1, w1_ref, atol=1e-5, rtol=1e-5),
               f"max abs {float((w1 - w1_ref).abs().max()):.2e}")
 

@@ -4,7 +4,7 @@
     python eval/harness.py --model eval/fixtures/mixtral-tiny --tau 1 --skip-lm-eval
 
 Policies: unpatched (reference), none, LYNX (--tau/--alpha/--beta/--mass-floor; LynxConfig defaults
-otherwise) and OEA for each --k0 (default k-1 .. 1). The library code is lynx_hf.evaluation.
+otherwise) and OEA for each --k0 (default k-1 .. 1). The library code is eval/evaluation.py.
 
 1. teacher-forced decode: --sequences held-out windows in batches of --batch-size, a prefill of
    --prefill tokens then one token per step through the DynamicCache (every scored token comes from a
@@ -33,7 +33,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
-from lynx_hf import evaluation as ev  # noqa: E402
+import evaluation as ev  # noqa: E402  (eval/evaluation.py)
 
 GEN_TASK = "lynx_code_line_completion"
 LL_TASK = "lynx_code_next_line_mc"

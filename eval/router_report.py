@@ -26,7 +26,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from lynx_hf import evaluation as ev  # noqa: E402
+import evaluation as ev  # noqa: E402  (eval/evaluation.py)
 
 
 def markdown(report: dict, name: str) -> str:

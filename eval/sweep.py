@@ -5,7 +5,7 @@
 
 For every fixture and batch size B: the same held-out windows (``--sequences`` windows of
 ``--prefill + --decode + 1`` tokens, docs and code interleaved) are decoded one token per step through
-the KV cache (lynx_hf.evaluation.teacher_forced), unpatched first (the reference), then policy none,
+the KV cache (eval/evaluation.py: teacher_forced), unpatched first (the reference), then policy none,
 LYNX over the grid and OEA over k0. Every policy scores the same ``sequences x decode`` tokens.
 x = unique experts per MoE layer per decode step (after the policy), y = relative change in
 next-token cross-entropy vs unpatched.
@@ -35,7 +35,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
-from lynx_hf import evaluation as ev  # noqa: E402
+import evaluation as ev  # noqa: E402  (eval/evaluation.py)
 
 DEFAULT_MODELS = [str(ev.FIXTURES_DIR / "qwen2moe-tiny"), str(ev.FIXTURES_DIR / "mixtral-tiny")]
 TAUS = [0.5, 1.0, 2.0, 4.0, 8.0, 1e6]  # tau = 0 keeps every candidate: identical to none

@@ -1,6 +1,6 @@
 """Triton kernels of the LYNX / OEA routing steps (DESIGN.md "The LYNX policy", "Kernels").
 
-Each launcher has the signature and the outputs of its torch reference in :mod:`.routing_naive`
+Each launcher has the signature and the outputs of its torch reference in :mod:`.routing_torch`
 and returns exactly the same integers (tests compare them element for element):
 
 - :func:`lynx_critical_set` — LYNX (Gupta et al., arXiv 2411.08982, Sec. 4 "Dynamic expert
@@ -31,7 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing_naive import WEIGHT_RULES, batch_base_powers
+from . import routing_torch as _rt
+from .routing_torch import WEIGHT_RULES, batch_base_powers
 
 _RULE_CODE = {None: 0, "softmax_all": 1, "softmax_chosen": 2, "sigmoid": 3}
 
@@ -161,15 +162,19 @@ def lynx_critical_set(
     beta: int,
     tau: float,
     batch_base: int | None = None,
+    vote: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """LYNX critical set (arXiv 2411.08982, Sec. 4; DESIGN.md steps 1-4), one fused Triton kernel.
 
     ``scores [T, N]`` fp32 selection scores (``-inf`` = forbidden), ``topk_idx [T, k]`` int32/int64
     (the model's own selection, ids in ``0..N-1``) -> ``[N]`` bool, equal element for element to
-    :func:`.routing_naive.naive_lynx_critical_set`. ``batch_base`` defaults to ``T``.
+    :func:`.routing_torch.lynx_critical_set`. ``batch_base`` defaults to ``T``.
     Raises ``ValueError`` for non-2-d / non-fp32 / empty scores, a ``topk_idx`` that is not ``[T, k]``
     integer, ``top_k`` outside ``1..N``, ``alpha <= 0`` or ``beta < 0``.
     """
+    if vote is not None or seed is not None or isinstance(batch_base, torch.Tensor):  # TODO(kernels): masks
+        return _rt.lynx_critical_set(scores, topk_idx, top_k, alpha, beta, tau, batch_base, vote=vote, seed=seed)
     _check_scores(scores)
     num_tokens, num_experts = scores.shape
     if topk_idx.dim() != 2 or topk_idx.shape[0] != num_tokens or topk_idx.dtype not in (torch.int32, torch.int64):
@@ -222,13 +227,15 @@ def _oea_kernel(
     tl.store(out_ptr + offs_n, union.to(tl.int8), mask=nmask)
 
 
-def oea_critical_set(scores: torch.Tensor, top_k0: int) -> torch.Tensor:
+def oea_critical_set(scores: torch.Tensor, top_k0: int, vote=None, seed=None) -> torch.Tensor:
     """OEA critical set (arXiv 2511.02237, Sec. 3): union of every token's top-``k0`` (ties -> lower id).
 
-    ``scores [T, N]`` fp32 -> ``[N]`` bool, equal to :func:`.routing_naive.naive_oea_critical_set`
+    ``scores [T, N]`` fp32 -> ``[N]`` bool, equal to :func:`.routing_torch.oea_critical_set`
     (including ``-inf`` experts picked by id order when a row has fewer than ``k0`` finite scores).
     Raises ``ValueError`` for non-2-d / non-fp32 / empty scores or ``k0`` outside ``1..N``.
     """
+    if vote is not None or seed is not None:  # TODO(kernels): masks
+        return _rt.oea_critical_set(scores, top_k0, vote=vote, seed=seed)
     _check_scores(scores)
     num_tokens, num_experts = scores.shape
     if not 1 <= top_k0 <= num_experts:
@@ -319,12 +326,12 @@ def remap_topk(
     """Remap step (arXiv 2411.08982 Sec. 4; OEA piggybacking, arXiv 2511.02237 Sec. 3), in Triton.
 
     ``scores [T, N]`` fp32, ``critical [N]`` bool -> ``idx [T, k]`` int64, equal element for element
-    to :func:`.routing_naive.naive_remap_topk` (in-S experts by score, then out-of-S by score, ties
+    to :func:`.routing_torch.remap_topk` (in-S experts by score, then out-of-S by score, ties
     -> lower id; never a forbidden ``-inf`` expert).
 
     With ``rule`` in ``("softmax_all", "softmax_chosen", "sigmoid")`` returns ``(idx, weights)``, the
     weights ``[T, k]`` fp32 computed in the same kernel from ``logits [T, N]`` (default: ``scores``)
-    as :func:`.routing_naive.naive_routing_weights` does (agrees within fp32 rounding, ~1e-6).
+    as :func:`.routing_torch.routing_weights` does (agrees within fp32 rounding, ~1e-6).
 
     Raises ``ValueError`` for non-2-d / non-fp32 scores or logits of another shape, a ``critical``
     that is not ``[N]`` bool, ``top_k`` outside ``1..N``, an unknown rule, and (when ``check``, which
@@ -360,3 +367,6 @@ def remap_topk(
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(top_k),
     )
     return (idx, w) if rule else idx
+
+
+mass_greedy_grow = _rt.mass_greedy_grow  # TODO(kernels): Triton twin

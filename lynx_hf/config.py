@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 
+from . import policies
 from .errors import LynxConfigError
 
-POLICIES = ("lynx", "oea", "none")
 PHASES = ("auto", "decode", "never")
 BACKENDS = ("auto", "torch", "triton")
 #: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
@@ -21,8 +21,9 @@ class LynxConfig:
     Fields (each validated at construction; a bad value raises :class:`LynxConfigError`, a
     ``ValueError`` naming the field):
 
-    - ``policy``: ``"lynx"`` (LYNX, arXiv 2411.08982 Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237,
-      the baseline) or ``"none"`` (the model's own routing; decode is bit-identical to unpatched).
+    - ``policy``: a registered policy (``lynx_hf.policies``): ``"lynx"`` (LYNX, arXiv 2411.08982
+      Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237, the baseline) or ``"none"`` (the model's own routing;
+      decode is bit-identical to unpatched).
     - ``phase``: ``"auto"`` (decode detected from the KV-cache length, DESIGN.md "Phase detection"),
       ``"decode"`` (every forward is treated as decode: decode emulation), ``"never"`` (never remap).
     - ``alpha``: inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
@@ -44,8 +45,11 @@ class LynxConfig:
       tau/alpha grid and this series), then fixed. ``None`` gives the paper's rule (tau, grow by
       score). ``>= 0``.
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
-    - ``q_max``: the largest query length treated as decode when a cache is present (1 = plain
-      decode; speculative decoding may raise it). ``>= 1``.
+    - ``q_max``: outside ``generate``, the largest query length treated as decode when a cache is
+      present (1 = plain decode); in continuous batching, the largest per-request query length of a
+      decoding request. ``>= 1``. (Inside ``generate`` decode steps are known exactly.)
+    - ``verify``: remap the verification forwards of assisted / prompt-lookup decoding (every token
+      of a verify forward is decode work). Default True.
     - ``backend``: ``"auto"`` (Triton on CUDA tensors, torch on CPU), ``"torch"``, ``"triton"``.
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
     """
@@ -59,11 +63,12 @@ class LynxConfig:
     mass_price: float | None = 0.5
     k0: int = 1
     q_max: int = 1
+    verify: bool = True
     backend: str = "auto"
     telemetry: bool = True
 
     def __post_init__(self) -> None:
-        _choice("policy", self.policy, POLICIES)
+        _choice("policy", self.policy, policies.names())
         _choice("phase", self.phase, PHASES)
         _choice("backend", self.backend, BACKENDS)
         if self.alpha is not None:
@@ -88,8 +93,9 @@ class LynxConfig:
                 raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {self.mass_price!r}")
         _integer("k0", self.k0, minimum=1)
         _integer("q_max", self.q_max, minimum=1)
-        if not isinstance(self.telemetry, bool):
-            raise LynxConfigError(f"LynxConfig.telemetry must be a bool, got {self.telemetry!r}")
+        for name in ("telemetry", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise LynxConfigError(f"LynxConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -1,4 +1,4 @@
-"""patch / unpatch / patched / is_patched / stats / reset_stats."""
+"""patch / unpatch / patched / is_patched / config_of / stats / reset_stats."""
 
 from __future__ import annotations
 
@@ -7,12 +7,82 @@ import warnings
 
 import torch
 
-from . import policy
+from . import experts as experts_impl
+from . import policies
 from .config import LynxConfig
 from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
-from .layer import LAYER_ATTR, MODEL_ATTR, LynxLayer, ModelState
-from .patches import find_adapter, looks_like_moe, supported_families
+from .kernels.backend import resolve_backend
+from .patches import find_spec, looks_like_moe, supported_families
+from .routing import BlockRouting
+from .step import StepTracker, generation_scope
 from .telemetry import LynxStats
+
+MODEL_ATTR = "_lynx_state"  # on the module that owns generate (or the backbone): the ModelState
+
+
+class ModelState:
+    """Everything ``patch`` attached to one model; removed whole by ``unpatch``.
+
+    ``backbone``: the module every forward of the model ends in (the step hooks live there);
+    ``owner``: the module whose ``generate`` runs (its ``generate`` is wrapped; the state lives there).
+    """
+
+    def __init__(self, config: LynxConfig, backbone: torch.nn.Module, owner: torch.nn.Module) -> None:
+        self.config = config
+        self.backbone = backbone
+        self.owner = owner
+        self.tracker = StepTracker(self)
+        self.blocks: list[BlockRouting] = []
+        self.experts_impl_before: dict | None = None  # set while the "lynx" experts implementation is installed
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The patched MoE blocks, in module order."""
+        return [block.block for block in self.blocks]
+
+
+class _PatchedGenerate:
+    """The patched model's ``generate``: records the prompt length, stop tokens and whether the mode
+    verifies candidates, for the forwards it makes (``lynx_hf.step``), then calls the original."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        owner = self.state.owner
+        original = type(owner).generate.__get__(owner)
+        prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+        if prompt is None:
+            prompt = kwargs.get("inputs_embeds")
+        if prompt is None or prompt.dim() < 2:
+            return original(*args, **kwargs)
+        with generation_scope(self.state, prompt.shape[1], _eos_ids(owner, kwargs), _verifies(owner, kwargs)):
+            return original(*args, **kwargs)
+
+
+def _from_generation(owner, kwargs, name):
+    if kwargs.get(name) is not None:
+        return kwargs[name]
+    gen_config = kwargs.get("generation_config") or getattr(owner, "generation_config", None)
+    return getattr(gen_config, name, None)
+
+
+def _eos_ids(owner, kwargs) -> list[int]:
+    """The EOS ids that finish a row (none under beam search, whose rows are beams that reorder)."""
+    if (_from_generation(owner, kwargs, "num_beams") or 1) > 1:
+        return []
+    value = _from_generation(owner, kwargs, "eos_token_id")
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
+    return [int(i) for i in ids if not isinstance(i, bool)]
+
+
+def _verifies(owner, kwargs) -> bool:
+    """Whether generate verifies candidate tokens (assisted decoding with a draft model, prompt lookup)."""
+    if kwargs.get("assistant_model") is not None:
+        return True
+    return any(_from_generation(owner, kwargs, name) for name in ("prompt_lookup_num_tokens", "assistant_early_exit"))
 
 
 def _as_config(config, overrides) -> LynxConfig:
@@ -37,69 +107,143 @@ def _families_text() -> str:
                      for family, classes in supported_families().items())
 
 
+def _find_state(model) -> ModelState | None:
+    model = _unwrap(model)
+    if not isinstance(model, torch.nn.Module):
+        return None
+    for module in model.modules():
+        state = module.__dict__.get(MODEL_ATTR)
+        if state is not None:
+            return state
+    return None
+
+
+def _backbone_and_owner(model: torch.nn.Module, names: list[str]):
+    """The deepest module holding every MoE block (a ``PreTrainedModel`` if there is one: the decoder
+    backbone) and the deepest module above it whose ``generate`` is the model's own."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    containing = [(name, module) for name, module in model.named_modules()
+                  if all(n == name or n.startswith(name + ".") or not name for n in names)]
+    pretrained = [(name, m) for name, m in containing if isinstance(m, PreTrainedModel)]
+    backbone_name, backbone = max(pretrained or containing, key=lambda item: len(item[0]) + 1 if item[0] else 0)
+    owners = [(name, m) for name, m in containing if isinstance(m, GenerationMixin)
+              and (not name or backbone_name == name or backbone_name.startswith(name + "."))]
+    owner = max(owners, key=lambda item: len(item[0]) + 1 if item[0] else 0)[1] if owners else backbone
+    return backbone, owner
+
+
 def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides) -> torch.nn.Module:
     """Patch every supported MoE block of ``model`` in place and return ``model``.
 
     ``config``: a :class:`LynxConfig` (default ``LynxConfig()``: policy ``"lynx"``), a dict of its
     fields, or ``None``; keyword ``overrides`` set single fields (``patch(m, policy="oea")``).
-    Patching a patched model only swaps the config (and, if it changed, resets the telemetry, so
-    :func:`stats` always describes one config). Only the MoE blocks' ``forward`` (or, under
-    accelerate hooks, ``_old_forward``) is swapped and two hooks are added to ``model``: no module,
-    parameter or buffer is added, so ``state_dict`` and ``save_pretrained`` are unchanged (CASES C6).
+    ``model`` may be a transformers model or any module holding one (a PEFT ``PeftModel``, a
+    ``torch.compile`` wrapper): the model that actually runs is patched. Patching a patched model only
+    swaps the config (re-validated; the telemetry restarts if it changed).
+
+    What it installs (all removed by :func:`unpatch`; no module, parameter or buffer is added, so
+    ``state_dict`` and ``save_pretrained`` are unchanged, CASES C6): a forward hook on each MoE
+    block's router (Llama-4: the block's ``forward``), a pre/post forward hook on the decoder backbone,
+    an instance ``generate`` on the model that owns it, and, for a policy that remaps, the experts
+    implementation ``"lynx"`` (``lynx_hf.experts``).
 
     Raises :class:`UnsupportedModelError` when ``model`` has no block of a supported family (the
     message lists the families and any MoE-looking classes found), :class:`ModelConfigError` when a
-    block's routing settings are inconsistent (CASES C10), :class:`LynxConfigError` for a bad config.
+    block's routing settings are inconsistent or refuse the policy (CASES C10, C26),
+    :class:`LynxConfigError` for a bad config or a backend that cannot run on the model's device.
     """
     cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
-    if _unwrap(model) is not model:
+    inner = _unwrap(model)
+    if inner is not model:
         warnings.warn(
-            "lynx_hf: patching the module inside a torch.compile wrapper; the decode remap is data-dependent "
-            "(it breaks the compiled graph), so patched MoE blocks run eagerly. Patch before compiling, or "
-            "do not compile, to avoid recompilations.",
+            "lynx_hf: patching the module inside a torch.compile wrapper; compiled graphs traced before the "
+            "patch do not see it (they recompile on the next call if their guards notice). Patch before compiling.",
             stacklevel=2,
         )
-        patch(_unwrap(model), cfg)
-        return model
-    _check_backend(cfg, model)
-    state: ModelState | None = model.__dict__.get(MODEL_ATTR)
+    _check_backend(cfg, inner)
+    state = _find_state(inner)
     if state is not None:
-        if cfg != state.config:  # telemetry describes one config: start it afresh
-            state.config = cfg
-            for layer in state.layers:
-                layer.telemetry.reset()
+        _reconfigure(state, cfg)
         return model
 
-    found = []
-    lookalikes = set()
-    for name, module in model.named_modules():
-        adapter = find_adapter(module)
-        if adapter is not None:
-            found.append((name, module, adapter))
+    found, lookalikes = [], set()
+    for name, module in inner.named_modules():
+        spec = find_spec(module)
+        if spec is not None:
+            found.append((name, module, spec))
         elif looks_like_moe(module):
             lookalikes.add(type(module).__name__)
     if not found:
         hint = f" It has MoE-looking blocks of unsupported classes: {sorted(lookalikes)}." if lookalikes else ""
         raise UnsupportedModelError(
-            f"{type(model).__name__} has no MoE block of a supported family.{hint} Supported: {_families_text()}."
+            f"{type(inner).__name__} has no MoE block of a supported family.{hint} Supported: {_families_text()}."
         )
-    for name, module, adapter in found:  # validate everything before changing anything
-        adapter.check_block(module, name or type(module).__name__)
+    for name, module, spec in found:  # validate everything before changing anything
+        spec.validate(module, name or type(module).__name__, cfg)
     if lookalikes:
         warnings.warn(f"lynx_hf: unsupported MoE-looking blocks left unpatched: {sorted(lookalikes)}", stacklevel=2)
 
-    state = ModelState(cfg)
-    for name, module, adapter in found:
-        if LAYER_ATTR in module.__dict__:
-            raise UnsupportedModelError(f"{name} is already patched through another model; unpatch that one first")
-        layer = LynxLayer(state, adapter, name, module)
-        layer.install()
-        state.layers.append(layer)
-    state.tracker.attach(model)
-    object.__setattr__(model, MODEL_ATTR, state)
+    backbone, owner = _backbone_and_owner(inner, [name for name, _, _ in found])
+    state = ModelState(cfg, backbone, owner)
+    for name, module, spec in found:
+        block = BlockRouting(state, spec, name or type(module).__name__, module)
+        block.resolve()
+        state.blocks.append(block)
+    for block in state.blocks:
+        block.install()
+    state.tracker.attach(backbone)
+    if _has_generate(owner):
+        object.__setattr__(owner, "generate", _PatchedGenerate(state))
+    object.__setattr__(owner, MODEL_ATTR, state)
+    _sync_experts_impl(state)
     return model
+
+
+def _has_generate(module) -> bool:
+    from transformers import GenerationMixin
+
+    return isinstance(module, GenerationMixin)
+
+
+def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
+    if cfg == state.config:
+        return
+    for block in state.blocks:
+        block.spec.validate(block.block, block.name, cfg)
+    state.config = cfg
+    for block in state.blocks:
+        block.telemetry.reset()  # telemetry describes one config
+        block.resolve()
+    _sync_experts_impl(state)
+
+
+def _sync_experts_impl(state: ModelState) -> None:
+    """Install the ``"lynx"`` experts implementation iff the policy remaps (see ``lynx_hf.experts``)."""
+    owner = state.owner
+    wants = policies.get(state.config.policy).remaps and hasattr(owner, "set_experts_implementation")
+    modules = [b for b in state.blocks if experts_impl.uses_interface(b.experts)]
+    if wants and modules and state.experts_impl_before is None:
+        experts_impl.register()
+        state.experts_impl_before = owner.get_experts_implementation()
+        for block in modules:
+            block.original_impl = block.experts.config._experts_implementation
+            block.kernel_reason = experts_impl.kernel_storage(block.experts)
+            object.__setattr__(block.experts, experts_impl.EXPERTS_ATTR, block)
+        owner.set_experts_implementation(experts_impl.IMPLEMENTATION)
+    elif not wants and state.experts_impl_before is not None:
+        _remove_experts_impl(state)
+
+
+def _remove_experts_impl(state: ModelState) -> None:
+    before, state.experts_impl_before = state.experts_impl_before, None
+    if state.owner.get_experts_implementation() == {k: experts_impl.IMPLEMENTATION for k in before} or \
+            experts_impl.IMPLEMENTATION in state.owner.get_experts_implementation().values():
+        state.owner.set_experts_implementation(before)
+    for block in state.blocks:
+        block.experts.__dict__.pop(experts_impl.EXPERTS_ATTR, None)
 
 
 def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
@@ -107,30 +251,31 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
     param = next(model.parameters(), None)
     device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
     try:
-        policy.use_triton(cfg.backend, device)
+        resolve_backend(cfg.backend, device)
     except RuntimeError as exc:
         raise LynxConfigError(f"LynxConfig.backend={cfg.backend!r}: {exc}") from exc
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`patch` exactly: original forwards restored, hooks removed, no attribute left.
-
-    A model that is not patched is returned unchanged.
-    """
-    inner = _unwrap(model)
-    state: ModelState | None = inner.__dict__.get(MODEL_ATTR)
+    """Undo :func:`patch` exactly: original forwards and experts implementation restored, hooks removed,
+    no attribute left. A model that is not patched is returned unchanged."""
+    state = _find_state(model)
     if state is None:
         return model
-    state.tracker.detach(inner)
-    for layer in state.layers:
-        layer.uninstall()
-    del inner.__dict__[MODEL_ATTR]
+    if state.experts_impl_before is not None:
+        _remove_experts_impl(state)
+    state.tracker.detach(state.backbone)
+    for block in state.blocks:
+        block.uninstall()
+    if isinstance(state.owner.__dict__.get("generate"), _PatchedGenerate):
+        del state.owner.__dict__["generate"]
+    del state.owner.__dict__[MODEL_ATTR]
     return model
 
 
 def is_patched(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is currently patched by lynx_hf."""
-    return MODEL_ATTR in getattr(_unwrap(model), "__dict__", {})
+    """Whether ``model`` (or a model inside it) is currently patched by lynx_hf."""
+    return _find_state(model) is not None
 
 
 @contextlib.contextmanager
@@ -149,7 +294,7 @@ def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **o
 
 
 def _state(model) -> ModelState:
-    state = getattr(_unwrap(model), "__dict__", {}).get(MODEL_ATTR)
+    state = _find_state(model)
     if state is None:
         raise NotPatchedError("this model is not patched by lynx_hf: call lynx_hf.patch(model) first")
     return state
@@ -163,12 +308,13 @@ def config_of(model: torch.nn.Module) -> LynxConfig:
 def stats(model: torch.nn.Module) -> LynxStats:
     """Decode telemetry of a patched model (see :meth:`LynxStats.summary`). Raises :class:`NotPatchedError`."""
     state = _state(model)
-    layers = [{"layer": layer.name, "num_experts": layer.num_experts, "top_k": layer.top_k, **layer.telemetry.summary()}
-              for layer in state.layers]
+    layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary()}
+              for b in state.blocks]
     return LynxStats(policy=state.config.policy, layers=layers)
 
 
 def reset_stats(model: torch.nn.Module) -> None:
     """Zero the telemetry of a patched model. Raises :class:`NotPatchedError`."""
-    for layer in _state(model).layers:
-        layer.telemetry.reset()
+    for block in _state(model).blocks:
+        block.telemetry.reset()
+

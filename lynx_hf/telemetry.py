@@ -1,7 +1,8 @@
-"""Per-layer decode telemetry: unique experts before/after, remapped fraction, routing mass kept.
+"""Per-block decode telemetry: unique experts before/after, remapped fraction, routing mass kept, tokens.
 
-Accumulators are small tensors on the layer's device (no host sync in the decode step); they are
-read only by :func:`lynx_hf.stats`.
+Accumulators are small fp64 tensors on the block's device, updated in place by :meth:`record` with
+no host sync (so a decode step stays graph-capturable), always detached (no autograd graph is kept),
+and usable across ``torch.inference_mode`` boundaries. They are read only by :func:`lynx_hf.stats`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 # accumulator slots
-_STEPS, _BEFORE, _AFTER, _REMAPPED, _ASSIGNMENTS, _MASS, _TOKENS, _FALLBACKS = range(8)
+(_STEPS, _BEFORE, _AFTER, _REMAPPED, _ASSIGNMENTS, _MASS, _TOKENS, _FALLBACKS, _VERIFY_TOKENS,
+ _PREFILL_TOKENS, _FINISHED_TOKENS) = range(11)
+_SLOTS = 11
 
 
-class LayerTelemetry:
-    """Sums over the decode steps one MoE layer has seen."""
+def _union_size(idx: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
+    hits = rows.to(torch.int32)[:, None].expand(idx.shape).reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device).index_add_(0, idx.reshape(-1).long(), hits)
+    return (counts > 0).sum()
+
+
+class BlockTelemetry:
+    """Sums over the decode steps one MoE block has seen."""
 
     def __init__(self) -> None:
         self.acc: torch.Tensor | None = None
@@ -24,79 +33,101 @@ class LayerTelemetry:
         self.acc = None
 
     def _buf(self, device) -> torch.Tensor:
-        if self.acc is None or self.acc.device != device:
-            self.acc = torch.zeros(8, dtype=torch.float64, device=device)
-        return self.acc
+        acc = self.acc
+        if acc is None or acc.device != device:
+            acc = torch.zeros(_SLOTS, dtype=torch.float64, device=device)
+        elif not torch.compiler.is_compiling() and acc.is_inference() and not torch.is_inference_mode_enabled():
+            acc = acc.clone()  # created under inference_mode: a normal tensor again (CASES C27)
+        self.acc = acc
+        return acc
 
+    @torch.no_grad()
     def record(
         self,
         num_experts: int,
         orig_idx: torch.Tensor,
         orig_weights: torch.Tensor,
-        new_idx: torch.Tensor | None,
-        fallback: bool = False,
+        new_idx: torch.Tensor,
+        counted: torch.Tensor,
+        *,
+        verify: bool = False,
+        prefill_rows: torch.Tensor | None = None,
+        finished_rows: torch.Tensor | None = None,
+        fallback: torch.Tensor | None = None,
     ) -> None:
-        """One decode step. ``orig_idx``/``new_idx [T, k]`` int, ``orig_weights [T, k]`` (the model's)."""
+        """One step. ``orig_idx`` / ``new_idx [T, k]`` int (the model's routing, the routing used),
+        ``orig_weights [T, k]``, ``counted [T]`` bool (live decode tokens: the ones measured);
+        ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool."""
         acc = self._buf(orig_idx.device)
-        num_tokens, top_k = orig_idx.shape
-        before = torch.zeros(num_experts, dtype=torch.bool, device=orig_idx.device)
-        before[orig_idx.reshape(-1)] = True
-        row = torch.zeros(8, dtype=torch.float64, device=acc.device)
-        row[_STEPS] = 1
-        row[_BEFORE] = before.sum()
-        row[_ASSIGNMENTS] = num_tokens * top_k
-        row[_TOKENS] = num_tokens
-        row[_FALLBACKS] = float(fallback)
-        if new_idx is None:
-            row[_AFTER] = row[_BEFORE]
-            row[_MASS] = num_tokens
-        else:
-            after = torch.zeros(num_experts, dtype=torch.bool, device=orig_idx.device)
-            after[new_idx.reshape(-1)] = True
-            kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1)  # [T, k] orig slot still used
-            w = orig_weights.float()
-            row[_AFTER] = after.sum()
-            row[_REMAPPED] = (~kept).sum()
-            row[_MASS] = ((w * kept).sum(-1) / w.sum(-1).clamp_min(1e-30)).sum()
-        acc += row
+        counted = counted.to(torch.bool)
+        n = counted.sum().to(torch.float64)
+        kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1) & counted[:, None]  # [T, k]
+        w = orig_weights.detach().float()
+        mass = ((w * kept).sum(-1) / w.sum(-1).clamp_min(1e-30)).sum()
+        row = torch.stack([
+            (n > 0).to(torch.float64),
+            _union_size(orig_idx, counted, num_experts).to(torch.float64),
+            _union_size(new_idx, counted, num_experts).to(torch.float64),
+            (counted[:, None] & ~kept).sum().to(torch.float64),
+            n * orig_idx.shape[1],
+            mass.to(torch.float64),
+            n,
+            torch.zeros((), dtype=torch.float64, device=acc.device) if fallback is None else fallback.to(torch.float64),
+            n if verify else torch.zeros((), dtype=torch.float64, device=acc.device),
+            torch.zeros((), dtype=torch.float64, device=acc.device) if prefill_rows is None
+            else prefill_rows.sum().to(torch.float64),
+            torch.zeros((), dtype=torch.float64, device=acc.device) if finished_rows is None
+            else finished_rows.sum().to(torch.float64),
+        ])
+        acc.add_(row)
 
     def summary(self) -> dict:
         if self.acc is None:
-            return {"decode_steps": 0, "unique_experts_before": 0.0, "unique_experts_after": 0.0,
-                    "remapped_fraction": 0.0, "routing_mass_kept": 1.0, "fallbacks": 0}
-        a = self.acc.tolist()
+            a = [0.0] * _SLOTS
+        else:
+            a = self.acc.tolist()
         steps = max(a[_STEPS], 1.0)
         return {
             "decode_steps": int(a[_STEPS]),
             "unique_experts_before": a[_BEFORE] / steps,
             "unique_experts_after": a[_AFTER] / steps,
             "remapped_fraction": a[_REMAPPED] / max(a[_ASSIGNMENTS], 1.0),
-            "routing_mass_kept": a[_MASS] / max(a[_TOKENS], 1.0),
+            "routing_mass_kept": a[_MASS] / a[_TOKENS] if a[_TOKENS] else 1.0,
             "fallbacks": int(a[_FALLBACKS]),
+            "decode_tokens": int(a[_TOKENS]),
+            "verify_tokens": int(a[_VERIFY_TOKENS]),
+            "prefill_tokens_in_mixed_steps": int(a[_PREFILL_TOKENS]),
+            "finished_row_tokens": int(a[_FINISHED_TOKENS]),
         }
 
 
 @dataclass
 class LynxStats:
-    """What :func:`lynx_hf.stats` returns: per-layer summaries plus model-level means."""
+    """What :func:`lynx_hf.stats` returns: per-block summaries plus model-level means."""
 
     policy: str
     layers: list[dict] = field(default_factory=list)
 
     def summary(self) -> dict:
-        """Means over MoE layers of the per-layer means per decode step.
+        """Means over MoE blocks of the per-block means per decode step.
 
-        Keys: ``decode_steps`` (decode forwards seen by the model), ``unique_experts_before`` /
-        ``unique_experts_after`` (distinct experts per layer per decode step), ``ratio``
-        (after/before), ``remapped_fraction`` (share of token→expert assignments changed),
-        ``routing_mass_kept`` (mean over tokens of the original top-k weight still used, 1 = all),
-        ``fallbacks`` (steps that used the model's own routing because router scores were not
-        finite), ``num_moe_layers``, ``policy`` and ``per_layer`` (list of per-layer dicts).
+        Keys: ``decode_steps`` (forwards with at least one live decode token, as seen by the blocks),
+        ``unique_experts_before`` / ``unique_experts_after`` (distinct experts the live decode tokens
+        use per block per decode step, with the model's own routing / with the policy's), ``ratio``
+        (after/before), ``remapped_fraction`` (share of token->expert assignments changed),
+        ``routing_mass_kept`` (mean over decode tokens of the original top-k weight still used, 1 =
+        all), ``fallbacks`` (steps in which some token kept the model's routing because its router
+        logits were not finite), ``decode_tokens``, ``verify_tokens`` (decode tokens that came in
+        verification forwards of assisted / prompt-lookup decoding), ``prefill_tokens_in_mixed_steps``
+        (prefill tokens that shared a forward with decode tokens: continuous batching),
+        ``finished_row_tokens`` (tokens of finished rows, not counted above), ``num_moe_layers``,
+        ``policy`` and ``per_layer`` (list of per-block dicts).
         """
         seen = [layer for layer in self.layers if layer["decode_steps"] > 0]
         n = max(len(seen), 1)
         before = sum(layer["unique_experts_before"] for layer in seen) / n
         after = sum(layer["unique_experts_after"] for layer in seen) / n
+        first = self.layers[0] if self.layers else {}
         return {
             "policy": self.policy,
             "decode_steps": max((layer["decode_steps"] for layer in self.layers), default=0),
@@ -107,5 +138,9 @@ class LynxStats:
             "remapped_fraction": sum(layer["remapped_fraction"] for layer in seen) / n,
             "routing_mass_kept": (sum(layer["routing_mass_kept"] for layer in seen) / n) if seen else 1.0,
             "fallbacks": sum(layer["fallbacks"] for layer in self.layers),
+            "decode_tokens": first.get("decode_tokens", 0),
+            "verify_tokens": first.get("verify_tokens", 0),
+            "prefill_tokens_in_mixed_steps": first.get("prefill_tokens_in_mixed_steps", 0),
+            "finished_row_tokens": first.get("finished_row_tokens", 0),
             "per_layer": self.layers,
         }

@@ -1,4 +1,7 @@
-"""Per-family adapters: which module is the MoE block and how it routes (DESIGN.md tiers)."""
+"""Per-family specs: which module is the MoE block and how its routing works (DESIGN.md tiers).
+
+A new family = a short spec file (a :class:`FamilySpec`) + one line in :data:`SPECS`.
+"""
 
 from __future__ import annotations
 
@@ -6,34 +9,28 @@ import re
 
 import torch
 
-from .base import MoEAdapter, WeightRule
-from .deepseek_v2 import DeepseekV2Adapter
-from .deepseek_v3 import DeepseekV3Adapter
-from .generic import GenericAdapter
-from .llama4 import Llama4Adapter
-from .mixtral import MixtralAdapter
-from .olmoe import OlmoeAdapter
-from .qwen2_moe import Qwen2MoeAdapter
-from .qwen3_moe import Qwen3MoeAdapter
+from . import deepseek_v2, deepseek_v3, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe
+from .base import FamilySpec, WeightRule
+from .generic import GenericSpec
 
-_DEDICATED: tuple[MoEAdapter, ...] = (Qwen2MoeAdapter(), MixtralAdapter(), DeepseekV2Adapter(), Llama4Adapter(),
-                                      Qwen3MoeAdapter(), OlmoeAdapter(), DeepseekV3Adapter())
-# The generic adapter comes last and never claims a block a dedicated adapter matches.
-ADAPTERS: tuple[MoEAdapter, ...] = (*_DEDICATED, GenericAdapter(exclude=_DEDICATED))
+_DEDICATED: tuple[FamilySpec, ...] = (qwen2_moe.SPEC, mixtral.SPEC, deepseek_v2.SPEC, llama4.SPEC, qwen3_moe.SPEC,
+                                      olmoe.SPEC, deepseek_v3.SPEC)
+# The generic spec comes last and never claims a block a dedicated spec matches.
+SPECS: tuple[FamilySpec, ...] = (*_DEDICATED, GenericSpec(exclude=_DEDICATED))
 
 _MOE_NAME = re.compile(r"moe|mixture|sparse.*block|expert", re.IGNORECASE)
 
 
 def supported_families() -> dict[str, list[str]]:
-    """``{family: [HF block class names]}`` of the adapters shipped."""
-    return {a.family: [name for _, name in a.block_class_paths] for a in ADAPTERS}
+    """``{family: [HF block class names]}`` of the specs shipped."""
+    return {s.family: [name for _, name in s.block_classes] for s in SPECS}
 
 
-def find_adapter(module: torch.nn.Module) -> MoEAdapter | None:
-    """The adapter whose HF block class ``module`` is an instance of, or ``None``."""
-    for adapter in ADAPTERS:
-        if adapter.matches(module):
-            return adapter
+def find_spec(module: torch.nn.Module) -> FamilySpec | None:
+    """The spec whose HF block class ``module`` is an instance of, or ``None``."""
+    for spec in SPECS:
+        if spec.matches(module):
+            return spec
     return None
 
 
@@ -45,4 +42,4 @@ def looks_like_moe(module: torch.nn.Module) -> bool:
     return (has_experts and has_router) or (has_experts and bool(_MOE_NAME.search(type(module).__name__)))
 
 
-__all__ = ["ADAPTERS", "MoEAdapter", "WeightRule", "find_adapter", "looks_like_moe", "supported_families"]
+__all__ = ["SPECS", "FamilySpec", "WeightRule", "find_spec", "looks_like_moe", "supported_families"]

@@ -1,14 +1,17 @@
-"""What every family adapter provides (the only tier that knows HF class names).
+"""What a family spec declares (the only tier that knows HF class names; DESIGN.md tiers).
 
-An adapter names the HF MoE block class(es) of one family, validates a block's routing settings at
-patch time, and implements ``forward(block, hidden_states, lynx)``: the HF block's forward with the
-routing step handed to ``lynx.route`` (decode only; prefill never reaches an adapter).
+A family is a :class:`FamilySpec`: the HF block class(es), which child is the router and which the
+experts, how to read N and k, how to turn the router's logits into fp32 selection scores, the weight
+rule a remap must reproduce, and what it refuses at patch time (with the reason). No forward bodies:
+the core (``lynx_hf.routing``) intercepts the router's output, and the block's own forward runs.
+Llama-4 alone declares ``decode_forward`` (HF computes its experts densely).
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -17,48 +20,80 @@ import torch
 class WeightRule:
     """How a family weights its chosen experts (DESIGN.md "Family rules").
 
-    ``rule``: one of ``kernels.routing_naive.WEIGHT_RULES``; ``renormalize`` over the chosen k;
-    ``scale`` (``routed_scaling_factor``); ``dtype``: cast of the final weights (``None`` keeps fp32).
+    ``rule``: one of ``kernels.routing_torch.WEIGHT_RULES``; ``renormalize`` over the chosen k;
+    ``scale`` (``routed_scaling_factor``). Weights are computed in fp32 and cast to the dtype of the
+    router's own weights (what each family does).
     """
 
     rule: str
     renormalize: bool = False
     scale: float = 1.0
-    dtype: torch.dtype | None = None
 
 
-class MoEAdapter:
-    """Base class; subclasses set ``family``, ``block_class_paths`` and implement the methods."""
+def fp32_logits(router, logits: torch.Tensor) -> torch.Tensor:
+    """Default selection scores: the router logits in fp32 (pre-softmax / pre-sigmoid, DESIGN.md)."""
+    return logits.float()
 
-    family: str = ""
-    #: ``(module path, class name)`` of the HF MoE block(s) this adapter patches.
-    block_class_paths: tuple[tuple[str, str], ...] = ()
 
-    def block_classes(self) -> tuple[type, ...]:
-        classes = []
-        for module_path, name in self.block_class_paths:
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family (see the module docstring). ``check(block, router, name, config)`` raises
+    :class:`lynx_hf.ModelConfigError` for settings it refuses; ``weight_rule(router, block)``."""
+
+    family: str
+    block_classes: tuple[tuple[str, str], ...]
+    weight_rule_of: Callable[[torch.nn.Module, torch.nn.Module], WeightRule]
+    router: str = "gate"
+    experts: str = "experts"
+    selection_scores: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = fp32_logits
+    check: Callable | None = None
+    decode_forward: Callable | None = None
+
+    def classes(self) -> tuple[type, ...]:
+        found = []
+        for module_path, name in self.block_classes:
             try:
-                classes.append(getattr(importlib.import_module(module_path), name))
+                found.append(getattr(importlib.import_module(module_path), name))
             except (ImportError, AttributeError):
                 continue  # this transformers build lacks the family
-        return tuple(classes)
+        return tuple(found)
 
     def matches(self, module: torch.nn.Module) -> bool:
-        classes = self.block_classes()
+        classes = self.classes()
         return bool(classes) and isinstance(module, classes)
 
-    def experts_and_top_k(self, block) -> tuple[int, int]:
-        raise NotImplementedError
+    def router_of(self, block) -> torch.nn.Module:
+        return getattr(block, self.router)
 
-    def check_block(self, block, name: str) -> None:
-        """Raise :class:`lynx_hf.ModelConfigError` when the block's routing settings are inconsistent."""
+    def experts_of(self, block) -> torch.nn.Module:
+        return getattr(block, self.experts)
+
+    def shape(self, block) -> tuple[int, int]:
+        """``(N, k)``: the router's ``num_experts`` and ``top_k``."""
+        router = self.router_of(block)
+        return int(router.num_experts), int(router.top_k)
+
+    def weight_rule(self, block) -> WeightRule:
+        return self.weight_rule_of(self.router_of(block), block)
+
+    def validate(self, block, name: str, config) -> None:
+        """Patch-time checks: k in 1..N, then the family's own (raise ``ModelConfigError``)."""
         from ..errors import ModelConfigError
 
-        num_experts, top_k = self.experts_and_top_k(block)
+        num_experts, top_k = self.shape(block)
         if not 1 <= top_k <= num_experts:
             raise ModelConfigError(
                 f"{name} ({type(block).__name__}): num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}"
             )
+        if self.check is not None:
+            self.check(block, self.router_of(block), name, config)
 
-    def forward(self, block, hidden_states: torch.Tensor, lynx):
-        raise NotImplementedError
+    # The router output contract (router_logits, routing_weights, selected_experts).
+    @staticmethod
+    def unpack(output):
+        return output[0], output[1], output[2]
+
+    @staticmethod
+    def repack(output, logits, weights, idx):
+        new = (logits, weights, idx, *output[3:])
+        return list(new) if isinstance(output, list) else new

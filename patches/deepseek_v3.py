@@ -12,7 +12,7 @@ The model's own rule (``DeepseekV3TopkRouter.forward``):
   ``norm_topk_prob``, times ``routed_scaling_factor``; fp32. The bias never enters the weights.
 
 A remap reproduces it with ``WeightRule("sigmoid", renormalize=norm_topk_prob,
-scale=routed_scaling_factor)`` on the router logits: ``naive_routing_weights`` already applies
+scale=routed_scaling_factor)`` on the router logits: ``routing_weights`` already applies
 sigmoid to the logits of the new set, renormalizes over the chosen k, then scales (the model's
 ``+1e-20`` in the denominator is below one fp32 ulp of any sum larger than ~1e-13, i.e. of any sum
 not made of underflowed sigmoids). Shared experts untouched; ``first_k_dense_replace`` layers are
@@ -48,78 +48,53 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelConfigError
-from .base import MoEAdapter, WeightRule
+from .base import FamilySpec, WeightRule
+from .deepseek_v2 import check_groups
 
 _TINY = torch.finfo(torch.float32).tiny
 
 
-class DeepseekV3Adapter(MoEAdapter):
-    family = "deepseek_v3"
-    block_class_paths = (("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE"),)
-
-    def experts_and_top_k(self, block):
-        return block.gate.num_experts, block.gate.top_k
-
-    def check_block(self, block, name):
-        """C10 for V3: the group settings must let every token's allowed groups supply k experts."""
-        super().check_block(block, name)
-        gate = block.gate
-        n_group, topk_group, num_experts, top_k = gate.num_group, gate.topk_group, gate.num_experts, gate.top_k
-        if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
-            raise ModelConfigError(
-                f"{name}: n_group={n_group} must be a positive divisor of num_experts (n_routed_experts)={num_experts}"
-            )
-        if num_experts // n_group < 2:
-            raise ModelConfigError(
-                f"{name}: n_group={n_group} leaves {num_experts // n_group} expert per group; the group score "
-                f"(sum of the top-2 corrected scores) needs n_routed_experts/n_group >= 2"
-            )
-        if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-            raise ModelConfigError(f"{name}: topk_group={topk_group} must be in 1..n_group={n_group}")
-        allowed = topk_group * (num_experts // n_group)
-        if allowed < top_k:
-            raise ModelConfigError(
-                f"{name}: group routing cannot supply num_experts_per_tok={top_k} experts: topk_group="
-                f"{topk_group} groups of n_routed_experts/n_group={num_experts}/{n_group} experts allow only {allowed}"
-            )
-        bias = getattr(gate, "e_score_correction_bias", None)
-        if bias is None or tuple(bias.shape) != (num_experts,):
-            raise ModelConfigError(
-                f"{name}: e_score_correction_bias must have shape ({num_experts},), got "
-                f"{None if bias is None else tuple(bias.shape)}"
-            )
-
-    @staticmethod
-    def allowed_mask(gate, scores_for_choice: torch.Tensor) -> torch.Tensor:
-        """``[T, N]`` bool: the experts of each token's ``topk_group`` best groups (the model's ops)."""
-        per_group = gate.num_experts // gate.num_group
-        group_scores = scores_for_choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-        return group_mask.repeat_interleave(per_group, dim=-1)
-
-    @classmethod
-    def selection_scores(cls, gate, router_logits: torch.Tensor) -> torch.Tensor:
-        """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups."""
-        logits = router_logits.float()
-        bias = gate.e_score_correction_bias
-        scores_for_choice = logits.sigmoid() + bias  # exactly the model's corrected scores
-        allowed = cls.allowed_mask(gate, scores_for_choice)
-        shifted = (scores_for_choice - bias.min().float()).clamp_min(_TINY)
-        return torch.log(shifted).masked_fill(~allowed, float("-inf"))
-
-    def forward(self, block, hidden_states, lynx):
-        # Mirrors DeepseekV3MoE.forward (transformers 5.23) with the routing handed to lynx.
-        residuals = hidden_states
-        orig_shape = hidden_states.shape
-        router_logits, topk_weights, topk_indices = block.gate(hidden_states)
-        gate = block.gate
-        rule = WeightRule("sigmoid", renormalize=bool(gate.norm_topk_prob), scale=float(gate.routed_scaling_factor),
-                          dtype=topk_weights.dtype)
-        topk_indices, topk_weights, changed = lynx.route(
-            router_logits, lambda: self.selection_scores(gate, router_logits), topk_indices, topk_weights, rule
+def _check(block, gate, name, config):
+    num_experts, n_group = gate.num_experts, gate.num_group
+    check_groups(name, num_experts, gate.top_k, n_group, gate.topk_group, config,
+                 ("n_group", "topk_group", "n_routed_experts", "num_experts_per_tok"))
+    if num_experts // n_group < 2:
+        raise ModelConfigError(
+            f"{name}: n_group={n_group} leaves {num_experts // n_group} expert per group; the group score "
+            f"(sum of the top-2 corrected scores) needs n_routed_experts/n_group >= 2"
         )
-        hidden = hidden_states.view(-1, hidden_states.shape[-1])
-        hidden_states = lynx.run_experts(block.experts, hidden, topk_indices, topk_weights, changed,
-                                         lambda: block.experts(hidden, topk_indices, topk_weights)).view(*orig_shape)
-        return hidden_states + block.shared_experts(residuals)
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if bias is None or tuple(bias.shape) != (num_experts,):
+        raise ModelConfigError(
+            f"{name}: e_score_correction_bias must have shape ({num_experts},), got "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
+
+
+def allowed_mask(gate, scores_for_choice: torch.Tensor) -> torch.Tensor:
+    """``[T, N]`` bool: the experts of each token's ``topk_group`` best groups (the model's ops)."""
+    per_group = gate.num_experts // gate.num_group
+    group_scores = scores_for_choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
+    return group_mask.repeat_interleave(per_group, dim=-1)
+
+
+def selection_scores(gate, router_logits: torch.Tensor) -> torch.Tensor:
+    """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups."""
+    logits = router_logits.float()
+    bias = gate.e_score_correction_bias
+    scores_for_choice = logits.sigmoid() + bias  # exactly the model's corrected scores
+    allowed = allowed_mask(gate, scores_for_choice)
+    shifted = (scores_for_choice - bias.min().float()).clamp_min(_TINY)
+    return torch.log(shifted).masked_fill(~allowed, float("-inf"))
+
+
+SPEC = FamilySpec(
+    family="deepseek_v3",
+    block_classes=(("transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE"),),
+    weight_rule_of=lambda gate, block: WeightRule("sigmoid", renormalize=bool(gate.norm_topk_prob),
+                                                  scale=float(gate.routed_scaling_factor)),
+    selection_scores=selection_scores,
+    check=_check,
+)

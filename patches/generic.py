@@ -17,7 +17,7 @@ MiniMax's always-on renormalization, which no attribute names) is enumerated (so
 renormalize or not). At patch time (:meth:`GenericAdapter.check_block`) the router runs, without
 grad, on a fixed random probe of ``[16, H]`` hidden states in the experts' dtype, and a rule is
 accepted only if (1) the model's own experts are the top-k of its router logits (no correction bias,
-no group limits, no sampling), and (2) the rule, applied by ``naive_routing_weights`` to the model's
+no group limits, no sampling), and (2) the rule, applied by ``routing_weights`` to the model's
 own logits and indices and cast to the router's weight dtype, reproduces the router's own weights
 (to 4 ulps of that dtype; the closest fitting candidate wins). Otherwise ``patch`` refuses with
 :class:`lynx_hf.UnsupportedModelError` naming the block class (e.g. PhiMoE's sparsemixer). A router whose weights are not materialized at
@@ -26,13 +26,8 @@ if that fails the block keeps the model's own routing (a warning says so).
 
 Selection scores: the fp32 router logits (pre-softmax / pre-sigmoid, DESIGN.md).
 
-Decode forward: the block's *own* forward runs, with two temporary interceptions that are removed
-before it returns (nothing stays on the modules): a forward hook on the router hands its output to
-``lynx.route`` and returns the remapped ``(logits, weights, indices)`` to the block, so shared
-experts, gates and output contracts are the block's own; and, only when the sparse Triton decode
-kernel applies (``lynx.run_experts``: Triton backend, SiLU-gated, concatenated, non-transposed,
-bias-free experts, no accelerate hook on the experts module), an instance ``forward`` on the experts
-that routes the call through ``lynx.run_experts``.
+Decode: like every family, the block's own forward runs; the core's router hook post-processes the
+router's output and the experts run through transformers' experts interface (``lynx_hf.experts``).
 
 Verified by the test suite (tests/test_adapters_extra.py, transformers 5.23): GraniteMoE
 (``GraniteMoeMoE``: softmax over the chosen k, weights in the hidden dtype), FlexOlmo
@@ -43,15 +38,13 @@ Verified by the test suite (tests/test_adapters_extra.py, transformers 5.23): Gr
 from __future__ import annotations
 
 import itertools
-import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..errors import UnsupportedModelError
-from ..kernels.routing_naive import naive_routing_weights
-from .base import MoEAdapter, WeightRule
+from ..kernels.routing_torch import routing_weights
+from .base import FamilySpec, WeightRule
 
 _PROBE_TOKENS = 16
 _ROUTER_NAMES = ("gate", "router")
@@ -68,7 +61,6 @@ class InferredRule:
     top_k: int
 
 
-_REFUSED = InferredRule("", False, 1.0, 0)  # deferred verification failed: keep the model's routing
 
 
 def block_parts(module: torch.nn.Module):
@@ -110,46 +102,58 @@ def _stated(block, router, experts, names):
     return None
 
 
-class GenericAdapter(MoEAdapter):
-    family = "generic"
-    block_class_paths = ()
+class GenericSpec(FamilySpec):
+    """Any block with the standard router/experts contract that no dedicated spec claims."""
 
-    def __init__(self, exclude: tuple[MoEAdapter, ...] = ()) -> None:
-        self.exclude = tuple(exclude)
-        # block -> InferredRule (None: verification deferred to the first decode call); weak keys, so
-        # nothing is attached to the user's modules and nothing outlives them.
-        self._rules: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+    def __init__(self, exclude=()) -> None:
+        super().__init__(family="generic", block_classes=(), weight_rule_of=None)
+        object.__setattr__(self, "exclude", tuple(exclude))
+        object.__setattr__(self, "_rules", {})  # id(block) -> InferredRule | None, between validate and weight_rule
 
-    # -- matching / patch-time checks -------------------------------------------------------------
     def matches(self, module):
-        if any(adapter.matches(module) for adapter in self.exclude):
+        if any(spec.matches(module) for spec in self.exclude):
             return False
         router, _ = block_parts(module)
         return router is not None
 
-    def experts_and_top_k(self, block):
+    def router_of(self, block):
+        return block_parts(block)[0]
+
+    def experts_of(self, block):
+        return block_parts(block)[1]
+
+    def shape(self, block):
         router, experts = block_parts(block)
-        rule = self._rules.get(block)
-        if rule is not None and rule is not _REFUSED:
+        rule = self._rules.get(id(block))
+        if rule is not None:
             return experts.num_experts, rule.top_k
         top_k = _stated(block, router, experts, ("top_k", "num_experts_per_tok", "moe_topk"))
         if not isinstance(top_k, int):
             raise UnsupportedModelError(f"{type(block).__name__}: cannot find the router's top_k")
         return experts.num_experts, top_k
 
-    def check_block(self, block, name):
+    def validate(self, block, name, config):
         """Infer the weight rule and verify it on a probe (raises :class:`UnsupportedModelError`)."""
         router, experts = block_parts(block)
         weight = next(router.parameters(), None)
         if weight is None or weight.device.type == "meta" or experts.gate_up_proj.device.type == "meta":
-            self._rules[block] = None  # not materialized here: verify on the first decode call
+            self._rules[id(block)] = None  # not materialized here: verify on the first decode call
         else:
             hidden_dim = experts.gate_up_proj.shape[-1]
             probe = torch.randn(_PROBE_TOKENS, hidden_dim, generator=torch.Generator().manual_seed(0))
             with torch.no_grad():
                 output = router(probe.to(device=weight.device, dtype=experts.gate_up_proj.dtype))
-            self._rules[block] = self.verify(block, name, output)
-        super().check_block(block, name)
+            self._rules[id(block)] = self.verify(block, name, output)
+        super().validate(block, name, config)
+
+    def weight_rule(self, block):
+        """The verified rule (``None``: verification deferred to the first decode call)."""
+        rule = self._rules.pop(id(block), None)
+        return None if rule is None else WeightRule(rule.rule, rule.renormalize, rule.scale)
+
+    def deferred_rule(self, block, name, output) -> WeightRule:
+        rule = self.verify(block, name, output)
+        return WeightRule(rule.rule, rule.renormalize, rule.scale)
 
     def verify(self, block, name, output) -> InferredRule:
         """The rule that reproduces ``output`` (the router's own), or raise ``UnsupportedModelError``."""
@@ -195,7 +199,7 @@ class GenericAdapter(MoEAdapter):
         tol = 4 * torch.finfo(weights.dtype).eps
         fits, errors = [], []
         for kind, renormalize, factor in itertools.product(kinds, renorms, scales):
-            ours = naive_routing_weights(logits, idx, kind, renormalize, factor).to(weights.dtype).float()
+            ours = routing_weights(logits, idx, kind, renormalize, factor).to(weights.dtype).float()
             err = ((ours - weights.float()).abs() / weights.float().abs().clamp_min(1e-30)).max().item()
             if torch.allclose(ours, weights.float(), rtol=tol, atol=tol * 1e-3):
                 fits.append((err, len(fits), InferredRule(kind, renormalize, factor, top_k)))
@@ -207,56 +211,5 @@ class GenericAdapter(MoEAdapter):
             f"({'; '.join(errors)}); the generic adapter cannot patch it (a dedicated adapter is needed)"
         )
 
-    # -- decode ---------------------------------------------------------------------------------
-    def forward(self, block, *args, lynx, **kwargs):
-        router, experts = block_parts(block)
-        state = {"changed": False}
 
-        def router_hook(module, inputs, output):
-            rule = self._rules.get(block)
-            if rule is None:  # deferred verification, on the real router output
-                try:
-                    rule = self.verify(block, lynx.name, output)
-                except UnsupportedModelError as exc:
-                    warnings.warn(f"lynx_hf: {exc}; this block keeps the model's own routing", stacklevel=2)
-                    rule = _REFUSED
-                self._rules[block] = rule
-            if rule is _REFUSED:
-                return None
-            logits, weights, idx = output
-            new_idx, new_weights, changed = lynx.route(
-                logits, lambda: logits.float(), idx, weights,
-                WeightRule(rule.rule, rule.renormalize, rule.scale, dtype=weights.dtype),
-            )
-            state["changed"] = changed
-            if not changed:
-                return None  # the router's own output object, untouched
-            remapped = (logits, new_weights, new_idx.to(idx.dtype))
-            return list(remapped) if isinstance(output, list) else remapped
 
-        handles = [router.register_forward_hook(router_hook)]
-        kernel = self._kernel_applies(lynx, experts)
-        if kernel:
-            def experts_forward(hidden, top_k_index, top_k_weights, *rest, **kw):
-                def default():
-                    return type(experts).forward(experts, hidden, top_k_index, top_k_weights, *rest, **kw)
-                if rest or kw:
-                    return default()
-                return lynx.run_experts(experts, hidden, top_k_index, top_k_weights, state["changed"], default)
-
-            object.__setattr__(experts, "forward", experts_forward)
-        try:
-            return lynx.original_forward(*args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-            if kernel:
-                experts.__dict__.pop("forward", None)
-
-    @staticmethod
-    def _kernel_applies(lynx, experts) -> bool:
-        from .. import policy
-
-        return (lynx.owner.config.policy != "none" and "forward" not in experts.__dict__
-                and _kernel_layout(experts) and policy.use_triton(lynx.owner.config.backend,
-                                                                  experts.gate_up_proj.device))

@@ -1,60 +1,96 @@
-"""Llama-4 text (``Llama4TextMoe``): top-k (k=1) over raw logits, weight = sigmoid(logit) applied to
-the *input* of the expert; the router returns dense ``scores [T, N]`` (0 off the chosen experts) and
-``logits``; shared MLP untouched. HF computes every expert for every token; the patched block, when
-the policy acts in decode, runs only the chosen experts (sparse dispatch), reading each unique
-expert's weights once. With policy ``"none"`` it runs HF's dense computation (bit-identical)."""
+"""Llama-4 text (``Llama4TextMoe``): top-k (k=1) over raw logits, weight = sigmoid(logit) applied to the
+*input* of the expert; the router returns dense ``scores [T, N]`` (0 off the chosen experts) and
+``logits``; shared MLP untouched (CASES C5).
+
+HF computes every expert for every token (``routed_in = hidden.repeat(N, 1) * scores``), so a remap
+alone would save nothing: this is the one family whose block forward changes in decode. With a policy
+that remaps, the routed experts run sparsely (each unique expert's weights read once): the Triton
+kernel on the Triton backend, transformers' grouped matmul otherwise; experts that are not plain dense
+tensors (PEFT LoRA on the expert parameters, quantized, offloaded) run HF's own dense computation with
+the remapped dense scores. With policy ``none`` the block's computation is HF's, bit-identical.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from .base import MoEAdapter, WeightRule
+from .base import FamilySpec, WeightRule
 
 
-def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """Routed output of ``Llama4TextExperts`` for the chosen experts only.
-
-    ``hidden [T, H]``, ``topk_idx [T, k]`` int64, ``topk_weights [T, k]`` (model dtype) -> ``[T, H]``.
-    Layout: ``gate_up_proj [N, H, 2I]`` (gate first), ``down_proj [N, I, H]``; weight on the input.
-    """
-    out = torch.zeros_like(hidden)
-    num_tokens, top_k = topk_idx.shape
-    flat_expert = topk_idx.reshape(-1)
-    flat_token = torch.arange(num_tokens, device=hidden.device).repeat_interleave(top_k)
-    flat_weight = topk_weights.reshape(-1)
-    for expert in flat_expert.unique().tolist():
-        sel = flat_expert == expert
-        tokens = flat_token[sel]
-        x = hidden[tokens] * flat_weight[sel, None]
-        gate, up = (x @ experts.gate_up_proj[expert]).chunk(2, dim=-1)
-        out.index_add_(0, tokens, (up * experts.act_fn(gate)) @ experts.down_proj[expert])
+def _dense(block, hidden, scores):
+    """HF's ``Llama4TextMoe`` computation for given dense router scores ``[T, N]`` (its own experts module)."""
+    routed_in = hidden.repeat(scores.shape[1], 1)
+    routed_in = routed_in * scores.transpose(0, 1).reshape(-1, 1)
+    routed_out = block.experts(routed_in)
+    out = block.shared_expert(hidden)
+    out.add_(routed_out.reshape(scores.shape[1], -1, routed_out.shape[-1]).sum(dim=0))
     return out
 
 
-class Llama4Adapter(MoEAdapter):
-    family = "llama4"
-    block_class_paths = (("transformers.models.llama4.modeling_llama4", "Llama4TextMoe"),)
+def _plain(experts) -> bool:
+    from ..experts import _KERNEL_DTYPES  # the storage rule lives with the experts path
 
-    def experts_and_top_k(self, block):
-        return block.num_experts, block.top_k
+    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    return (type(gu) in (torch.Tensor, torch.nn.Parameter) and type(dn) in (torch.Tensor, torch.nn.Parameter)
+            and gu.dtype in _KERNEL_DTYPES and dn.dtype == gu.dtype and not getattr(experts, "parametrizations", None)
+            and not hasattr(experts, "_hf_hook") and type(experts).__name__ == "Llama4TextExperts")
 
-    def forward(self, block, hidden_states, lynx):
-        hidden_states = hidden_states.reshape(-1, block.hidden_dim)
-        router_scores, router_logits = block.router(hidden_states)
-        topk_idx = torch.topk(router_logits, block.top_k, dim=1).indices  # the router's own selection
-        rule = WeightRule("sigmoid", dtype=router_scores.dtype)
-        new_idx, new_weights, changed = lynx.route(
-            router_logits, lambda: router_logits.float(), topk_idx, router_scores.gather(1, topk_idx), rule
-        )
-        if not changed:  # HF's dense computation, unchanged
-            routed_in = hidden_states.repeat(router_scores.shape[1], 1)
-            routed_in = routed_in * router_scores.transpose(0, 1).reshape(-1, 1)
-            routed_out = block.experts(routed_in)
-            out = block.shared_expert(hidden_states)
-            out.add_(routed_out.reshape(router_scores.shape[1], -1, routed_out.shape[-1]).sum(dim=0))
-            return out, router_logits
-        out = block.shared_expert(hidden_states)
-        out.add_(lynx.run_experts(block.experts, hidden_states, new_idx, new_weights, changed,
-                                  lambda: sparse_experts(block.experts, hidden_states, new_idx, new_weights),
-                                  transposed=True, weight_on_input=True))
-        return out, router_logits
+
+def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """Routed output of ``Llama4TextExperts`` for the chosen experts only, sync-free (grouped matmul).
+
+    ``hidden [T, H]``, ``topk_idx [T, k]`` int, ``topk_weights [T, k]`` -> ``[T, H]`` in ``hidden.dtype``.
+    Layout: ``gate_up_proj [N, H, 2I]`` (gate first), ``down_proj [N, I, H]``; weight on the input.
+    """
+    from transformers.integrations.moe import _grouped_linear
+
+    num_tokens, top_k = topk_idx.shape
+    flat = topk_idx.reshape(-1)
+    order = torch.sort(flat, stable=True).indices
+    tokens = order // top_k
+    x = hidden[tokens] * topk_weights.reshape(-1)[order, None].to(hidden.dtype)
+    hist = flat.float() if hidden.device.type in ("cpu", "mps") else flat.int()
+    counts = torch.histc(hist, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gate, up = _grouped_linear(x, experts.gate_up_proj, offsets, is_transposed=True).chunk(2, dim=-1)
+    y = _grouped_linear(up * experts.act_fn(gate), experts.down_proj, offsets, is_transposed=True)
+    out = torch.zeros(num_tokens, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    out.index_add_(0, tokens, y.float())
+    return out.to(hidden.dtype)
+
+
+def decode_forward(state, step, hidden_states):
+    block = state.block
+    hidden = hidden_states.reshape(-1, block.hidden_dim)
+    scores, logits = block.router(hidden)
+    idx = torch.topk(logits, block.top_k, dim=1).indices  # the router's own selection
+    weights = scores.gather(1, idx)
+    new_weights, new_idx = state.route(step, logits, weights, idx)
+    if new_idx is idx:  # policy none: HF's computation
+        return _dense(block, hidden, scores), logits
+    experts = block.experts
+    if not _plain(experts):  # the experts module's own forward, with the remapped dense scores
+        dense = torch.zeros_like(scores).scatter_(1, new_idx, new_weights.to(scores.dtype))
+        return _dense(block, hidden, dense), logits
+    if state.plan.backend == "triton" and experts.gate_up_proj.device == hidden.device:
+        routed = state.plan.ops.sparse_moe(hidden, new_idx, new_weights, experts.gate_up_proj, experts.down_proj, transposed=True,
+                            weight_on_input=True, exact_grid=False)
+    else:
+        routed = sparse_experts(experts, hidden, new_idx, new_weights)
+    out = block.shared_expert(hidden)
+    out.add_(routed)
+    return out, logits
+
+
+class _Llama4Spec(FamilySpec):
+    def shape(self, block):
+        return int(block.num_experts), int(block.top_k)
+
+
+SPEC = _Llama4Spec(
+    family="llama4",
+    block_classes=(("transformers.models.llama4.modeling_llama4", "Llama4TextMoe"),),
+    router="router",
+    weight_rule_of=lambda router, block: WeightRule("sigmoid"),
+    decode_forward=decode_forward,
+)

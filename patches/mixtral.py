@@ -1,30 +1,11 @@
-"""Mixtral (``MixtralSparseMoeBlock``): softmax in fp32, top-k, renormalized over the chosen k, fp32
-weights; no shared experts."""
+"""Mixtral (``MixtralSparseMoeBlock``): softmax in fp32 over all N, top-k, renormalized over the
+chosen k (= softmax over the chosen logits), fp32 weights; no shared experts. (``router_jitter_noise``
+acts only in training, which never reaches a decode step.)"""
 
-from __future__ import annotations
+from .base import FamilySpec, WeightRule
 
-import torch
-
-from .base import MoEAdapter, WeightRule
-
-
-class MixtralAdapter(MoEAdapter):
-    family = "mixtral"
-    block_class_paths = (("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),)
-
-    def experts_and_top_k(self, block):
-        return block.gate.num_experts, block.gate.top_k
-
-    def forward(self, block, hidden_states, lynx):
-        batch_size, sequence_length, hidden_dim = hidden_states.shape
-        if block.training and block.jitter_noise > 0:
-            hidden_states *= torch.empty_like(hidden_states).uniform_(1.0 - block.jitter_noise, 1.0 + block.jitter_noise)
-        hidden = hidden_states.view(-1, hidden_dim)
-        router_logits, top_k_weights, top_k_index = block.gate(hidden)
-        rule = WeightRule("softmax_all", renormalize=True)
-        top_k_index, top_k_weights, changed = lynx.route(
-            router_logits, lambda: router_logits.float(), top_k_index, top_k_weights, rule
-        )
-        out = lynx.run_experts(block.experts, hidden, top_k_index, top_k_weights, changed,
-                               lambda: block.experts(hidden, top_k_index, top_k_weights))
-        return out.reshape(batch_size, sequence_length, hidden_dim)
+SPEC = FamilySpec(
+    family="mixtral",
+    block_classes=(("transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),),
+    weight_rule_of=lambda router, block: WeightRule("softmax_all", renormalize=True),
+)

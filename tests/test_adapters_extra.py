@@ -10,14 +10,11 @@ import pytest
 import torch
 
 import lynx_hf
-from lynx_hf.layer import LynxLayer
-from lynx_hf.patches import ADAPTERS
-from lynx_hf.patches.deepseek_v3 import DeepseekV3Adapter
-from lynx_hf.patches.generic import GenericAdapter
+from lynx_hf.patches import deepseek_v3
+from lynx_hf.routing import BlockRouting
 import tiny_models_extra as tx
 
 FAMILIES = list(tx.DEDICATED) + list(tx.GENERIC)
-GENERIC = next(a for a in ADAPTERS if isinstance(a, GenericAdapter))
 NO_CONSENSUS = dict(policy="lynx", tau=1000.0)  # S = cover set (+grow): forces remaps on tiny batches
 
 
@@ -29,14 +26,15 @@ def _generate(model, ids, mask, **kw):
 
 def _spy_route(monkeypatch):
     seen = []
-    real_route = LynxLayer.route
+    real_route = BlockRouting.route
 
-    def spy(self, router_logits, scores_fn, topk_idx, topk_weights, rule):
-        new_idx, new_w, changed = real_route(self, router_logits, scores_fn, topk_idx, topk_weights, rule)
-        seen.append((router_logits.float(), scores_fn(), topk_idx, topk_weights, new_idx, new_w, rule))
-        return new_idx, new_w, changed
+    def spy(self, step, router_logits, topk_weights, topk_idx):
+        new_w, new_idx = real_route(self, step, router_logits, topk_weights, topk_idx)
+        scores = self.spec.selection_scores(self.router, router_logits)
+        seen.append((router_logits.float(), scores, topk_idx, topk_weights, new_idx, new_w, self.rule))
+        return new_w, new_idx
 
-    monkeypatch.setattr(LynxLayer, "route", spy)
+    monkeypatch.setattr(BlockRouting, "route", spy)
     return seen
 
 
@@ -46,9 +44,9 @@ def test_the_right_adapter_patches_only_moe_blocks(family):
     lynx_hf.patch(model)
     state = model.__dict__["_lynx_state"]
     want = family if family in tx.DEDICATED else "generic"
-    assert {layer.adapter.family for layer in state.layers} == {want}
+    assert {block.spec.family for block in state.blocks} == {want}
     moe_blocks = [n for n, m in model.named_modules() if "experts" in dict(m.named_children())]
-    assert [layer.name for layer in state.layers] == moe_blocks  # dense layers (Qwen3 layer 1, V3 layer 0) untouched
+    assert [block.name for block in state.blocks] == moe_blocks  # dense layers (Qwen3 layer 1, V3 layer 0) untouched
     lynx_hf.unpatch(model)
 
 
@@ -63,9 +61,13 @@ def test_unpatch_restores_exactly(family):
     lynx_hf.patch(model, **NO_CONSENSUS)
     assert list(model.state_dict().keys()) == keys
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
-    # between steps (generic: the temporary router hook / experts forward are gone after each call)
-    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()
-            if n} == {n: h for n, h in hooks.items() if n}
+    # between calls: exactly what patch installed (one forward hook per router, the step hooks on the
+    # backbone), nothing left over from the decode steps
+    state = model.__dict__["_lynx_state"]
+    routers = {n for n, m in model.named_modules() if any(m is b.router for b in state.blocks)}
+    backbone = next(n for n, m in model.named_modules() if m is state.backbone)
+    want = {n: (h[0] + (n in routers) + (n == backbone), h[1] + (n == backbone)) for n, h in hooks.items()}
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == want
     lynx_hf.unpatch(model)
     assert list(model.state_dict().keys()) == keys
     assert {n: set(vars(m)) for n, m in model.named_modules()} == dicts
@@ -149,7 +151,7 @@ def test_deepseek_v3_selection_scores_reproduce_the_model_and_mask_groups():
     with torch.no_grad():
         logits, weights, idx = gate(hidden)
         corrected = logits.sigmoid() + gate.e_score_correction_bias
-        scores = DeepseekV3Adapter.selection_scores(gate, logits)
+        scores = deepseek_v3.selection_scores(gate, logits)
     assert bool((corrected < 0).all())
     allowed = torch.isfinite(scores)
     assert (allowed.view(40, gate.num_group, -1).all(-1).sum(-1) == gate.topk_group).all()  # whole groups
@@ -209,11 +211,12 @@ def test_C10_deepseek_v3_inconsistent_group_routing_rejected_at_patch_time(kw, f
 def test_generic_infers_and_verifies_the_weight_rule(family, want):
     model = tx.build(family)
     lynx_hf.patch(model)
-    layers = model.__dict__["_lynx_state"].layers
-    for layer, block in zip(layers, model.__dict__["_lynx_state"].blocks):
-        rule = GENERIC._rules[block]
+    for layer in model.__dict__["_lynx_state"].blocks:
+        rule = layer.rule
         assert (rule.rule, rule.renormalize, rule.scale) == want
-        assert (layer.num_experts, layer.top_k) == (block.experts.num_experts, rule.top_k)
+        with torch.no_grad():  # k as the router itself returns it
+            k = layer.router(torch.randn(4, layer.experts.gate_up_proj.shape[-1]))[2].shape[-1]
+        assert (layer.num_experts, layer.top_k) == (layer.experts.num_experts, k)
     lynx_hf.unpatch(model)
 
 
@@ -265,9 +268,9 @@ def test_generic_deferred_verification_runs_on_the_first_decode_call():
     with lynx_hf.patched(model, policy="none"):
         blocks = model.__dict__["_lynx_state"].blocks
         for block in blocks:
-            GENERIC._rules[block] = None
+            block.rule = None
         out = _generate(model, ids, mask, max_new_tokens=3)
-        assert all(GENERIC._rules[b].rule == "softmax_all" and GENERIC._rules[b].renormalize for b in blocks)
+        assert all(b.rule.rule == "softmax_all" and b.rule.renormalize for b in blocks)
     assert torch.equal(out.sequences, ref.sequences)
 
 

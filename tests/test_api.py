@@ -149,15 +149,27 @@ def test_patched_context_manager_restores_on_error():
     lynx_hf.unpatch(model)
 
 
+def _intercepted(model):
+    """Modules lynx_hf changed: a swapped forward (Llama-4) or a forward hook on the router (the others),
+    reported by the block's name."""
+    names = []
+    for n, m in model.named_modules():
+        routers = [c for c in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(c, nn.Module)]
+        if "forward" in vars(m) or any(c._forward_hooks for c in routers):
+            names.append(n)
+    return names
+
+
 def test_only_moe_blocks_are_patched_dense_layers_untouched():
     model = tm.build("qwen2_moe")  # layer 1 is dense (mlp_only_layers)
     lynx_hf.patch(model)
-    patched = [n for n, m in model.named_modules() if "forward" in vars(m)]
+    patched = _intercepted(model)
     assert patched == ["model.layers.0.mlp", "model.layers.2.mlp"]
     lynx_hf.unpatch(model)
+    assert _intercepted(model) == []
     model = tm.build("deepseek_v2")  # first_k_dense_replace=1
     lynx_hf.patch(model)
-    assert [n for n, m in model.named_modules() if "forward" in vars(m)] == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    assert _intercepted(model) == ["model.layers.1.mlp", "model.layers.2.mlp"]
     lynx_hf.unpatch(model)
 
 
@@ -228,12 +240,12 @@ def test_exception_mid_generate_then_unpatch_leaves_model_exactly_as_before():
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                        logits_processor=LogitsProcessorList([RaiseAt()]))
     state = model.__dict__["_lynx_state"]
-    assert state.tracker._tokens == [] and state.tracker.phase == "prefill"  # reset by the always-called hook
+    assert state.tracker._var.get() is None and state.tracker.step.kind == "prefill"  # reset by the always-called hook
     assert lynx_hf.stats(model).summary()["decode_steps"] == 2
     lynx_hf.unpatch(model)
     assert list(model.state_dict().keys()) == keys
     assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks
-    assert all("forward" not in vars(m) and "_lynx_layer" not in vars(m) for m in model.modules())
+    assert all("forward" not in vars(m) and "_lynx_block" not in vars(m) and "_lynx_experts" not in vars(m) for m in model.modules())
     assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
 
 

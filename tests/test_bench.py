@@ -37,7 +37,7 @@ def test_sparse_experts_torch_matches_hf_experts():
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
-    from lynx_hf.sparse_torch import sparse_experts_torch
+    from sparse_torch import sparse_experts_torch  # eval/sparse_torch.py
 
     torch.manual_seed(0)
     cases = [

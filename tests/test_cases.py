@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import lynx_hf
-from lynx_hf.layer import LynxLayer
+from lynx_hf.routing import BlockRouting
 from lynx_hf.patches.llama4 import sparse_experts
 import tiny_models as tm
 
@@ -64,8 +64,11 @@ def test_C1_router_logits_requested_in_decode(family):
 
 
 def test_C1_decode_detection_ignores_attention_mask_length():
-    from lynx_hf.phase import detect_phase
+    from lynx_hf.step import detect_step
     from transformers import DynamicCache
+
+    def detect_phase(args, kwargs, q_max):
+        return detect_step(args, kwargs, lynx_hf.LynxConfig(q_max=q_max), None).kind
 
     cache = DynamicCache()
     cache.update(torch.zeros(1, 1, 5, 4), torch.zeros(1, 1, 5, 4), 0)
@@ -147,14 +150,14 @@ def test_remapped_weights_follow_the_family_rule(family, kw, monkeypatch):
     (same rule, same dtype); every row uses k distinct experts the model's routing allows."""
     model = tm.build(family, **kw)
     seen = []
-    real_route = LynxLayer.route
+    real_route = BlockRouting.route
 
-    def spy(self, router_logits, scores_fn, topk_idx, topk_weights, rule):
-        new_idx, new_w, changed = real_route(self, router_logits, scores_fn, topk_idx, topk_weights, rule)
-        seen.append((scores_fn(), topk_idx, topk_weights, new_idx, new_w))
-        return new_idx, new_w, changed
+    def spy(self, step, router_logits, topk_weights, topk_idx):
+        new_w, new_idx = real_route(self, step, router_logits, topk_weights, topk_idx)
+        seen.append((self.spec.selection_scores(self.router, router_logits), topk_idx, topk_weights, new_idx, new_w))
+        return new_w, new_idx
 
-    monkeypatch.setattr(LynxLayer, "route", spy)
+    monkeypatch.setattr(BlockRouting, "route", spy)
     ids, mask = tm.prompts(16, 6)
     with lynx_hf.patched(model, policy="lynx"):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)

@@ -18,7 +18,7 @@ import torch
 
 import lynx_hf
 from lynx_hf import LynxConfig
-from lynx_hf import evaluation as ev
+import evaluation as ev  # eval/evaluation.py (conftest puts eval/ on sys.path)
 
 FIXTURES = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR))
 NAMES = ["qwen2moe-tiny", "mixtral-tiny"]

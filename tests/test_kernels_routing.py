@@ -1,4 +1,4 @@
-"""Triton routing kernels (interpreter) vs the torch reference in kernels/routing_naive.py.
+"""Triton routing kernels (interpreter) vs the torch reference in kernels/routing_torch.py.
 
 Integer outputs (critical sets, remapped indices) must be *exactly* equal; routing weights agree
 within fp32 rounding (atol 1e-6, rtol 1e-5). Outputs are allocated by a NaN/sentinel-poisoned
@@ -16,8 +16,8 @@ import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from lynx_hf.kernels import routing_naive as ref  # noqa: E402
-from lynx_hf.kernels.dispatch import resolve_backend  # noqa: E402
+from lynx_hf.kernels import routing_torch as ref  # noqa: E402
+from lynx_hf.kernels.backend import resolve_backend  # noqa: E402
 from lynx_hf.kernels.routing import lynx_critical_set, oea_critical_set, remap_topk  # noqa: E402
 
 W_ATOL, W_RTOL = 1e-6, 1e-5  # fp32 routing weights
@@ -42,18 +42,18 @@ def _check_all(scores, k, taus=(0.0, 0.5, 1.0, 1.5, 3.0, math.inf), alpha=None, 
     idx = _topk(scores, k)
     crits = []
     for tau in taus:
-        want = ref.naive_lynx_critical_set(scores, idx, k, alpha, beta, tau, batch_base)
+        want = ref.lynx_critical_set(scores, idx, k, alpha, beta, tau, batch_base)
         got = lynx_critical_set(scores, idx, k, alpha, beta, tau, batch_base)
         assert got.dtype == torch.bool and got.shape == (num_experts,)
         assert torch.equal(got, want), f"tau={tau}: {got.nonzero().flatten()} vs {want.nonzero().flatten()}"
         crits.append(want)
     for k0 in k0s:
         if k0 <= num_experts:
-            want = ref.naive_oea_critical_set(scores, k0)
+            want = ref.oea_critical_set(scores, k0)
             assert torch.equal(oea_critical_set(scores, k0), want), f"k0={k0}"
             crits.append(want)
     for crit in crits[:3] + crits[-1:]:
-        want_idx = ref.naive_remap_topk(scores, crit, k)
+        want_idx = ref.remap_topk(scores, crit, k)
         got_idx = remap_topk(scores, crit, k)
         assert got_idx.dtype == torch.int64 and torch.equal(got_idx, want_idx)
     return crits
@@ -107,10 +107,10 @@ def test_tau_exactly_on_a_score():
     scores = torch.randint(-6, 1, (16, 16), generator=g).float()
     idx = _topk(scores, 2)
     a, b = ref.default_lynx_bins(16, 2)
-    bins = ref.naive_lynx_bins(scores, a)
+    bins = ref.lynx_bins(scores, a)
     cand = ref.union_mask(idx, 16)
     bins = torch.where(cand[None], bins, torch.full_like(bins, ref.FORBIDDEN_BIN))
-    score = ref.naive_lynx_scores(bins, cand, b, 16)
+    score = ref.lynx_scores(bins, cand, b, 16)
     for tau in sorted(set(score.tolist()))[:6]:
         _check_all(scores, 2, taus=(tau, math.nextafter(tau, math.inf)), k0s=())
 
@@ -194,10 +194,10 @@ def test_non_contiguous_scores():
     assert not scores.is_contiguous()
     idx = _topk(scores, 3)
     a, b = ref.default_lynx_bins(24, 3)
-    crit = ref.naive_lynx_critical_set(scores, idx, 3, a, b, 1.0)
+    crit = ref.lynx_critical_set(scores, idx, 3, a, b, 1.0)
     assert torch.equal(lynx_critical_set(scores, idx, 3, a, b, 1.0), crit)
-    assert torch.equal(oea_critical_set(scores, 2), ref.naive_oea_critical_set(scores, 2))
-    assert torch.equal(remap_topk(scores, crit, 3), ref.naive_remap_topk(scores, crit, 3))
+    assert torch.equal(oea_critical_set(scores, 2), ref.oea_critical_set(scores, 2))
+    assert torch.equal(remap_topk(scores, crit, 3), ref.remap_topk(scores, crit, 3))
     assert torch.equal(lynx_critical_set(scores, idx.int(), 3, a, b, 1.0), crit)  # int32 topk_idx
 
 
@@ -210,10 +210,10 @@ def test_remap_weights(rule, renormalize, scale):
     scores[:4, :30] = -math.inf  # group-limited rows: selection masked, weights from full logits
     idx0 = _topk(scores, 6)
     a, b = ref.default_lynx_bins(60, 6)
-    crit = ref.naive_lynx_critical_set(scores, idx0, 6, a, b, 1.0)
+    crit = ref.lynx_critical_set(scores, idx0, 6, a, b, 1.0)
     idx, w = remap_topk(scores, crit, 6, logits=logits, rule=rule, renormalize=renormalize, scale=scale)
-    assert torch.equal(idx, ref.naive_remap_topk(scores, crit, 6))
-    want = ref.naive_routing_weights(logits, idx, rule, renormalize, scale)
+    assert torch.equal(idx, ref.remap_topk(scores, crit, 6))
+    want = ref.routing_weights(logits, idx, rule, renormalize, scale)
     torch.testing.assert_close(w, want, atol=W_ATOL, rtol=W_RTOL)
 
 
@@ -221,10 +221,10 @@ def test_remap_weights_k1():
     # Llama-4: k=1, sigmoid weight
     g = torch.Generator().manual_seed(29)
     scores = torch.randn(7, 16, generator=g)
-    crit = ref.naive_oea_critical_set(scores, 1)
+    crit = ref.oea_critical_set(scores, 1)
     idx, w = remap_topk(scores, crit, 1, rule="sigmoid")
-    assert torch.equal(idx, ref.naive_remap_topk(scores, crit, 1))
-    torch.testing.assert_close(w, ref.naive_routing_weights(scores, idx, "sigmoid"), atol=W_ATOL, rtol=W_RTOL)
+    assert torch.equal(idx, ref.remap_topk(scores, crit, 1))
+    torch.testing.assert_close(w, ref.routing_weights(scores, idx, "sigmoid"), atol=W_ATOL, rtol=W_RTOL)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -245,11 +245,11 @@ def test_property_critical_set_and_remap(T, N, kfrac, tau, grid, seed):
         scores = torch.round(scores * grid) / grid
     idx = _topk(scores, k)
     a, b = ref.default_lynx_bins(N, k)
-    crit = ref.naive_lynx_critical_set(scores, idx, k, a, b, tau)
+    crit = ref.lynx_critical_set(scores, idx, k, a, b, tau)
     assert torch.equal(lynx_critical_set(scores, idx, k, a, b, tau), crit)
     assert int(crit.sum()) >= k and not (crit & ~ref.union_mask(idx, N)).any()
     new = remap_topk(scores, crit, k)
-    assert torch.equal(new, ref.naive_remap_topk(scores, crit, k))
+    assert torch.equal(new, ref.remap_topk(scores, crit, k))
     assert all(len(set(r)) == k for r in new.tolist())
 
 

@@ -18,7 +18,7 @@ import torch
 
 import lynx_hf
 from lynx_hf import LynxConfig
-from lynx_hf import evaluation as ev
+import evaluation as ev  # eval/evaluation.py (conftest puts eval/ on sys.path)
 
 FIXTURE = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR)) / "qwen2moe-tiny"
 GEN_TASK, LL_TASK = "lynx_code_line_completion", "lynx_code_next_line_mc"

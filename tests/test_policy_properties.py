@@ -10,8 +10,9 @@ from hypothesis import strategies as st
 
 from lynx_hf import LynxConfig
 from lynx_hf import errors as lynx_hf_errors
-from lynx_hf import policy as P
-from lynx_hf.kernels import routing_naive as R
+from lynx_hf import policies as P
+from lynx_hf.policies.lynx import bin_parameters
+from lynx_hf.kernels import routing_torch as R
 
 SETTINGS = settings(max_examples=350, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -71,9 +72,9 @@ def test_remap_invariants(case, cfg):
     assert torch.equal(P.remap(cfg, s[perm], idx[perm]), new[perm])
     if cfg.policy == "lynx":
         # each token keeps one of its bin-0 experts
-        alpha, _ = P.bin_parameters(cfg, n, k)
+        alpha, _ = bin_parameters(cfg, n, k)
         if not math.isinf(alpha):
-            bins = R.naive_lynx_bins(s, alpha)
+            bins = R.lynx_bins(s, alpha)
             assert bool((bins.gather(1, new) == 0).any(dim=-1).all())
     else:
         # OEA: each token keeps its own top-k0
@@ -115,7 +116,7 @@ def test_C12_rows_inf_except_two_experts(policy):
     assert [set(r) for r in new.tolist()] == [{3, 7}, {0, 9}, {3, 7}, {1, 2}]
     assert new[0].tolist() == [3, 7]  # exact tie -> lower id first
     with pytest.raises(ValueError, match="fewer than top_k"):
-        R.naive_remap_topk(s, torch.ones(10, dtype=torch.bool), 3)
+        R.remap_topk(s, torch.ones(10, dtype=torch.bool), 3)
 
 
 def test_hand_worked_lynx_example():
@@ -127,15 +128,15 @@ def test_hand_worked_lynx_example():
     s[1, 1], s[1, 2] = 0.0, -1.0     # token 1: confident 1; expert 2 is bin ceil(-1*2.164) = -2
     s[2, 3], s[2, 1] = 0.0, -0.3     # token 2: 3 then 1 (bin 0)
     idx = own_topk(s, 2)              # [[0,1],[1,2],[3,1]] ; U = {0,1,2,3}
-    bins = R.naive_lynx_bins(s, a)
+    bins = R.lynx_bins(s, a)
     assert bins[1, 2].item() == -2 and bins[0, 1].item() == 0 and bins[2, 1].item() == 0
     # scores: e0 = 1, e1 = 3 (three bin-0 votes), e2 = B^-2 = 1/9, e3 = 1
-    crit = R.naive_lynx_critical_set(s, idx, 2, a, b, tau=1.0)
+    crit = R.lynx_critical_set(s, idx, 2, a, b, tau=1.0)
     # cover: t0 -> e1 (score 3 > 1), t1 -> e1, t2 -> e1 (bin-0 {3, 1}); consensus tau=1: e0, e1, e3
     assert crit.nonzero().flatten().tolist() == [0, 1, 3]
-    crit2 = R.naive_lynx_critical_set(s, idx, 2, a, b, tau=2.0)  # consensus only e1; grow by score: e0 (tie e3 -> lower id)
+    crit2 = R.lynx_critical_set(s, idx, 2, a, b, tau=2.0)  # consensus only e1; grow by score: e0 (tie e3 -> lower id)
     assert crit2.nonzero().flatten().tolist() == [0, 1]
-    new = R.naive_remap_topk(s, crit2, 2)
+    new = R.remap_topk(s, crit2, 2)
     assert new.tolist() == [[0, 1], [1, 0], [1, 0]]
 
 
@@ -149,9 +150,9 @@ def test_C11_bf16_ties_within_one_ulp_match_fp32_reference():
     idx = own_topk(s, 2)
     assert idx[0].tolist() == [0, 1]
     new = P.remap(LynxConfig(**PAPER), s, idx)
-    ref = R.naive_remap_topk(s, R.naive_lynx_critical_set(s, idx, 2, *R.default_lynx_bins(6, 2), 1.0), 2)
+    ref = R.remap_topk(s, R.lynx_critical_set(s, idx, 2, *R.default_lynx_bins(6, 2), 1.0), 2)
     assert torch.equal(new, ref)
-    w = R.naive_routing_weights(bf16, new, "softmax_all").to(torch.bfloat16)
+    w = R.routing_weights(bf16, new, "softmax_all").to(torch.bfloat16)
     w_ref = torch.softmax(s, -1).gather(1, new).to(torch.bfloat16)
     assert torch.equal(w, w_ref)
 
@@ -163,7 +164,7 @@ def test_weight_rules_against_formulas(rule, renorm, scale):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 9, generator=g)
     idx = own_topk(logits, 3)
-    w = R.naive_routing_weights(logits, idx, rule, renorm, scale)
+    w = R.routing_weights(logits, idx, rule, renorm, scale)
     chosen = logits.gather(1, idx)
     if rule == "softmax_all":
         ref = torch.exp(chosen) / torch.exp(logits).sum(-1, keepdim=True)
@@ -175,7 +176,7 @@ def test_weight_rules_against_formulas(rule, renorm, scale):
         ref = ref / ref.sum(-1, keepdim=True)
     torch.testing.assert_close(w, ref * scale, rtol=1e-6, atol=1e-7)
     with pytest.raises(ValueError, match="unknown weight rule"):
-        R.naive_routing_weights(logits, idx, "relu")
+        R.routing_weights(logits, idx, "relu")
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.3, 0.6, 1.0])
@@ -196,7 +197,7 @@ def test_mass_floor_keeps_each_tokens_leading_mass(floor):
     if floor == 1.0:
         assert torch.equal(new.sort(-1).values, idx.sort(-1).values)
     # by hand: weights [0.5, 0.3, 0.15, 0.05], floor 0.6 -> keep slots 0 and 1 (0.5 < 0.6, 0.8 >= 0.6)
-    keep = R.naive_mass_floor_set(torch.tensor([[7, 2, 5, 1]]), torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 8, 0.6)
+    keep = R.mass_floor_set(torch.tensor([[7, 2, 5, 1]]), torch.tensor([[0.5, 0.3, 0.15, 0.05]]), 8, 0.6)
     assert keep.nonzero().flatten().tolist() == [2, 7]
     with pytest.raises(lynx_hf_errors.LynxConfigError, match="mass_floor"):
         LynxConfig(mass_floor=1.5)

@@ -31,8 +31,7 @@ from typing import Iterable, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from . import patcher
-from .config import LynxConfig
+from lynx_hf import LynxConfig, patcher
 
 REPO = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO / "eval" / "data"
@@ -237,7 +236,7 @@ def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
 def _alpha_mult(cfg: LynxConfig, num_experts: int, top_k: int) -> float | None:
     if cfg.policy != "lynx":
         return None
-    from .kernels.routing_naive import default_lynx_bins
+    from lynx_hf.kernels.routing_torch import default_lynx_bins
 
     default_alpha, _ = default_lynx_bins(num_experts, top_k)
     return 1.0 if cfg.alpha is None else cfg.alpha / default_alpha
@@ -446,7 +445,7 @@ def sample_responses(samples: list[dict]) -> list:
 def lynx_config(num_experts: int, top_k: int, tau: float, alpha_mult: float = 1.0, **kw) -> LynxConfig:
     """A LYNX config whose alpha is ``alpha_mult`` times the k/N-derived default (beta stays default);
     the paper's rule (``mass_price=None``) unless ``mass_price`` is passed."""
-    from .kernels.routing_naive import default_lynx_bins
+    from lynx_hf.kernels.routing_torch import default_lynx_bins
 
     alpha = None if alpha_mult == 1.0 else alpha_mult * default_lynx_bins(num_experts, top_k)[0]
     kw.setdefault("mass_price", None)  # the paper's rule unless a mass price is asked for

@@ -1,0 +1,374 @@
+"""LYNX / OEA routing steps in torch: the canonical definition and the production path off CUDA.
+
+This module defines the routing math (``../shared/DESIGN.md``, "The LYNX policy"); the Triton kernels
+in :mod:`kernels.routing` must return exactly the same integers. Nothing here knows about transformers
+or model families: inputs are router *selection scores* ``s[T, N]`` in fp32 (pre-softmax logits for
+softmax routers, pre-sigmoid logits for sigmoid routers, ``-inf`` where the model's own routing forbids
+an expert) and the model's own top-k indices.
+
+Every function is **sync-free**: no device->host read, no data-dependent output shape, loops with
+data-independent trip counts only (masking instead of breaking out), so a decode step runs inside
+CUDA graphs and ``torch.compile(fullgraph=True)``. Argument checks read shapes only.
+
+Per-token masks (DESIGN.md "Per-token decode mask"):
+
+- ``vote [T]`` bool: the tokens whose routing the policy decides (live decode tokens). Other rows do
+  not vote, do not count in the batch base ``B`` and do not add candidates. ``None``: every row votes.
+- ``seed [N]`` bool: experts the step loads anyway (the experts of its prefill tokens). They start in
+  the critical set and are free for the voting tokens. ``None``: no seed.
+
+Steps (LYNX, Gupta et al., arXiv 2411.08982, Sec. 4 "Dynamic expert reduction"):
+
+1. affinity gap ``g = s - max_e s`` (``<= 0``; equals ``log p_e / p_top1`` for softmax routers);
+2. affinity binning: ``bin = ceil(g * alpha)``; an expert *votes* iff ``bin >= -beta``;
+3. exponential batch score ``score[e] = sum_t vote[t, e] * B ** bin[t, e]`` (computed exactly:
+   integer per-bin counts, then a fixed-order fp64 sum of ``count * fp32(B ** -j)``), ``B`` = number
+   of voting tokens;
+4. critical set ``S`` (restricted to ``U``, the union of the voting tokens' own top-k and the seed,
+   so the batch never loads an expert it did not need anyway): the seed, cover (each voting token
+   keeps one of its bin-0 experts: a seeded one if it has one, else the highest-scoring; ties -> lower
+   id), consensus (``score >= tau``), grow by score until ``|S| >= k``;
+5. remap: each token takes its top-k of ``s`` preferring experts in ``S`` (experts outside ``S`` only
+   fill slots that the token's allowed experts inside ``S`` cannot).
+
+OEA (Oncescu et al., arXiv 2511.02237, Sec. 3): ``S`` is the seed plus the union of every voting
+token's top-``k0``; the same remap step then lets each token piggyback on experts already in ``S``.
+
+Ties always break to the lower expert id (stable sorts), so results are deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: bin value stored for forbidden (``-inf``) experts and non-voting rows; far below any real bin.
+FORBIDDEN_BIN = -(2**30)
+
+#: weight rules a remap can reproduce (DESIGN.md "Family rules"); the adapters pick one.
+WEIGHT_RULES = ("softmax_all", "softmax_chosen", "sigmoid")
+
+_MASS_UNIT = float(2**24)  # fixed-point resolution of routing-mass gains
+
+
+def default_lynx_bins(num_experts: int, top_k: int) -> tuple[float, int]:
+    """Bin parameters derived only from ``k/N`` (DESIGN.md step 2; our choice, the paper is silent).
+
+    Returns ``(alpha, beta)``: ``beta = ceil(log2(N/k)) + 1`` bins of width ``w = ln(N/k) / beta``,
+    ``alpha = 1/w``; an expert votes iff its probability is at least ``k/N`` of the token's top-1.
+    Raises ``ValueError`` when ``top_k`` is not in ``1..num_experts``. For ``k == N`` every expert
+    is always used and ``alpha`` is returned as ``inf`` (the policy is then the identity).
+    """
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..num_experts, got top_k={top_k}, num_experts={num_experts}")
+    if top_k == num_experts:
+        return math.inf, 1
+    ratio = num_experts / top_k
+    beta = math.ceil(math.log2(ratio)) + 1
+    return beta / math.log(ratio), beta
+
+
+def _rows(mask: torch.Tensor | None, num_rows: int, device) -> torch.Tensor:
+    return torch.ones(num_rows, dtype=torch.bool, device=device) if mask is None else mask.to(torch.bool)
+
+
+def voting_tokens(vote: torch.Tensor | None, num_tokens: int) -> torch.Tensor | int:
+    """The batch base ``B``: the number of voting tokens (a 0-d int64 tensor), ``T`` when ``vote`` is None."""
+    return num_tokens if vote is None else vote.sum()
+
+
+def lynx_bins(scores: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Per-token affinity bins. ``scores [T, N]`` fp32 -> ``bins [T, N]`` int32, ``<= 0``.
+
+    ``bin = ceil((s - max_e s) * alpha)`` in fp32; ``FORBIDDEN_BIN`` where ``s == -inf``.
+    Shift-invariant (CASES C13): only the gap to the row maximum is used.
+    """
+    s = scores.float()
+    gap = s - s.max(dim=-1, keepdim=True).values
+    bins = torch.ceil(gap * torch.tensor(alpha, dtype=torch.float32, device=s.device))
+    finite = torch.isfinite(s)
+    # clamp before the int cast (a huge alpha or finfo.min-masked logits would overflow int32); any
+    # bin this low never votes, since beta < 2**30.
+    bins = torch.where(finite, bins.clamp_min(FORBIDDEN_BIN + 1), torch.zeros_like(bins))
+    return torch.where(finite, bins.to(torch.int32), torch.full_like(bins, FORBIDDEN_BIN, dtype=torch.int32))
+
+
+def batch_base_powers(batch_base, beta: int, device=None) -> torch.Tensor:
+    """``fp32(B ** -j)`` for ``j = 0..beta``, returned as fp64 ``[beta + 1]``.
+
+    ``batch_base``: an int or a 0-d tensor (clamped to >= 1). Rounding the powers to fp32 makes
+    ``count * power`` exact in fp64 (7 + 24 bits), so the score sum is bit-reproducible in any
+    implementation that adds in the same order (with or without FMA). The Triton kernels read the
+    powers this function computes, so both paths use the same values.
+    """
+    if isinstance(batch_base, torch.Tensor):
+        base = batch_base.to(torch.float64).clamp_min(1.0)
+        device = base.device
+    else:
+        base = torch.tensor(float(max(int(batch_base), 1)), dtype=torch.float64, device=device)
+    j = torch.arange(beta + 1, dtype=torch.float64, device=device)
+    return torch.pow(base, -j).to(torch.float32).to(torch.float64)
+
+
+def lynx_scores(bins: torch.Tensor, candidates: torch.Tensor, beta: int, batch_base) -> torch.Tensor:
+    """Exponential batch score. ``bins [T, N]`` int32, ``candidates [N]`` bool -> ``score [N]`` fp64.
+
+    ``score[e] = sum_j count[e, j] * fp32(B ** -j)``, ``count[e, j] = #{t : bin[t, e] == -j}``,
+    summed over ``j = 0..beta`` in ascending order; 0 for non-candidates.
+    """
+    powers = batch_base_powers(batch_base, beta, device=bins.device)
+    in_range = (bins <= 0) & (bins >= -beta)
+    j = torch.where(in_range, -bins, torch.full_like(bins, beta + 1)).long()  # beta + 1: no vote
+    counts = torch.zeros(bins.shape[-1], beta + 2, dtype=torch.float64, device=bins.device)
+    counts.scatter_add_(1, j.t(), torch.ones_like(j, dtype=torch.float64).t())
+    score = torch.zeros(bins.shape[-1], dtype=torch.float64, device=bins.device)
+    for jj in range(beta + 1):  # fixed order: ascending j
+        score = score + counts[:, jj] * powers[jj]
+    return torch.where(candidates, score, torch.zeros_like(score))
+
+
+def union_mask(topk_idx: torch.Tensor, num_experts: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``topk_idx [T, k]`` int -> ``[N]`` bool, True for every expert some (selected) row chose.
+
+    ``rows [T]`` bool restricts the union to those rows (``None``: all rows).
+    """
+    flat = topk_idx.reshape(-1).long()
+    if rows is None:
+        hits = torch.ones_like(flat, dtype=torch.int32)
+    else:
+        hits = rows.to(torch.int32)[:, None].expand(topk_idx.shape).reshape(-1)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device).index_add_(0, flat, hits)
+    return counts > 0
+
+
+def _add_ranked(critical: torch.Tensor, key: torch.Tensor, eligible: torch.Tensor, count) -> torch.Tensor:
+    """``critical`` plus the first ``count`` eligible experts by ``key`` descending (ties -> lower id).
+
+    ``count``: int or 0-d tensor (negative = none). Sync-free: ranks instead of a data-dependent slice.
+    """
+    key = torch.where(eligible, key.to(torch.float64), torch.full_like(key, -1.0, dtype=torch.float64))
+    order = torch.sort(key, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return critical | (eligible & (rank < count))
+
+
+def _check_top_k(top_k: int, num_experts: int) -> None:
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+
+
+def lynx_critical_set(
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    top_k: int,
+    alpha: float,
+    beta: int,
+    tau: float,
+    batch_base=None,
+    vote: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """LYNX critical set. ``scores [T, N]`` fp32, ``topk_idx [T, k]`` (the model's own) -> ``[N]`` bool.
+
+    ``vote [T]`` / ``seed [N]``: see the module docstring. ``batch_base`` (int or 0-d tensor) defaults
+    to the number of voting tokens. Raises ``ValueError`` for a non-positive ``alpha``, a negative
+    ``beta`` or ``top_k`` outside ``1..N``.
+    """
+    num_tokens, num_experts = scores.shape
+    _check_top_k(top_k, num_experts)
+    if not alpha > 0 or beta < 0:
+        raise ValueError(f"alpha must be > 0 and beta >= 0, got alpha={alpha}, beta={beta}")
+    voters = _rows(vote, num_tokens, scores.device)
+    seeded = torch.zeros(num_experts, dtype=torch.bool, device=scores.device) if seed is None else seed
+    candidates = union_mask(topk_idx, num_experts, voters) | seeded
+    if math.isinf(alpha):  # k == N or an explicit "all bin 0": nothing to reduce
+        return candidates
+    if batch_base is None:
+        batch_base = voting_tokens(vote, num_tokens)
+    bins = lynx_bins(scores, alpha)
+    bins = torch.where(candidates[None, :] & voters[:, None], bins, torch.full_like(bins, FORBIDDEN_BIN))
+    score = lynx_scores(bins, candidates, beta, batch_base)
+
+    # (a) cover: each voting token's bin-0 candidate, a seeded one first, then by score (ties -> lower id).
+    bin0 = bins == 0
+    offset = float(num_tokens + 1)  # > any score (each token adds <= 1): seeded experts rank first
+    key = score[None, :] + torch.where(seeded, offset, 0.0)[None, :]
+    cover_key = torch.where(bin0, key, torch.full_like(key, -1.0))
+    cover = cover_key.argmax(dim=-1)  # torch.argmax returns the first (lowest id) maximum
+    has_cover = bin0.any(dim=-1)
+    covered = torch.zeros(num_experts, dtype=torch.int32, device=scores.device).index_add_(0, cover, has_cover.int())
+    critical = seeded | (covered > 0)
+    # (b) consensus.
+    critical = critical | (candidates & (score >= tau))
+    # (c) grow by score until |S| >= k.
+    missing = top_k - critical.sum()
+    return _add_ranked(critical, score, candidates & ~critical, missing)
+
+
+def oea_critical_set(
+    scores: torch.Tensor, top_k0: int, vote: torch.Tensor | None = None, seed: torch.Tensor | None = None
+) -> torch.Tensor:
+    """OEA critical set: the seed plus the union of every voting token's top-``k0`` of ``scores``
+    (ties -> lower id). ``scores [T, N]`` fp32 -> ``[N]`` bool. Raises ``ValueError`` unless
+    ``1 <= k0 <= N``.
+    """
+    num_experts = scores.shape[-1]
+    if not 1 <= top_k0 <= num_experts:
+        raise ValueError(f"k0 must be in 1..{num_experts}, got {top_k0}")
+    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :top_k0]
+    union = union_mask(order, num_experts, vote)
+    return union if seed is None else union | seed
+
+
+def remap_topk(scores: torch.Tensor, critical: torch.Tensor, top_k: int, check: bool = True) -> torch.Tensor:
+    """Remap step: each token's top-k preferring the critical set.
+
+    ``scores [T, N]`` fp32, ``critical [N]`` bool -> ``idx [T, k]`` int64, ordered by preference
+    (in-S experts by score, then out-of-S experts by score; ties -> lower id). Never returns a
+    forbidden (``-inf``) expert for a row with at least ``k`` allowed experts. With ``check`` (one
+    device sync; the decode path passes ``False``) raises ``ValueError`` if a row has fewer.
+    """
+    s = scores.float()
+    allowed = torch.isfinite(s) | (s > 0)
+    if check and bool((allowed.sum(dim=-1) < top_k).any()):
+        raise ValueError(f"a token has fewer than top_k={top_k} allowed (finite) router scores")
+    # Two-level key: membership tier (in S > outside S > forbidden), then score; the stable sort
+    # of the tier-major ranking keeps ties at the lower expert id.
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # by score, ties lower id
+    tier = torch.where(critical[None, :] & allowed, 2, torch.where(allowed, 1, 0))
+    tier_in_order = torch.gather(tier, 1, order)
+    by_tier = torch.sort(tier_in_order, dim=-1, descending=True, stable=True).indices
+    return torch.gather(order, 1, by_tier)[:, :top_k].contiguous()
+
+
+def routing_weights(
+    logits: torch.Tensor,
+    topk_idx: torch.Tensor,
+    rule: str,
+    renormalize: bool = False,
+    scale: float = 1.0,
+) -> torch.Tensor:
+    """Routing weights of the chosen experts, in fp32. ``logits [T, N]``, ``topk_idx [T, k]`` -> ``[T, k]``.
+
+    Rules (computed in fp32; the caller casts to the model dtype where the family does):
+
+    - ``"softmax_all"``: ``softmax(logits over all N)`` picked at ``topk_idx`` (Qwen2-MoE, DeepSeek-V2);
+    - ``"softmax_chosen"``: softmax over the chosen ``k`` logits only (Mixtral; equals ``softmax_all``
+      renormalized over the chosen set);
+    - ``"sigmoid"``: ``sigmoid(logit)`` of each chosen expert (Llama-4, DeepSeek-V3 style).
+
+    Then, if ``renormalize``, divide by the row sum; then multiply by ``scale``
+    (``routed_scaling_factor``). Raises ``ValueError`` for an unknown rule.
+    """
+    x = logits.float()
+    if rule == "softmax_all":
+        w = torch.softmax(x, dim=-1).gather(1, topk_idx)
+    elif rule == "softmax_chosen":
+        w = torch.softmax(x.gather(1, topk_idx), dim=-1)
+    elif rule == "sigmoid":
+        w = torch.sigmoid(x.gather(1, topk_idx))
+    else:
+        raise ValueError(f"unknown weight rule {rule!r}; expected one of {WEIGHT_RULES}")
+    if renormalize:
+        w = w / w.sum(dim=-1, keepdim=True)
+    if scale != 1.0:
+        w = w * scale
+    return w
+
+
+def mass_floor_set(
+    topk_idx: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_experts: int,
+    floor: float,
+    vote: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Experts some voting token must keep so that it retains at least ``floor`` of its routing mass.
+
+    ``topk_idx [T, k]`` int, ``topk_weights [T, k]`` (the model's own weights, any float dtype) ->
+    ``[N]`` bool. For each token, its experts in decreasing weight order (ties -> lower slot) are kept
+    while the weight kept *before* them is below ``floor`` of the token's top-k weight sum; so a
+    confident token keeps its top-1 only, an unsure one keeps more. ``floor = 0`` keeps nothing,
+    ``floor = 1`` keeps every original expert. (A project extension of LYNX, DESIGN.md "Improve
+    them when the data says so"; the paper has no such floor.)
+    """
+    if not 0.0 <= floor <= 1.0:
+        raise ValueError(f"floor must be in [0, 1], got {floor}")
+    if floor == 0.0:
+        return torch.zeros(num_experts, dtype=torch.bool, device=topk_idx.device)
+    w = topk_weights.float()
+    order = torch.sort(w, dim=-1, descending=True, stable=True).indices
+    w_sorted = w.gather(1, order)
+    total = w_sorted.sum(dim=-1, keepdim=True).clamp_min(1e-30)
+    before = (torch.cumsum(w_sorted, dim=-1) - w_sorted) / total  # mass kept before each slot
+    keep = before < floor
+    if vote is not None:
+        keep = keep & vote[:, None]
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+    counts.index_add_(0, topk_idx.gather(1, order).reshape(-1).long(), keep.reshape(-1).int())
+    return counts > 0
+
+
+def relative_weights(scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """``w[t, e] = exp(s - max s) / sum over the token's own top-k of exp(s - max s)``, fp32 ``[T, N]``.
+
+    For softmax routers: each expert's routing probability as a share of the token's original top-k
+    mass (0 for forbidden experts). The unit of the routing-mass rules below.
+    """
+    s = scores.float()
+    rel = torch.exp(s - s.max(dim=-1, keepdim=True).values)
+    rel = torch.where(torch.isfinite(s), rel, torch.zeros_like(rel))
+    return rel / rel.gather(1, topk_idx.long()).sum(dim=-1, keepdim=True)
+
+
+def mass_grow_steps(num_tokens: int, num_experts: int, top_k: int) -> int:
+    """The static iteration bound of :func:`mass_greedy_grow`: ``min(N, T * k)`` >= ``|U|``, so the
+    greedy never needs more steps than this (each step adds one expert of ``U`` or none)."""
+    return min(num_experts, num_tokens * top_k)
+
+
+def mass_greedy_grow(
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    critical: torch.Tensor,
+    top_k: int,
+    price: float,
+    vote: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Grow a critical set greedily by routing mass gained per expert loaded (project extension).
+
+    ``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` the model's own selection,
+    ``critical [N]`` bool the starting set (e.g. LYNX's cover) -> ``[N]`` bool, a superset.
+
+    Each voting token's relative weights ``w`` (:func:`relative_weights`). With S fixed, a token keeps
+    the top-k of ``w`` inside S, so adding expert ``e`` gains it ``max(0, w[t, e] - kth_t)`` (``kth_t``:
+    the k-th largest ``w`` of the token inside S, 0 if fewer). Repeatedly add the candidate of ``U``
+    (the voting tokens' union and the seed) with the largest total gain over the voting tokens while
+    that gain is ``>= price`` (units: one token's whole top-k mass), and in any case until ``|S| >= k``;
+    ties -> lower id. Gains are summed in int64 fixed point (2**-24 of a token's mass), so the result
+    does not depend on the order of the tokens. Deterministic; ``S`` stays inside ``U``.
+
+    Sync-free: :func:`mass_grow_steps` iterations, each adding its expert only while the rule still
+    wants one (once it stops, no later iteration can add: gains only shrink as S grows).
+    """
+    num_tokens, num_experts = scores.shape
+    voters = _rows(vote, num_tokens, scores.device)
+    w = torch.where(voters[:, None], relative_weights(scores, topk_idx), torch.zeros_like(scores, dtype=torch.float32))
+    candidates = union_mask(topk_idx, num_experts, voters)
+    if seed is not None:
+        candidates = candidates | seed
+        critical = critical | seed
+    kk = min(top_k, num_experts)
+    price_fixed = math.ceil(price * _MASS_UNIT)
+    ids = torch.arange(num_experts, device=scores.device)
+    for _ in range(mass_grow_steps(num_tokens, num_experts, top_k)):
+        in_s = torch.where(critical[None, :], w, torch.full_like(w, -1.0))
+        kth = in_s.topk(kk, dim=-1).values[:, -1].clamp_min(0.0)  # -1 (fewer than k in S) -> 0
+        gain = torch.round((w - kth[:, None]).clamp_min(0.0) * _MASS_UNIT).long().sum(dim=0)
+        gain = torch.where(candidates & ~critical, gain, torch.full_like(gain, -1))
+        best_gain, best = gain.max(dim=0)  # first maximum: lower id on ties
+        add = (best_gain >= price_fixed) | ((best_gain >= 0) & (critical.sum() < top_k))
+        critical = critical | ((ids == best) & add)
+    return critical

@@ -1,0 +1,131 @@
+"""Routing policies: which experts a decode step keeps (the *critical set*), on plain tensors.
+
+A policy is one module here plus one entry in :data:`REGISTRY` (``register``). It sees a decode step
+as :class:`StepTensors` and returns the critical set ``S [N]`` bool; the core (``lynx_hf.routing``)
+then remaps every decode token to its top-k restricted to ``S`` (``ops.remap_topk``) and recomputes
+the routing weights with the family's rule. Policies never see prefill-only forwards; in a mixed
+step the prefill tokens arrive as ``seed`` (experts loaded anyway) and do not vote.
+
+``ops`` is the kernel backend resolved at patch time: :mod:`lynx_hf.kernels.routing_torch` or the
+Triton twins in :mod:`lynx_hf.kernels.routing` (same function names, same integers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepTensors:
+    """One MoE layer's decode step, as a policy sees it.
+
+    - ``scores [T, N]`` fp32 selection scores (``-inf``: the model forbids the expert);
+    - ``topk_idx [T, k]`` int64 and ``topk_weights [T, k]`` (model dtype): the model's own routing;
+    - ``vote [T]`` bool or ``None`` (every row): the tokens whose routing the policy decides;
+    - ``seed [N]`` bool or ``None``: experts loaded anyway this step (prefill tokens' experts);
+    - ``top_k``: k of the layer.
+    """
+
+    scores: torch.Tensor
+    topk_idx: torch.Tensor
+    topk_weights: torch.Tensor
+    vote: torch.Tensor | None
+    seed: torch.Tensor | None
+    top_k: int
+
+
+class Policy:
+    """Base class. ``name`` is the ``LynxConfig.policy`` value; ``remaps`` is False only for ``none``."""
+
+    name: str = ""
+    remaps: bool = True
+    #: the ``LynxConfig`` fields this policy reads (documentation, CLI help)
+    fields: tuple[str, ...] = ()
+
+    def validate(self, cfg, num_experts: int, top_k: int) -> None:
+        """Raise ``ValueError`` (message without the layer name) if the policy cannot run on this layer."""
+
+    def resolve(self, cfg, num_experts: int, top_k: int):
+        """Per-layer parameters, computed once at patch time (``None`` if there are none)."""
+        return None
+
+    def critical_set(self, params, ops, step: StepTensors) -> torch.Tensor:
+        raise NotImplementedError
+
+
+REGISTRY: dict[str, Policy] = {}
+
+
+def register(policy: Policy) -> Policy:
+    """Add ``policy`` under ``policy.name`` (replacing an earlier one of that name) and return it."""
+    REGISTRY[policy.name] = policy
+    return policy
+
+
+def get(name: str) -> Policy:
+    """The registered policy ``name``. Raises ``KeyError`` listing the registered names."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}; registered: {sorted(REGISTRY)}") from None
+
+
+def names() -> tuple[str, ...]:
+    return tuple(REGISTRY)
+
+
+class NonePolicy(Policy):
+    """The model's own routing (decode bit-identical to unpatched); telemetry only."""
+
+    name = "none"
+    remaps = False
+
+
+register(NonePolicy())
+
+
+def _ops(cfg, device):
+    from ..kernels.backend import resolve_backend, routing_ops
+
+    return routing_ops(resolve_backend(cfg.backend, device))
+
+
+def critical_set(cfg, scores, topk_idx, top_k=None, topk_weights=None, vote=None, seed=None):
+    """Critical set ``[N]`` bool of one decode step under ``cfg`` (a ``LynxConfig``), or ``None`` for a
+    policy that does not remap. Plain-tensor API (the core resolves the same things once at patch time).
+
+    ``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` int64 the model's own selection,
+    ``topk_weights [T, k]`` its weights (needed by ``mass_floor``; default: uniform), ``vote`` /
+    ``seed``: see :class:`StepTensors`. Raises ``KeyError`` for an unregistered policy.
+    """
+    policy = get(cfg.policy)
+    if not policy.remaps:
+        return None
+    top_k = topk_idx.shape[-1] if top_k is None else top_k
+    if topk_weights is None:
+        topk_weights = torch.full(topk_idx.shape, 1.0 / top_k, device=scores.device)
+    params = policy.resolve(cfg, scores.shape[-1], top_k)
+    step = StepTensors(scores, topk_idx.long(), topk_weights, vote, seed, top_k)
+    return policy.critical_set(params, _ops(cfg, scores.device), step)
+
+
+def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scale=1.0, topk_weights=None,
+          vote=None, seed=None):
+    """Remapped top-k ``[T, k]`` int64 (each row ``k`` distinct allowed experts) for every row, or ``None``
+    for a policy that does not remap. With ``rule`` (a ``WEIGHT_RULES`` name) returns ``(idx, weights
+    [T, k] fp32)`` recomputed from ``logits`` (default ``scores``) by that rule. The core applies it
+    only to decode rows; this function remaps every row.
+    """
+    top_k = topk_idx.shape[-1]
+    critical = critical_set(cfg, scores, topk_idx, top_k, topk_weights, vote, seed)
+    if critical is None:
+        return None
+    ops = _ops(cfg, scores.device)
+    idx, weights = ops.remap(scores, critical, top_k, scores if logits is None else logits.float(),
+                             rule or "softmax_all", renormalize, scale)
+    return idx if rule is None else (idx, weights)
+
+from . import lynx as _lynx  # noqa: E402,F401  (registers "lynx")
+from . import oea as _oea  # noqa: E402,F401  (registers "oea")

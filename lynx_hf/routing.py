@@ -1,0 +1,252 @@
+"""The one interception point: post-process a MoE block's routing in decode (DESIGN.md "Direction").
+
+A decode step flows: backbone pre-hook (``lynx_hf.step``: which tokens decode) -> the block's own
+forward -> its router -> **router forward hook** (:meth:`BlockRouting.router_hook`: fp32 selection
+scores, policy critical set, remap, family weight rule, merged per token with the model's own
+routing) -> the block's own forward calls the model's own experts with that routing (through
+transformers' experts-implementation interface, see ``lynx_hf.experts``) -> output.
+
+Nothing here knows HF class names: the family spec (``lynx_hf.patches``) says which child is the
+router, how to get selection scores and which weight rule to reproduce. Llama-4 is the one family
+whose block forward is replaced (HF computes its experts densely); it calls :meth:`BlockRouting.route`.
+
+Everything in a decode step is sync-free (no ``.item()``, no data-dependent shapes): per-token
+choices are merged with ``torch.where``; telemetry accumulates on the device.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from . import policies
+from .kernels.backend import resolve_backend, routing_ops
+from .kernels.routing_torch import union_mask
+from .step import PREFILL, VERIFY, Step
+from .telemetry import BlockTelemetry
+
+BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """What a block resolved once (at patch time, again only if its device changes)."""
+
+    device: torch.device
+    backend: str  # "torch" | "triton"
+    policy: policies.Policy
+    params: object
+    ops: object
+
+
+class BlockRouting:
+    """The patch state of one MoE block (plain Python object, never a module)."""
+
+    def __init__(self, owner, spec, name: str, block: torch.nn.Module) -> None:
+        self.owner = owner  # lynx_hf.patcher.ModelState
+        self.spec = spec
+        self.name = name
+        self.block = block
+        self.router = spec.router_of(block)
+        self.experts = spec.experts_of(block)
+        self.num_experts, self.top_k = spec.shape(block)
+        self.rule = spec.weight_rule(block)  # None: verified on the first decode call (generic spec)
+        self.identity = self.top_k >= self.num_experts  # every token uses every expert: nothing to remap
+        self.telemetry = BlockTelemetry()
+        self.plan: RoutePlan | None = None
+        self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
+        self.kernel_reason: str | None = "not checked"  # why the sparse kernel may not read the experts
+        self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
+
+    def __getstate__(self):  # pickle / deepcopy: the spec by family, the plan re-resolved on first use
+        state = dict(self.__dict__)
+        state["spec"] = self.spec.family
+        state["plan"] = None
+        return state
+
+    def __setstate__(self, state):
+        from .patches import SPECS
+
+        state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
+        self.__dict__.update(state)
+
+    # -- resolution ----------------------------------------------------------------------------
+    def resolve(self, device: torch.device | None = None) -> RoutePlan:
+        """Resolve backend, policy parameters and kernels for ``device`` (default: the router's)."""
+        if device is None:
+            device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
+        cfg = self.owner.config
+        policy = policies.get(cfg.policy)
+        backend = resolve_backend(cfg.backend, device) if device.type != "meta" else "torch"
+        self.plan = RoutePlan(device, backend, policy, policy.resolve(cfg, self.num_experts, self.top_k),
+                              routing_ops(backend))
+        return self.plan
+
+    def _plan_for(self, device: torch.device) -> RoutePlan:
+        plan = self.plan
+        if plan is None or plan.device != device:
+            plan = self.resolve(device)
+        return plan
+
+    # -- installation ------------------------------------------------------------------------------
+    def install(self) -> None:
+        if self.spec.decode_forward is not None:
+            self._install_forward()
+        else:
+            self.router.register_forward_hook(self.router_hook)
+
+    def uninstall(self) -> None:
+        if self.spec.decode_forward is not None:
+            self._uninstall_forward()
+            return
+        hooks = self.router._forward_hooks
+        for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is self]:
+            del hooks[key]
+
+    def _install_forward(self) -> None:
+        block = self.block
+        # accelerate hooks wrap ``forward`` and call ``_old_forward``: swap that one so hooks stay.
+        attr = "_old_forward" if hasattr(block, "_hf_hook") and "_old_forward" in block.__dict__ else "forward"
+        had = attr in block.__dict__
+        previous = block.__dict__.get(attr)
+        self._forward_attr = (attr, had, previous)
+        object.__setattr__(block, attr, SwappedForward(self))
+        object.__setattr__(block, BLOCK_ATTR, self)
+
+    def _uninstall_forward(self) -> None:
+        block = self.block
+        attr, had, previous = self._forward_attr
+        for where in ("forward", "_old_forward"):
+            current = block.__dict__.get(where)
+            if not (isinstance(current, SwappedForward) and current.state is self):
+                continue
+            if where != attr:  # accelerate wrapped our forward after patch: put the original under it
+                object.__setattr__(block, where, previous if had else type(block).forward.__get__(block))
+            elif had:
+                object.__setattr__(block, where, previous)
+            else:
+                del block.__dict__[where]
+            break
+        block.__dict__.pop(BLOCK_ATTR, None)
+
+    def original_forward(self, *args, **kwargs):
+        """The block's forward as it was before patching (Llama-4 only)."""
+        attr, had, previous = self._forward_attr
+        if had:
+            return previous(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    # -- decode ------------------------------------------------------------------------------------
+    @property
+    def step(self) -> Step:
+        return self.owner.tracker.step
+
+    def router_hook(self, module, args, output):
+        """Forward hook on the router: the remapped ``(router_logits, weights, indices)`` in decode, else
+        ``None`` (the router's own output object, untouched)."""
+        step = self.step
+        if step.kind == PREFILL:
+            return None
+        logits, weights, idx = self.spec.unpack(output)
+        if self.rule is None and not self._verify_deferred(output):
+            return None
+        new_weights, new_idx = self.route(step, logits, weights, idx)
+        if new_idx is idx:
+            return None
+        return self.spec.repack(output, logits, new_weights, new_idx)
+
+    def _verify_deferred(self, output) -> bool:
+        """Generic spec, router not materialized at patch time: verify its rule on its real output."""
+        from .errors import UnsupportedModelError
+
+        if self.rule is False:
+            return False
+        try:
+            self.rule = self.spec.deferred_rule(self.block, self.name, output)
+            self.num_experts, self.top_k = self.spec.shape(self.block)
+            return True
+        except UnsupportedModelError as exc:
+            warnings.warn(f"lynx_hf: {exc}; this block keeps the model's own routing", stacklevel=3)
+            self.rule = False
+            return False
+
+    def route(self, step: Step, logits: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
+        """``(weights, idx)`` for one step: the policy's remap on the decode tokens, the model's own on the
+        others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int."""
+        cfg = self.owner.config
+        plan = self._plan_for(logits.device)
+        if not plan.policy.remaps or self.identity:
+            if cfg.telemetry:
+                self._record(step, idx, weights, idx, None)
+            return weights, idx
+        new_weights, new_idx, finite = remap(plan, self.spec, self.router, self.rule, step, logits, weights, idx,
+                                             self.num_experts, self.top_k)
+        if cfg.telemetry:
+            self._record(step, idx, weights, new_idx, finite)
+        return new_weights, new_idx
+
+    def _record(self, step: Step, idx, weights, new_idx, finite) -> None:
+        num_tokens = idx.shape[0]
+        dev = idx.device
+        decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+        live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
+        counted = decode & live
+        self.telemetry.record(
+            self.num_experts, idx, weights, new_idx, counted,
+            verify=step.kind == VERIFY,
+            prefill_rows=None if step.decode is None else ~decode & live,
+            finished_rows=None if step.live is None else decode & ~live,
+            fallback=None if finite is None else (counted & ~finite).any(),
+        )
+
+
+def remap(plan: RoutePlan, spec, router, rule, step: Step, logits, weights, idx, num_experts: int, top_k: int):
+    """The policy's routing for the decode tokens of ``step``, the model's own for the others.
+
+    Returns ``(weights [T, k] in weights.dtype, idx [T, k] in idx.dtype, finite [T] bool)``. Rows whose
+    router logits are not finite keep the model's routing (counted as fallbacks) and, like prefill
+    rows, seed the critical set with their experts; finished rows are remapped into the set but do
+    not vote. Sync-free.
+    """
+    num_tokens = logits.shape[0]
+    dev = logits.device
+    finite = torch.isfinite(logits).all(dim=-1)
+    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
+    remapped = decode & finite
+    vote = remapped & live
+    keep = (~decode | ~finite) & live
+    idx64 = idx.long()
+    scores = spec.selection_scores(router, logits)
+    scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
+    seed = union_mask(idx64, num_experts, keep)
+    tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
+    critical = plan.policy.critical_set(plan.params, plan.ops, tensors)
+    logits32 = torch.where(finite[:, None], logits.float(), torch.zeros_like(logits, dtype=torch.float32))
+    new_idx, new_weights = plan.ops.remap(scores, critical, top_k, logits32, rule.rule, rule.renormalize, rule.scale)
+    rows = remapped[:, None]
+    out_idx = torch.where(rows, new_idx, idx64).to(idx.dtype)
+    out_weights = torch.where(rows, new_weights.to(weights.dtype), weights)
+    return out_weights, out_idx, finite
+
+
+def _param_device(module) -> torch.device | None:
+    for p in module.parameters(recurse=True):
+        return p.device
+    return None
+
+
+class SwappedForward:
+    """The ``forward`` of a block whose family replaces it in decode (Llama-4); the block's own in prefill."""
+
+    def __init__(self, state: BlockRouting) -> None:
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        step = state.step
+        if step.kind == PREFILL:
+            return state.original_forward(*args, **kwargs)
+        return state.spec.decode_forward(state, step, *args, **kwargs)
