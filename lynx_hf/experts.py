@@ -110,22 +110,30 @@ def kernel_applies(experts, hidden: torch.Tensor) -> bool:
     return experts.gate_up_proj.device == hidden.device and experts.down_proj.device == hidden.device
 
 
+def implementations(experts, name: str):
+    """``(own, grouped)``: the forward function of implementation ``name`` for ``experts``' class and its
+    ``grouped_mm`` (``None`` if the interface has none). Resolved at patch time (not traced)."""
+    interface, original = _class_dispatch(type(experts))
+    grouped = interface.get_interface("grouped_mm", original) if "grouped_mm" in interface else None
+    return interface.get_interface(name, original), grouped
+
+
 def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     state = self.__dict__.get(EXPERTS_ATTR)
-    interface, original = _class_dispatch(type(self))
     if state is None:  # shares the config of a patched model but is not patched itself: HF's default
+        interface, original = _class_dispatch(type(self))
         return interface.get_interface("grouped_mm" if "grouped_mm" in interface else "eager", original)(
             self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    own = interface.get_interface(state.original_impl, original)
+    own, grouped = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     plan = state.plan
     if plan is not None and plan.backend == "triton" and state.kernel_reason is None \
             and kernel_applies(self, hidden_states):
         return plan.ops.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                          exact_grid=False)
-    if hidden_states.device.type == "cuda" and "grouped_mm" in interface:
-        return interface.get_interface("grouped_mm", original)(self, hidden_states, top_k_index, top_k_weights)
+                                   exact_grid=False)
+    if grouped is not None and hidden_states.device.type == "cuda":
+        return grouped(self, hidden_states, top_k_index, top_k_weights)
     return own(self, hidden_states, top_k_index, top_k_weights)
 
 

@@ -230,6 +230,7 @@ def _sync_experts_impl(state: ModelState) -> None:
         state.experts_impl_before = owner.get_experts_implementation()
         for block in modules:
             block.original_impl = block.experts.config._experts_implementation
+            block.experts_impls = experts_impl.implementations(block.experts, block.original_impl)
             block.kernel_reason = experts_impl.kernel_storage(block.experts)
             object.__setattr__(block.experts, experts_impl.EXPERTS_ATTR, block)
         owner.set_experts_implementation(experts_impl.IMPLEMENTATION)

@@ -57,6 +57,7 @@ class BlockRouting:
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
         self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
+        self.experts_impls = (None, None)  # its forward function and the interface's grouped_mm
         self.kernel_reason: str | None = "not checked"  # why the sparse kernel may not read the experts
         self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
 
@@ -77,11 +78,7 @@ class BlockRouting:
         """Resolve backend, policy parameters and kernels for ``device`` (default: the router's)."""
         if device is None:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
-        cfg = self.owner.config
-        policy = policies.get(cfg.policy)
-        backend = resolve_backend(cfg.backend, device) if device.type != "meta" else "torch"
-        self.plan = RoutePlan(device, backend, policy, policy.resolve(cfg, self.num_experts, self.top_k),
-                              routing_ops(backend))
+        self.plan = make_plan(self.owner.config, self.num_experts, self.top_k, device)
         return self.plan
 
     def _plan_for(self, device: torch.device) -> RoutePlan:
@@ -181,8 +178,8 @@ class BlockRouting:
             if cfg.telemetry:
                 self._record(step, idx, weights, idx, None)
             return weights, idx
-        new_weights, new_idx, finite = remap(plan, self.spec, self.router, self.rule, step, logits, weights, idx,
-                                             self.num_experts, self.top_k)
+        scores = self.spec.selection_scores(self.router, logits)
+        new_weights, new_idx, finite = remap(plan, self.rule, step, scores, logits, weights, idx)
         if cfg.telemetry:
             self._record(step, idx, weights, new_idx, finite)
         return new_weights, new_idx
@@ -202,15 +199,27 @@ class BlockRouting:
         )
 
 
-def remap(plan: RoutePlan, spec, router, rule, step: Step, logits, weights, idx, num_experts: int, top_k: int):
+def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> RoutePlan:
+    """Resolve a config for one MoE layer of ``num_experts`` experts, top-``top_k``, on ``device``:
+    backend, policy parameters, kernels (also used by serving-engine plugins, ``lynx_hf.vllm``)."""
+    device = torch.device(device)
+    policy = policies.get(config.policy)
+    backend = resolve_backend(config.backend, device) if device.type != "meta" else "torch"
+    return RoutePlan(device, backend, policy, policy.resolve(config, num_experts, top_k), routing_ops(backend))
+
+
+def remap(plan: RoutePlan, rule, step: Step, scores, logits, weights, idx):
     """The policy's routing for the decode tokens of ``step``, the model's own for the others.
 
+    ``scores [T, N]`` fp32 selection scores (``-inf``: forbidden), ``logits [T, N]`` the router logits
+    (the weight ``rule`` is applied to them), ``weights`` / ``idx [T, k]`` the model's own routing.
     Returns ``(weights [T, k] in weights.dtype, idx [T, k] in idx.dtype, finite [T] bool)``. Rows whose
     router logits are not finite keep the model's routing (counted as fallbacks) and, like prefill
     rows, seed the critical set with their experts; finished rows are remapped into the set but do
-    not vote. Sync-free.
+    not vote. Sync-free. The engine-independent core: the HF router hook and the vLLM plugin call it.
     """
-    num_tokens = logits.shape[0]
+    num_tokens, num_experts = logits.shape
+    top_k = idx.shape[-1]
     dev = logits.device
     finite = torch.isfinite(logits).all(dim=-1)
     decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
@@ -219,7 +228,6 @@ def remap(plan: RoutePlan, spec, router, rule, step: Step, logits, weights, idx,
     vote = remapped & live
     keep = (~decode | ~finite) & live
     idx64 = idx.long()
-    scores = spec.selection_scores(router, logits)
     scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
     seed = union_mask(idx64, num_experts, keep)
     tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
