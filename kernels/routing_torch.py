@@ -8,7 +8,11 @@ an expert) and the model's own top-k indices.
 
 Every function is **sync-free**: no device->host read, no data-dependent output shape, loops with
 data-independent trip counts only (masking instead of breaking out), so a decode step runs inside
-CUDA graphs and ``torch.compile(fullgraph=True)``. Argument checks read shapes only.
+CUDA graphs and ``torch.compile(fullgraph=True)``. Argument checks read shapes only. One exception,
+for speed on CPU only: on CPU tensors in eager mode (not while ``torch.compile`` traces, and not
+inside :func:`strict_sync_free`, which tests use to check the accelerator path on CPU), the greedy
+loop of :func:`mass_greedy_grow` stops at its first idle iteration by reading a CPU tensor (there
+is no device to synchronise with); the result is the same.
 
 Per-token masks (DESIGN.md "Per-token decode mask"):
 
@@ -50,6 +54,24 @@ FORBIDDEN_BIN = -(2**30)
 WEIGHT_RULES = ("softmax_all", "softmax_chosen", "sigmoid")
 
 _MASS_UNIT = float(2**24)  # fixed-point resolution of routing-mass gains
+_STRICT = [0]  # > 0 inside strict_sync_free()
+
+
+class strict_sync_free:
+    """Context manager: no host reads at all, also on CPU (the accelerator path, for tests on CPU)."""
+
+    def __enter__(self):
+        _STRICT[0] += 1
+        return self
+
+    def __exit__(self, *exc):
+        _STRICT[0] -= 1
+        return False
+
+
+def host_reads_allowed(t: torch.Tensor) -> bool:
+    """Whether a loop over ``t`` may stop early by reading it: CPU tensors in eager mode only."""
+    return t.device.type == "cpu" and not _STRICT[0] and not torch.compiler.is_compiling()
 
 
 def default_lynx_bins(num_experts: int, top_k: int) -> tuple[float, int]:
@@ -342,20 +364,23 @@ def mass_greedy_grow(
     ``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` the model's own selection,
     ``critical [N]`` bool the starting set (e.g. LYNX's cover) -> ``[N]`` bool, a superset.
 
-    Each voting token's relative weights ``w`` (:func:`relative_weights`). With S fixed, a token keeps
-    the top-k of ``w`` inside S, so adding expert ``e`` gains it ``max(0, w[t, e] - kth_t)`` (``kth_t``:
-    the k-th largest ``w`` of the token inside S, 0 if fewer). Repeatedly add the candidate of ``U``
-    (the voting tokens' union and the seed) with the largest total gain over the voting tokens while
-    that gain is ``>= price`` (units: one token's whole top-k mass), and in any case until ``|S| >= k``;
-    ties -> lower id. Gains are summed in int64 fixed point (2**-24 of a token's mass), so the result
-    does not depend on the order of the tokens. Deterministic; ``S`` stays inside ``U``.
+    Each voting token's relative weights ``w`` (:func:`relative_weights`), in fixed point
+    ``W = round(w * 2**24)`` (int64; 0 for other rows). With S fixed, a token keeps the top-k of ``W``
+    inside S, so adding expert ``e`` gains it ``max(0, W[t, e] - kth_t)`` (``kth_t``: the k-th largest
+    ``W`` of the token inside S, 0 if fewer). Repeatedly add the candidate of ``U`` (the voting tokens'
+    union and the seed) with the largest total gain over the voting tokens while that gain is
+    ``>= ceil(price * 2**24)`` (units: one token's whole top-k mass), and in any case until
+    ``|S| >= k``; ties -> lower id. Integer sums: the result does not depend on the order of the
+    tokens. Deterministic; ``S`` stays inside ``U``.
 
     Sync-free: :func:`mass_grow_steps` iterations, each adding its expert only while the rule still
-    wants one (once it stops, no later iteration can add: gains only shrink as S grows).
+    wants one (once it stops, no later iteration can add: gains only shrink as S grows). On CPU in
+    eager mode the loop stops at the first idle iteration (:func:`host_reads_allowed`).
     """
     num_tokens, num_experts = scores.shape
     voters = _rows(vote, num_tokens, scores.device)
-    w = torch.where(voters[:, None], relative_weights(scores, topk_idx), torch.zeros_like(scores, dtype=torch.float32))
+    w = relative_weights(scores, topk_idx)
+    big_w = torch.where(voters[:, None], torch.round(w * _MASS_UNIT).long(), torch.zeros_like(w, dtype=torch.long))
     candidates = union_mask(topk_idx, num_experts, voters)
     if seed is not None:
         candidates = candidates | seed
@@ -363,12 +388,17 @@ def mass_greedy_grow(
     kk = min(top_k, num_experts)
     price_fixed = math.ceil(price * _MASS_UNIT)
     ids = torch.arange(num_experts, device=scores.device)
+    size = critical.sum()
+    early = host_reads_allowed(scores)
     for _ in range(mass_grow_steps(num_tokens, num_experts, top_k)):
-        in_s = torch.where(critical[None, :], w, torch.full_like(w, -1.0))
-        kth = in_s.topk(kk, dim=-1).values[:, -1].clamp_min(0.0)  # -1 (fewer than k in S) -> 0
-        gain = torch.round((w - kth[:, None]).clamp_min(0.0) * _MASS_UNIT).long().sum(dim=0)
-        gain = torch.where(candidates & ~critical, gain, torch.full_like(gain, -1))
+        in_s = torch.where(critical[None, :], big_w, -1)
+        kth = in_s.topk(kk, dim=-1).values[:, -1].clamp_min(0)  # -1 (fewer than k in S) -> 0
+        gain = (big_w - kth[:, None]).clamp_min(0).sum(dim=0)
+        gain = torch.where(candidates & ~critical, gain, -1)
         best_gain, best = gain.max(dim=0)  # first maximum: lower id on ties
-        add = (best_gain >= price_fixed) | ((best_gain >= 0) & (critical.sum() < top_k))
+        add = (best_gain >= price_fixed) | ((best_gain >= 0) & (size < top_k))
+        if early and not add:
+            break
         critical = critical | ((ids == best) & add)
+        size = size + add.long()
     return critical
