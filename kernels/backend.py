@@ -61,6 +61,7 @@ def routing_ops(backend: str) -> types.SimpleNamespace:
         return types.SimpleNamespace(
             name="torch", lynx_critical_set=rt.lynx_critical_set, oea_critical_set=rt.oea_critical_set,
             mass_greedy_grow=rt.mass_greedy_grow, mass_floor_set=rt.mass_floor_set, remap=remap,
+            xshare_critical_set=rt.xshare_critical_set,
         )
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
@@ -74,5 +75,5 @@ def routing_ops(backend: str) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         name="triton", lynx_critical_set=tr.lynx_critical_set, oea_critical_set=tr.oea_critical_set,
         mass_greedy_grow=tr.mass_greedy_grow, mass_floor_set=rt.mass_floor_set, remap=remap,
-        sparse_moe=tm.sparse_moe,
+        sparse_moe=tm.sparse_moe, xshare_critical_set=rt.xshare_critical_set,  # XShare: torch ops (a baseline)
     )

@@ -358,6 +358,7 @@ def mass_greedy_grow(
     price: float,
     vote: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
+    per_token: bool = False,
 ) -> torch.Tensor:
     """Grow a critical set greedily by routing mass gained per expert loaded (project extension).
 
@@ -369,8 +370,9 @@ def mass_greedy_grow(
     inside S, so adding expert ``e`` gains it ``max(0, W[t, e] - kth_t)`` (``kth_t``: the k-th largest
     ``W`` of the token inside S, 0 if fewer). Repeatedly add the candidate of ``U`` (the voting tokens'
     union and the seed) with the largest total gain over the voting tokens while that gain is
-    ``>= ceil(price * 2**24)`` (units: one token's whole top-k mass), and in any case until
-    ``|S| >= k``; ties -> lower id. Integer sums: the result does not depend on the order of the
+    ``>= ceil(price * 2**24)`` (units: one token's whole top-k mass; with ``per_token``, times the number
+    of voting tokens B: the price is then a share of the batch's mass, i.e. a price on the mean mass
+    per token), and in any case until ``|S| >= k``; ties -> lower id. Integer sums: the result does not depend on the order of the
     tokens. Deterministic; ``S`` stays inside ``U``.
 
     Sync-free: :func:`mass_grow_steps` iterations, each adding its expert only while the rule still
@@ -387,6 +389,8 @@ def mass_greedy_grow(
         critical = critical | seed
     kk = min(top_k, num_experts)
     price_fixed = math.ceil(price * _MASS_UNIT)
+    if per_token:
+        price_fixed = price_fixed * voters.sum()
     ids = torch.arange(num_experts, device=scores.device)
     size = critical.sum()
     early = host_reads_allowed(scores)
@@ -402,3 +406,41 @@ def mass_greedy_grow(
         critical = critical | ((ids == best) & add)
         size = size + add.long()
     return critical
+
+
+def xshare_critical_set(
+    scores: torch.Tensor,
+    topk_idx: torch.Tensor,
+    top_k: int,
+    budget: int,
+    warmup: int,
+    vote: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """XShare (Vankov et al., arXiv 2602.07265): batch-aware selection maximizing the total gating score
+    kept under an expert budget, as the baseline on our harness. ``scores [T, N]`` fp32 -> ``[N]`` bool.
+
+    The objective is modular (the sum over selected experts of their gating mass summed over the batch),
+    so its greedy is exact: S = the seed, plus each voting token's top-``warmup`` experts (the paper's
+    warm-up / the vLLM pull request's ``top_per_token``), then the candidates of ``U`` (the voting tokens'
+    union) by aggregated gating score -- each token's routing probability ``softmax(s)`` (0 where
+    forbidden), summed over the voting tokens in 2**-24 fixed point -- until ``|S| >= max(budget, k)``;
+    ties -> lower id. Restricting the fill to ``U`` is our choice (the batch never loads an expert no
+    token chose); with a budget below ``|U|`` it changes nothing. The remap step then gives each token
+    its top-k inside S (its own experts outside S fill what S cannot). Sync-free.
+    """
+    num_tokens, num_experts = scores.shape
+    voters = _rows(vote, num_tokens, scores.device)
+    s = scores.float()
+    probs = torch.softmax(torch.where(torch.isfinite(s), s, torch.full_like(s, -torch.inf)), dim=-1)
+    probs = torch.where(torch.isfinite(probs), probs, torch.zeros_like(probs))  # all -inf rows
+    mass = torch.where(voters[:, None], torch.round(probs * _MASS_UNIT).long(), 0).sum(dim=0)
+    candidates = union_mask(topk_idx, num_experts, voters)
+    critical = torch.zeros(num_experts, dtype=torch.bool, device=scores.device) if seed is None else seed.clone()
+    if seed is not None:
+        candidates = candidates | seed
+    if warmup > 0:
+        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :warmup]
+        critical = critical | union_mask(order, num_experts, voters)
+    missing = max(budget, top_k) - critical.sum()
+    return _add_ranked(critical, mass, candidates & ~critical, missing)

@@ -21,24 +21,26 @@ class CliError(Exception):
 
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--policy", default="lynx", choices=["lynx", "oea", "none"], help="routing policy in decode")
-    parser.add_argument("--tau", type=float, default=None, help="LYNX consensus threshold (default: LynxConfig's)")
-    parser.add_argument("--alpha", type=float, default=None, help="LYNX inverse bin width (default: from k/N)")
-    parser.add_argument("--beta", type=int, default=None, help="LYNX number of voting bins below 0 (default: from k/N)")
-    parser.add_argument("--mass-floor", dest="mass_floor", type=float, default=None,
-                        help="LYNX extension: share of each token's top-k weight it always keeps (0..1)")
-    parser.add_argument("--mass-price", dest="mass_price", type=float, default=None,
-                        help="LYNX extension: grow the critical set by routing mass, an expert joins while it restores "
-                             ">= this many tokens' worth of top-k mass")
-    parser.add_argument("--k0", type=int, default=None, help="OEA: experts each token keeps")
-    parser.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    """One ``--field`` option per :class:`LynxConfig` field (derived from the dataclass: a new field is a
+    new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false)."""
+    from dataclasses import fields
+
+    from .config import LynxConfig, field_types
+
+    for f in fields(LynxConfig):
+        base, optional = field_types()[f.name]
+        kind = base.__name__ + (" or None" if optional else "")
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=kind.upper().replace(" ", "_"),
+                            help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {f.default!r})")
 
 
 def _config(args):
+    from dataclasses import fields
+
     from . import LynxConfig
 
-    fields = {name: getattr(args, name) for name in ("tau", "alpha", "beta", "mass_floor", "mass_price", "k0") if getattr(args, name) is not None}
-    return LynxConfig(policy=args.policy, backend=args.backend, **fields)
+    return LynxConfig.from_options({f.name: getattr(args, f.name) for f in fields(LynxConfig)
+                                    if getattr(args, f.name, None) is not None})
 
 
 def _load(model_path: Path, dtype: str):
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as exc:
         print(f"lynx-hf {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # LynxConfigError is a ValueError
         print(f"lynx-hf {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 

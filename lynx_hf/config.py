@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+import typing
+from dataclasses import asdict, dataclass, field, fields
 
 from . import policies
 from .errors import LynxConfigError
@@ -44,7 +45,14 @@ class LynxConfig:
       fewest unique experts with next-token cross-entropy up <= 1 % relative, over the paper's
       tau/alpha grid and this series), then fixed. ``None`` gives the paper's rule (tau, grow by
       score). ``>= 0``.
+    - ``price_unit``: the unit of ``mass_price``: ``"token"`` (tokens' worth of top-k mass: an expert
+      joins while it restores at least ``mass_price`` tokens' mass) or ``"batch"`` (a share of the step's
+      total mass: at least ``mass_price * B`` tokens' worth, B = decode tokens of the step; a constant
+      price on the mean mass per token, the Lagrangian of mean accuracy against experts loaded).
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
+    - ``xshare_budget`` / ``xshare_fraction`` / ``xshare_warmup``: the XShare baseline (policy
+      ``"xshare"``, arXiv 2602.07265): experts per step (an int ``>= 1``, or ``None``: ``ceil(fraction * N)``,
+      fraction in ``(0, 1]``), and each token's top-``warmup`` experts kept first (``>= 0``).
     - ``q_max``: outside ``generate``, the largest query length treated as decode when a cache is
       present (1 = plain decode); in continuous batching, the largest per-request query length of a
       decoding request. ``>= 1``. (Inside ``generate`` decode steps are known exactly.)
@@ -54,18 +62,24 @@ class LynxConfig:
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
     """
 
-    policy: str = "lynx"
-    phase: str = "auto"
-    alpha: float | None = None
-    beta: int | None = None
-    tau: float = 1.0
-    mass_floor: float = 0.0
-    mass_price: float | None = 0.5
-    k0: int = 1
-    q_max: int = 1
-    verify: bool = True
-    backend: str = "auto"
-    telemetry: bool = True
+    policy: str = field(default="lynx", metadata={"help": "routing policy in decode (registered: lynx, oea, none, ...)"})
+    phase: str = field(default="auto", metadata={"help": "auto: decode steps detected; decode: every forward; never"})
+    alpha: float | None = field(default=None, metadata={"help": "LYNX inverse bin width (None: from k/N)"})
+    beta: int | None = field(default=None, metadata={"help": "LYNX voting bins below bin 0 (None: from k/N)"})
+    tau: float = field(default=1.0, metadata={"help": "LYNX consensus threshold (paper rule, mass_price=None)"})
+    mass_floor: float = field(default=0.0, metadata={"help": "share of each token's top-k weight it always keeps"})
+    mass_price: float | None = field(default=0.5, metadata={
+        "help": "routing-mass growth price in tokens' worth of mass (None: the paper's rule)"})
+    price_unit: str = field(default="token", metadata={
+        "help": "mass_price unit: token (tokens' worth of mass) or batch (share of the batch's mass)"})
+    k0: int = field(default=1, metadata={"help": "OEA: experts each token keeps"})
+    xshare_budget: int | None = field(default=None, metadata={"help": "XShare: experts per step (None: fraction)"})
+    xshare_fraction: float = field(default=0.5, metadata={"help": "XShare: budget as a fraction of N"})
+    xshare_warmup: int = field(default=1, metadata={"help": "XShare: each token's top experts kept first"})
+    q_max: int = field(default=1, metadata={"help": "longest query treated as decode outside generate"})
+    verify: bool = field(default=True, metadata={"help": "remap verification forwards (assisted / prompt lookup)"})
+    backend: str = field(default="auto", metadata={"help": "kernels: auto (Triton on CUDA), torch, triton"})
+    telemetry: bool = field(default=True, metadata={"help": "collect decode statistics (lynx_hf.stats)"})
 
     def __post_init__(self) -> None:
         _choice("policy", self.policy, policies.names())
@@ -92,6 +106,13 @@ class LynxConfig:
             if not (0.0 <= self.mass_price < math.inf):
                 raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {self.mass_price!r}")
         _integer("k0", self.k0, minimum=1)
+        _choice("price_unit", self.price_unit, ("token", "batch"))
+        if self.xshare_budget is not None:
+            _integer("xshare_budget", self.xshare_budget, minimum=1)
+        _number("xshare_fraction", self.xshare_fraction)
+        if not 0.0 < self.xshare_fraction <= 1.0:
+            raise LynxConfigError(f"LynxConfig.xshare_fraction must be in (0, 1], got {self.xshare_fraction!r}")
+        _integer("xshare_warmup", self.xshare_warmup, minimum=0)
         _integer("q_max", self.q_max, minimum=1)
         for name in ("telemetry", "verify"):
             if not isinstance(getattr(self, name), bool):
@@ -107,6 +128,59 @@ class LynxConfig:
         if unknown:
             raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
         return cls(**values)
+
+    @classmethod
+    def from_options(cls, values: dict, base: "LynxConfig | None" = None) -> "LynxConfig":
+        """A config from command-line style options: every value may be a string (``"0.5"``, ``"None"``,
+        ``"true"``) or already typed; strings are parsed by the field's type (:func:`parse_option`).
+        The one parsing path of the CLI (``lynx-hf``) and the lm-eval ``lynx`` model's ``model_args``.
+        ``base`` supplies the other fields (default ``LynxConfig()``). Raises :class:`LynxConfigError`.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
+        parsed = {name: parse_option(name, value) for name, value in values.items()}
+        return cls.from_dict({**(base or cls()).to_dict(), **parsed})
+
+
+_NONE_WORDS = ("none", "null")
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def field_types() -> dict[str, tuple[type, bool]]:
+    """``{field: (base type, accepts None)}`` of :class:`LynxConfig`."""
+    hints = typing.get_type_hints(LynxConfig)
+    out = {}
+    for f in fields(LynxConfig):
+        args = typing.get_args(hints[f.name])
+        optional = type(None) in args
+        base = next((a for a in args if a is not type(None)), hints[f.name])
+        out[f.name] = (base, optional)
+    return out
+
+
+def parse_option(name: str, value):
+    """Parse one option value for field ``name``: strings by the field's type (``"None"`` / ``"null"``
+    -> ``None`` for optional fields; ``"true"`` / ``"false"`` for bools; numbers); other values as they
+    are. Raises :class:`LynxConfigError` naming the field for an unparsable string."""
+    if not isinstance(value, str):
+        return value
+    base, optional = field_types()[name]
+    text = value.strip()
+    if optional and text.lower() in _NONE_WORDS:
+        return None
+    try:
+        if base is bool:
+            return _BOOL_WORDS[text.lower()]
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+    except (KeyError, ValueError):
+        raise LynxConfigError(f"LynxConfig.{name}: cannot parse {value!r} as {base.__name__}"
+                              f"{' or None' if optional else ''}") from None
+    return text
 
 
 def _choice(name, value, allowed):

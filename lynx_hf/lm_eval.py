@@ -8,8 +8,9 @@ lm-eval has no plugin entry point, so registration happens on import of this mod
 - the CLI: ``python -m lynx_hf.lm_eval run --model lynx --model_args pretrained=PATH,policy=lynx
   --tasks TASK --include_path eval/tasks --batch_size 16`` (forwards to lm-eval's own CLI).
 
-LYNX options in ``model_args``: ``policy``, ``phase``, ``tau``, ``alpha``, ``beta``, ``mass_floor``, ``mass_price``, ``k0``, ``q_max``
-and ``lynx_backend`` (``LynxConfig.backend``; HFLM already has an unrelated ``backend`` argument).
+LYNX options in ``model_args``: every :class:`~lynx_hf.LynxConfig` field (``policy``, ``tau``, ``mass_price``,
+``k0``, ...; ``mass_price=None`` selects the paper's rule), parsed by :meth:`LynxConfig.from_options` like the
+CLI's, except ``backend``, spelled ``lynx_backend`` (HFLM already has an unrelated ``backend`` argument).
 Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
 """
@@ -17,6 +18,7 @@ depends on the decode batch.
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 
 import torch
 from lm_eval.api.registry import register_model
@@ -25,7 +27,7 @@ from lm_eval.models.huggingface import HFLM
 from .config import LynxConfig
 from .patcher import patch
 
-_LYNX_ARGS = ("policy", "phase", "tau", "alpha", "beta", "mass_floor", "mass_price", "k0", "q_max")
+_LYNX_ARGS = tuple(f.name for f in fields(LynxConfig) if f.name != "backend")
 
 
 @register_model("lynx")
@@ -38,8 +40,7 @@ class LynxLM(HFLM):
 
     def __init__(self, pretrained, *, lynx_backend: str = "auto", **kwargs) -> None:
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
-        options = {name: value for name, value in options.items() if value is not None}
-        self.lynx_config = LynxConfig(backend=lynx_backend, **options)
+        self.lynx_config = LynxConfig.from_options({**options, "backend": lynx_backend})
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM assumes CUDA
         if kwargs.get("batch_size") == "auto":
             raise ValueError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")

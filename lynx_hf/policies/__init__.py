@@ -129,3 +129,4 @@ def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scal
 
 from . import lynx as _lynx  # noqa: E402,F401  (registers "lynx")
 from . import oea as _oea  # noqa: E402,F401  (registers "oea")
+from . import xshare as _xshare  # noqa: E402,F401  (registers "xshare")
