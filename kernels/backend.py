@@ -45,23 +45,34 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 def routing_ops(backend: str) -> types.SimpleNamespace:
     """The routing ops of ``backend`` (``"torch"`` or ``"triton"``) under one set of names:
 
-    ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``mass_floor_set`` (signatures of
-    :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale) ->
-    (idx [T, k] int64, weights [T, k] fp32)``. Both return the same integers. The Triton namespace also
+    ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``xshare_critical_set``,
+    ``mass_floor_set`` (signatures of :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale) ->
+    (idx [T, k] int64, weights [T, k] fp32)``. Both return the same integers. The torch namespace runs
+    the numba twins of :mod:`.routing_cpu` on CPU tensors in eager mode (torch's per-op overhead
+    dominates at decode sizes there) and the torch ops everywhere else. The Triton namespace also
     carries ``sparse_moe`` (:mod:`.moe`); resolving it imports every Triton module the decode path
     launches, so the choice is made once (at patch time), not at the first decode step.
     """
     from . import routing_torch as rt
 
     if backend == "torch":
+        from . import routing_cpu as rc
+
+        def fast(t: torch.Tensor) -> bool:  # CPU, eager, not strict: the numba twins (same integers)
+            return rc.AVAILABLE and rt.host_reads_allowed(t)
+
+        def pick(name):
+            torch_fn, cpu_fn = getattr(rt, name), getattr(rc, name)
+            return lambda scores, *args, **kwargs: (cpu_fn if fast(scores) else torch_fn)(scores, *args, **kwargs)
+
         def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
-            idx = rt.remap_topk(scores, critical, top_k, check=False)
+            idx = (rc.remap_topk if fast(scores) else rt.remap_topk)(scores, critical, top_k, check=False)
             return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
 
         return types.SimpleNamespace(
-            name="torch", lynx_critical_set=rt.lynx_critical_set, oea_critical_set=rt.oea_critical_set,
-            mass_greedy_grow=rt.mass_greedy_grow, mass_floor_set=rt.mass_floor_set, remap=remap,
-            xshare_critical_set=rt.xshare_critical_set,
+            name="torch", lynx_critical_set=pick("lynx_critical_set"), oea_critical_set=pick("oea_critical_set"),
+            mass_greedy_grow=pick("mass_greedy_grow"), mass_floor_set=rt.mass_floor_set, remap=remap,
+            xshare_critical_set=pick("xshare_critical_set"),
         )
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")

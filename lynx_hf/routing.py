@@ -23,7 +23,7 @@ import torch
 
 from . import policies
 from .kernels.backend import resolve_backend, routing_ops
-from .kernels.routing_torch import union_mask
+from .kernels.routing_torch import host_reads_allowed, union_mask
 from .step import PREFILL, VERIFY, Step
 from .telemetry import BlockTelemetry
 
@@ -54,17 +54,20 @@ class BlockRouting:
         self.num_experts, self.top_k = spec.shape(block)
         self.rule = spec.weight_rule(block)  # None: verified on the first decode call (generic spec)
         self.identity = self.top_k >= self.num_experts  # every token uses every expert: nothing to remap
+        # (and a step of one token keeps its own top-k under every shipped policy: skipped statically)
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
         self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
         self.experts_impls = (None, None)  # its forward function and the interface's grouped_mm
         self.kernel_reason: str | None = "not checked"  # why the sparse kernel may not read the experts
+        self.grouped_reason: str | None = "not checked"  # why grouped_mm may not (lynx_hf.experts.install) [issue 15]
         self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
 
     def __getstate__(self):  # pickle / deepcopy: the spec by family, the plan re-resolved on first use
         state = dict(self.__dict__)
         state["spec"] = self.spec.family
         state["plan"] = None
+        state["experts_impls"] = (None, None)  # functions local to transformers' decorator: resolved again [issue 15]
         return state
 
     def __setstate__(self, state):
@@ -72,6 +75,10 @@ class BlockRouting:
 
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
         self.__dict__.update(state)
+        if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it [issue 15]
+            from .experts import register
+
+            register()
 
     # -- resolution ----------------------------------------------------------------------------
     def resolve(self, device: torch.device | None = None) -> RoutePlan:
@@ -174,7 +181,7 @@ class BlockRouting:
         others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int."""
         cfg = self.owner.config
         plan = self._plan_for(logits.device)
-        if not plan.policy.remaps or self.identity:
+        if not plan.policy.remaps or self.identity or (idx.shape[0] == 1 and plan.policy.single_token_identity):
             if cfg.telemetry:
                 self._record(step, idx, weights, idx, None)
             return weights, idx
@@ -222,6 +229,15 @@ def remap(plan: RoutePlan, rule, step: Step, scores, logits, weights, idx):
     top_k = idx.shape[-1]
     dev = logits.device
     finite = torch.isfinite(logits).all(dim=-1)
+    if step.decode is None and step.live is None and host_reads_allowed(logits) and bool(finite.all()):
+        # CPU, eager: every token decodes and is finite (one memory read, no device): no masks to merge
+        idx64 = idx if idx.dtype == torch.int64 else idx.long()
+        critical = plan.policy.critical_set(plan.params, plan.ops,
+                                            policies.StepTensors(scores, idx64, weights, None, None, top_k))
+        logits32 = logits if logits.dtype == torch.float32 else logits.float()
+        new_idx, new_weights = plan.ops.remap(scores, critical, top_k, logits32, rule.rule, rule.renormalize,
+                                              rule.scale)
+        return new_weights.to(weights.dtype), new_idx.to(idx.dtype), finite
     decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
     live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
     remapped = decode & finite

@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .kernels import routing_cpu
+from .kernels.routing_torch import host_reads_allowed
+
 # accumulator slots
 (_STEPS, _BEFORE, _AFTER, _REMAPPED, _ASSIGNMENTS, _MASS, _TOKENS, _FALLBACKS, _VERIFY_TOKENS,
  _PREFILL_TOKENS, _FINISHED_TOKENS) = range(11)
@@ -59,6 +62,10 @@ class BlockTelemetry:
         ``orig_weights [T, k]``, ``counted [T]`` bool (live decode tokens: the ones measured);
         ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool."""
         acc = self._buf(orig_idx.device)
+        if routing_cpu.AVAILABLE and host_reads_allowed(orig_idx):  # CPU eager: one compiled loop, same sums
+            acc.add_(routing_cpu.decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify,
+                                                    prefill_rows, finished_rows, fallback))
+            return
         counted = counted.to(torch.bool)
         n = counted.sum().to(torch.float64)
         kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1) & counted[:, None]  # [T, k]
@@ -74,8 +81,10 @@ class BlockTelemetry:
             n,
             torch.zeros((), dtype=torch.float64, device=acc.device) if fallback is None else fallback.to(torch.float64),
             n if verify else torch.zeros((), dtype=torch.float64, device=acc.device),
+            # prefill tokens count only in steps that also decode (issue 14: a StaticCache prefill outside
+            # generate has a device decode mask that is all False: it is not a mixed step)
             torch.zeros((), dtype=torch.float64, device=acc.device) if prefill_rows is None
-            else prefill_rows.sum().to(torch.float64),
+            else prefill_rows.sum().to(torch.float64) * (n > 0),
             torch.zeros((), dtype=torch.float64, device=acc.device) if finished_rows is None
             else finished_rows.sum().to(torch.float64),
         ])

@@ -41,6 +41,9 @@ class Policy:
 
     name: str = ""
     remaps: bool = True
+    #: with a single token in the step the critical set holds its own top-k, so its routing is unchanged
+    #: (true of every shipped policy); the core then skips the policy for one-token steps
+    single_token_identity: bool = True
     #: the ``LynxConfig`` fields this policy reads (documentation, CLI help)
     fields: tuple[str, ...] = ()
 

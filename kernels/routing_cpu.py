@@ -1,0 +1,386 @@
+"""CPU fast path of the routing ops: numba-compiled twins of :mod:`.routing_torch` (same integers).
+
+On CPU a decode step's routing works on tiny tensors (``[T, N]`` with T, N <= a few hundred), where
+torch's per-op overhead (microseconds each, a few hundred ops per step) costs more than the arithmetic.
+These functions run the integer logic of each routing step in one compiled loop nest:
+:func:`lynx_critical_set` (binning, exponential batch score, cover / consensus / grow),
+:func:`oea_critical_set`, :func:`mass_greedy_grow`, :func:`xshare_critical_set`, :func:`remap_topk`, and
+:func:`decode_step_counts` (the telemetry of one step). Float inputs that need transcendental functions
+(the relative weights and probabilities behind the mass rules) are computed by torch and passed in as
+fixed-point integers, so the results are exactly :mod:`.routing_torch`'s; the remaining float math
+(``ceil((s - max s) * alpha)`` in fp32, fp64 sums of exact products in a fixed order) is IEEE-identical.
+Tests compare every function with its torch twin element for element (tests/test_routing_cpu.py).
+
+Used by :func:`.backend.routing_ops` for CPU tensors in eager mode (``routing_torch.host_reads_allowed``);
+on accelerators, under ``torch.compile`` and inside ``routing_torch.strict_sync_free()`` the torch ops run.
+``AVAILABLE`` is False when numba cannot be imported (the torch ops are used then). Compiled on first use
+(about a second per function) and cached on disk (numba ``cache=True``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import torch
+
+from . import routing_torch as rt
+
+try:  # numba is a dependency; still, never let its absence break the package
+    import numba
+
+    AVAILABLE = True
+except ImportError:  # pragma: no cover - exercised only without numba
+    numba = None
+    AVAILABLE = False
+
+FORBIDDEN_BIN = rt.FORBIDDEN_BIN
+
+
+def _jit(fn):
+    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
+
+
+@_jit
+def _union(idx, rows, n):
+    out = np.zeros(n, dtype=np.bool_)
+    for t in range(idx.shape[0]):
+        if rows[t]:
+            for j in range(idx.shape[1]):
+                out[idx[t, j]] = True
+    return out
+
+
+@_jit
+def _add_ranked(critical, key, eligible, count):
+    """``critical`` plus the first ``count`` eligible experts by ``key`` desc, ties -> lower id."""
+    n = critical.shape[0]
+    taken = np.zeros(n, dtype=np.bool_)
+    for _ in range(max(count, 0)):
+        best = -1
+        for e in range(n):
+            if eligible[e] and not taken[e] and (best < 0 or key[e] > key[best]):
+                best = e
+        if best < 0:
+            break
+        taken[best] = True
+        critical[best] = True
+    return critical
+
+
+@_jit
+def _lynx_critical(s, idx, top_k, alpha, beta, tau, powers, vote, seed, use_tau):
+    t_count, n = s.shape
+    cand = seed.copy()
+    for t in range(t_count):
+        if vote[t]:
+            for j in range(idx.shape[1]):
+                cand[idx[t, j]] = True
+    counts = np.zeros((n, beta + 1), dtype=np.int64)
+    bins = np.empty((t_count, n), dtype=np.int32)
+    for t in range(t_count):
+        rowmax = s[t, 0]
+        for e in range(1, n):
+            if s[t, e] > rowmax:
+                rowmax = s[t, e]
+        for e in range(n):
+            v = s[t, e]
+            b = FORBIDDEN_BIN
+            if vote[t] and cand[e] and math.isfinite(v):
+                c = np.ceil(np.float32(np.float32(v - rowmax) * alpha))
+                b = FORBIDDEN_BIN + 1 if c < FORBIDDEN_BIN + 1 else np.int32(c)
+            bins[t, e] = b
+            if -beta <= b <= 0:
+                counts[e, -b] += 1
+    score = np.zeros(n, dtype=np.float64)
+    for e in range(n):
+        if cand[e]:
+            acc = 0.0
+            for j in range(beta + 1):
+                acc = acc + counts[e, j] * powers[j]
+            score[e] = acc
+    offset = float(t_count + 1)
+    critical = seed.copy()
+    for t in range(t_count):
+        best = -1
+        best_key = 0.0
+        for e in range(n):
+            if bins[t, e] == 0:
+                key = score[e] + (offset if seed[e] else 0.0)
+                if best < 0 or key > best_key:
+                    best = e
+                    best_key = key
+        if best >= 0:
+            critical[best] = True
+    if use_tau:
+        for e in range(n):
+            if cand[e] and score[e] >= tau:
+                critical[e] = True
+    size = 0
+    for e in range(n):
+        if critical[e]:
+            size += 1
+    eligible = cand & ~critical
+    return _add_ranked(critical, score, eligible, top_k - size)
+
+
+def _np(t: torch.Tensor, dtype: torch.dtype | None = None) -> np.ndarray:
+    """A numpy view of a CPU tensor (no copy unless a cast or a contiguous copy is needed); each torch call
+    skipped here is a microsecond saved on a path that runs per MoE layer per decode step."""
+    if dtype is not None and t.dtype != dtype:
+        t = t.to(dtype)
+    if t.requires_grad:
+        t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.numpy()
+
+
+def _mask(mask, size: int) -> np.ndarray:
+    return np.ones(size, dtype=np.bool_) if mask is None else _np(mask, torch.bool)
+
+
+def lynx_critical_set(scores, topk_idx, top_k, alpha, beta, tau, batch_base=None, vote=None, seed=None):
+    """Twin of :func:`.routing_torch.lynx_critical_set` (same arguments, same ``[N]`` bool)."""
+    num_tokens, num_experts = scores.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in 1..{num_experts}, got {top_k}")
+    if not alpha > 0 or beta < 0:
+        raise ValueError(f"alpha must be > 0 and beta >= 0, got alpha={alpha}, beta={beta}")
+    voters = _mask(vote, num_tokens)
+    seeded = np.zeros(num_experts, dtype=np.bool_) if seed is None else _np(seed)
+    idx = _np(topk_idx, torch.int64)
+    if math.isinf(alpha):
+        return torch.from_numpy(_union(idx, voters, num_experts) | seeded)
+    if batch_base is None:
+        batch_base = int(voters.sum())
+    powers = _powers(int(batch_base), int(beta))
+    out = _lynx_critical(_np(scores, torch.float32), idx, int(top_k), np.float32(alpha), int(beta),
+                         float(tau) if math.isfinite(tau) else 0.0, powers, voters, seeded, math.isfinite(tau))
+    return torch.from_numpy(out)
+
+
+@functools.lru_cache(maxsize=1024)
+def _powers(batch_base: int, beta: int) -> np.ndarray:
+    """``routing_torch.batch_base_powers`` (the same values: computed by it), cached per (B, beta)."""
+    return rt.batch_base_powers(batch_base, beta).numpy()
+
+
+def _fixed_point_weights(scores, topk_idx, vote):
+    """``round(relative_weights * 2**24)`` as int64, 0 for non-voting rows (routing_torch's arithmetic)."""
+    w = rt.relative_weights(scores, topk_idx)
+    big_w = torch.round(w * rt._MASS_UNIT).long()
+    return big_w if vote is None else torch.where(vote[:, None], big_w, 0)
+
+
+@_jit
+def _top_choices(s, rows, k0, n):
+    """Union over ``rows`` of each row's top-``k0`` of ``s`` (desc, ties -> lower id)."""
+    out = np.zeros(n, dtype=np.bool_)
+    taken = np.zeros(n, dtype=np.bool_)
+    for t in range(s.shape[0]):
+        if not rows[t]:
+            continue
+        taken[:] = False
+        for _ in range(k0):
+            best = -1
+            for e in range(n):
+                if not taken[e] and (best < 0 or s[t, e] > s[t, best]):
+                    best = e
+            taken[best] = True
+            out[best] = True
+    return out
+
+
+def oea_critical_set(scores, top_k0, vote=None, seed=None):
+    """Twin of :func:`.routing_torch.oea_critical_set`."""
+    num_tokens, num_experts = scores.shape
+    if not 1 <= top_k0 <= num_experts:
+        raise ValueError(f"k0 must be in 1..{num_experts}, got {top_k0}")
+    out = _top_choices(_np(scores, torch.float32), _mask(vote, num_tokens), int(top_k0), num_experts)
+    if seed is not None:
+        out |= _np(seed)
+    return torch.from_numpy(out)
+
+
+@_jit
+def _remap(s, critical, top_k):
+    t_count, n = s.shape
+    out = np.empty((t_count, top_k), dtype=np.int64)
+    tier = np.empty(n, dtype=np.int64)
+    taken = np.zeros(n, dtype=np.bool_)
+    for t in range(t_count):
+        for e in range(n):
+            v = s[t, e]
+            allowed = math.isfinite(v) or v > 0
+            tier[e] = 2 if (allowed and critical[e]) else (1 if allowed else 0)
+        taken[:] = False
+        for i in range(top_k):
+            best = -1
+            for e in range(n):
+                if taken[e]:
+                    continue
+                if best < 0 or tier[e] > tier[best] or (tier[e] == tier[best] and s[t, e] > s[t, best]):
+                    best = e
+            taken[best] = True
+            out[t, i] = best
+    return out
+
+
+def remap_topk(scores, critical, top_k, check=True):
+    """Twin of :func:`.routing_torch.remap_topk` (``check`` reads the scores on the host, as there)."""
+    if check:
+        s = scores.float()
+        if bool(((torch.isfinite(s) | (s > 0)).sum(dim=-1) < top_k).any()):
+            raise ValueError(f"a token has fewer than top_k={top_k} allowed (finite) router scores")
+    return torch.from_numpy(_remap(_np(scores, torch.float32), _np(critical, torch.bool), int(top_k)))
+
+
+@_jit
+def _mass_greedy(w, cand, critical, top_k, price_fixed):
+    t_count, n = w.shape
+    kk = min(top_k, n)
+    size = 0
+    for e in range(n):
+        if critical[e]:
+            size += 1
+    kth = np.zeros(t_count, dtype=np.int64)
+    top = np.empty(kk, dtype=np.int64)
+    while True:
+        for t in range(t_count):  # the kk-th largest W of the token inside S (0 if fewer than kk)
+            m = 0
+            for e in range(n):
+                if critical[e]:
+                    v = w[t, e]
+                    if m < kk:
+                        top[m] = v
+                        m += 1
+                        j = m - 1
+                        while j > 0 and top[j] > top[j - 1]:
+                            top[j], top[j - 1] = top[j - 1], top[j]
+                            j -= 1
+                    elif v > top[kk - 1]:
+                        top[kk - 1] = v
+                        j = kk - 1
+                        while j > 0 and top[j] > top[j - 1]:
+                            top[j], top[j - 1] = top[j - 1], top[j]
+                            j -= 1
+            kth[t] = top[kk - 1] if m >= kk and top[kk - 1] > 0 else 0
+        best = -1
+        best_gain = -1
+        for e in range(n):
+            if cand[e] and not critical[e]:
+                g = 0
+                for t in range(t_count):
+                    d = w[t, e] - kth[t]
+                    if d > 0:
+                        g += d
+                if g > best_gain:
+                    best_gain = g
+                    best = e
+        if best < 0 or not (best_gain >= price_fixed or size < top_k):
+            return critical
+        critical[best] = True
+        size += 1
+
+
+def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=None, per_token=False):
+    """Twin of :func:`.routing_torch.mass_greedy_grow` (the fixed-point weights are computed by torch)."""
+    num_tokens, num_experts = scores.shape
+    big_w = _fixed_point_weights(scores, topk_idx, vote)
+    voters = _mask(vote, num_tokens)
+    cand = _union(_np(topk_idx, torch.int64), voters, num_experts)
+    crit = _np(critical, torch.bool).copy()
+    if seed is not None:
+        seeded = _np(seed)
+        cand |= seeded
+        crit |= seeded
+    price_fixed = math.ceil(price * rt._MASS_UNIT)
+    if per_token:
+        price_fixed *= int(voters.sum())
+    return torch.from_numpy(_mass_greedy(_np(big_w), cand, crit, int(top_k), int(price_fixed)))
+
+
+@_jit
+def _xshare(s, idx, rows, mass, seed, top_k, budget, warmup):
+    n = s.shape[1]
+    cand = _union(idx, rows, n) | seed
+    critical = seed.copy()
+    if warmup > 0:
+        critical |= _top_choices(s, rows, warmup, n)
+    size = 0
+    for e in range(n):
+        if critical[e]:
+            size += 1
+    return _add_ranked(critical, mass.astype(np.float64), cand & ~critical, max(budget, top_k) - size)
+
+
+def xshare_critical_set(scores, topk_idx, top_k, budget, warmup, vote=None, seed=None):
+    """Twin of :func:`.routing_torch.xshare_critical_set` (the fixed-point mass is computed by torch)."""
+    num_tokens, num_experts = scores.shape
+    voters_t = torch.ones(num_tokens, dtype=torch.bool) if vote is None else vote
+    s = scores if scores.dtype == torch.float32 else scores.float()
+    probs = torch.softmax(torch.where(torch.isfinite(s), s, torch.full_like(s, -torch.inf)), dim=-1)
+    probs = torch.where(torch.isfinite(probs), probs, torch.zeros_like(probs))
+    mass = torch.where(voters_t[:, None], torch.round(probs * rt._MASS_UNIT).long(), 0).sum(dim=0)
+    seeded = np.zeros(num_experts, dtype=np.bool_) if seed is None else _np(seed)
+    out = _xshare(_np(s), _np(topk_idx, torch.int64), _np(voters_t), _np(mass), seeded, int(top_k), int(budget),
+                  int(warmup))
+    return torch.from_numpy(out)
+
+
+@_jit
+def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
+    """The telemetry row of one step (lynx_hf.telemetry slots)."""
+    t_count, k = orig.shape
+    before = np.zeros(n, dtype=np.bool_)
+    after = np.zeros(n, dtype=np.bool_)
+    remapped = 0
+    mass = 0.0
+    tokens = 0
+    for t in range(t_count):
+        if not counted[t]:
+            continue
+        tokens += 1
+        total = 0.0
+        kept_mass = 0.0
+        for j in range(k):
+            before[orig[t, j]] = True
+            after[new[t, j]] = True
+            total += w[t, j]
+            kept = False
+            for i in range(k):
+                if orig[t, j] == new[t, i]:
+                    kept = True
+            if kept:
+                kept_mass += w[t, j]
+            else:
+                remapped += 1
+        mass += kept_mass / max(total, 1e-30)
+    row = np.zeros(11, dtype=np.float64)
+    row[0] = 1.0 if tokens > 0 else 0.0
+    row[1] = before.sum()
+    row[2] = after.sum()
+    row[3] = remapped
+    row[4] = tokens * k
+    row[5] = mass
+    row[6] = tokens
+    row[7] = 1.0 if fallback else 0.0
+    row[8] = tokens if verify else 0
+    row[9] = prefill.sum()
+    row[10] = finished.sum()
+    return row
+
+
+def decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify=False, prefill_rows=None,
+                       finished_rows=None, fallback=None) -> torch.Tensor:
+    """The 11 telemetry sums of one step (``lynx_hf.telemetry`` slot order), fp64 ``[11]``; twin of
+    ``BlockTelemetry.record``'s torch arithmetic (the mass kept is summed in fp64 here, fp32 there: equal
+    to ~1e-7 relative)."""
+    num_tokens = orig_idx.shape[0]
+    zeros = np.zeros(num_tokens, dtype=np.bool_)
+    row = _counts(_np(orig_idx, torch.int64), _np(new_idx, torch.int64), _np(orig_weights, torch.float32), _np(counted, torch.bool),
+                  zeros if prefill_rows is None else _np(prefill_rows), zeros if finished_rows is None else _np(finished_rows),
+                  int(num_experts), bool(verify), bool(fallback) if fallback is not None else False)
+    return torch.from_numpy(row)
