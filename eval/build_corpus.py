@@ -17,6 +17,11 @@ Outputs:
   eval/data/prompts.txt           16 short held-out prompts, one per line
 
 Usage:  apt-get install -y python3.11-doc && python eval/build_corpus.py
+
+The committed tokenizer (eval/fixtures/*/tokenizer.json) was built from the Debian 3.11.2-6+deb12u9 packages
+(python3.11-doc, libpython3.11-stdlib, libpython3.11-minimal); other package versions change a few files and
+give a different tokenizer (a warning is printed). Packages extracted elsewhere (``dpkg-deb -x``) can be
+used with ``--docs-root`` / ``--code-root``.
 """
 
 from __future__ import annotations
@@ -43,16 +48,16 @@ def is_valid(key: str) -> bool:
     return int(hashlib.sha1(key.encode()).hexdigest(), 16) % 20 == 0
 
 
-def collect() -> list[tuple[str, str, str]]:
+def collect(docs_root: Path = DOCS_ROOT, code_root: Path = CODE_ROOT) -> list[tuple[str, str, str]]:
     """Return sorted (domain, key, text) for all documents."""
     out = []
-    if not DOCS_ROOT.is_dir():
-        raise SystemExit(f"{DOCS_ROOT} missing: apt-get install -y python3.11-doc")
-    for p in sorted(DOCS_ROOT.rglob("*.txt")):
-        rel = p.relative_to(DOCS_ROOT).as_posix()
+    if not docs_root.is_dir():
+        raise SystemExit(f"{docs_root} missing: apt-get install -y python3.11-doc")
+    for p in sorted(docs_root.rglob("*.txt")):
+        rel = p.relative_to(docs_root).as_posix()
         out.append(("docs", f"docs/{rel}", p.read_text(encoding="utf-8", errors="replace")))
-    for p in sorted(CODE_ROOT.rglob("*.py")):
-        rel = p.relative_to(CODE_ROOT)
+    for p in sorted(code_root.rglob("*.py")):
+        rel = p.relative_to(code_root)
         if CODE_EXCLUDE_PARTS & set(rel.parts[:-1]):
             continue
         out.append(("code", f"code/{rel.as_posix()}", p.read_text(encoding="utf-8", errors="replace")))
@@ -119,11 +124,13 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--valid-chars-per-domain", type=int, default=160_000)
     ap.add_argument("--valid-chars-per-doc", type=int, default=12_000)
+    ap.add_argument("--docs-root", type=Path, default=DOCS_ROOT)
+    ap.add_argument("--code-root", type=Path, default=CODE_ROOT)
     args = ap.parse_args()
 
     WORK.mkdir(parents=True, exist_ok=True)
     DATA.mkdir(parents=True, exist_ok=True)
-    docs = collect()
+    docs = collect(args.docs_root, args.code_root)
     train = [d for d in docs if not is_valid(d[1])]
     valid = [d for d in docs if is_valid(d[1])]
     print(f"{len(docs)} files: {len(train)} train, {len(valid)} valid")
@@ -136,6 +143,10 @@ def main() -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     eos_id = tok.convert_tokens_to_ids(EOS)
     assert eos_id == 0, eos_id
+    committed = REPO / "eval" / "fixtures" / "qwen2moe-tiny" / "tokenizer.json"
+    if committed.is_file() and committed.read_bytes() != (WORK / "tokenizer" / "tokenizer.json").read_bytes():
+        print(f"WARNING: the rebuilt tokenizer differs from {committed.relative_to(REPO)}: the fixtures need the "
+              "committed one (sources differ: see the docstring on Debian package versions)")
 
     ids: list[int] = []
     stats = {"train": {"docs": [0, 0, 0], "code": [0, 0, 0]}, "valid": {"docs": [0, 0, 0], "code": [0, 0, 0]}}
@@ -176,7 +187,7 @@ def main() -> None:
     (DATA / "prompts.txt").write_text("\n".join(inter) + "\n", encoding="utf-8")
 
     stats["train_tokens"] = int(arr.size)
-    stats["sources"] = {"docs": str(DOCS_ROOT), "code": str(CODE_ROOT)}
+    stats["sources"] = {"docs": str(args.docs_root), "code": str(args.code_root)}
     (WORK / "corpus_stats.json").write_text(json.dumps(stats, indent=1))
     print(json.dumps(stats, indent=1))
 

@@ -1,16 +1,17 @@
-"""Train a small MoE fixture (Qwen2-MoE or Mixtral) on CPU, save it as a HF checkpoint in bf16.
+"""Train a small MoE fixture (Qwen2-MoE, Mixtral or DeepSeek-V2) on CPU, save it as a HF checkpoint in bf16.
 
 Prerequisite: ``python eval/build_corpus.py`` (writes eval/work/train_tokens.npy and eval/work/tokenizer).
 
-    python eval/train_fixture.py --family qwen2_moe --minutes 30 --out eval/fixtures/qwen2moe-tiny
-    python eval/train_fixture.py --family mixtral   --minutes 20 --out eval/fixtures/mixtral-tiny
+    python eval/train_fixture.py --family qwen2_moe   --epochs 1 --out eval/fixtures/qwen2moe-tiny
+    python eval/train_fixture.py --family mixtral     --steps 2000 --out eval/fixtures/mixtral-tiny
+    python eval/train_fixture.py --family deepseek_v2 --epochs 1 --out eval/fixtures/deepseekv2-tiny
     python eval/train_fixture.py --eval-only --out eval/fixtures/qwen2moe-tiny   # metrics of a saved checkpoint
 
-Training: random 256-token windows of the train split, fp32, AdamW, linear warmup + cosine decay,
-router aux (load-balancing) loss on (output_router_logits=True, router_aux_loss_coef=0.01).
-``--minutes`` is a time budget: the cosine schedule runs on elapsed time / budget (robust to a shared,
-slowing CPU); the resulting step count is recorded in CARD.md, and ``--steps N`` runs a step-based
-schedule instead. Not bit-reproducible across CPUs.
+Training: random ``--seq``-token windows of the train split, fp32, AdamW, linear warmup + cosine decay over
+``--steps`` (or ``--epochs E``: ceil(E * train tokens / (batch * seq)) steps), router aux (load-balancing)
+loss on with coefficient 0.01 (Qwen2-MoE / Mixtral compute it in the model; DeepseekV2ForCausalLM returns
+router logits but no aux loss, so this script adds the same Switch-style loss for it). CARD.md records the
+command, steps, tokens, epochs and wall time; ``--note`` adds a free-text note. Not bit-reproducible across CPUs.
 """
 
 from __future__ import annotations
@@ -72,6 +73,31 @@ def make_config(family: str, vocab: int, eos: int):
         # and the active (top-2) expert params per token equal Qwen's top-4 + shared expert.
         cfg = MixtralConfig(**common, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2)
         return cfg, MixtralForCausalLM
+    if family == "deepseek_v2":
+        from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+        # 64 x 3 x 256 x 32 = 1.57M routed-expert params per MoE layer, as in the other fixtures; 2 shared
+        # experts (one MLP of 2 x 32); layer 0 dense (I 512). MLA attention scaled from DeepSeek-V2-Lite
+        # (kv_lora_rank H/4, nope:rope 2:1, no q LoRA); MLA expands K/V per head, so KV heads == heads.
+        # DeepseekV2Config has no router_aux_loss_coef field: it is stored as an extra attribute.
+        cfg = DeepseekV2Config(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]},
+            intermediate_size=512,  # the dense first layer
+            first_k_dense_replace=1,
+            n_routed_experts=64,
+            num_experts_per_tok=6,
+            moe_intermediate_size=32,
+            n_shared_experts=2,
+            topk_method="greedy",
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            q_lora_rank=None,
+            kv_lora_rank=64,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+        )
+        return cfg, DeepseekV2ForCausalLM
     raise SystemExit(f"unknown family {family}")
 
 
@@ -111,7 +137,21 @@ def evaluate(model, tok, seq: int = 256, batch: int = 16) -> dict:
             router = (cur, x.numel()) if router is None else (router[0] + cur, router[1] + x.numel())
         res[dom] = {"ce": nll / count, "acc": correct / count, "tokens": count}
     res["router_topk_mean_p"] = (router[0] / router[1]).tolist()
+    res["router_layers"] = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "gate")]
     return res
+
+
+def aux_loss(model, out) -> torch.Tensor | None:
+    """The model's load-balancing loss, or (DeepseekV2ForCausalLM, which returns router logits but no aux loss)
+    the same Switch-style loss transformers uses for Qwen2-MoE / Mixtral, over all MoE layers' router logits."""
+    if out.aux_loss is not None:
+        return out.aux_loss
+    if not out.router_logits:
+        return None
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    cfg = model.config
+    return load_balancing_loss_func(tuple(out.router_logits), cfg.num_experts, cfg.num_experts_per_tok)
 
 
 def lr_at(step: int, progress: float, peak: float, warmup: int, floor: float = 0.1) -> float:
@@ -156,20 +196,38 @@ def write_card(out: Path, info: dict) -> None:
                 f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), N {cfg['num_experts']} experts, "
                 f"top-{cfg['num_experts_per_tok']}, moe_intermediate_size {cfg['moe_intermediate_size']}, "
                 f"shared expert {cfg['shared_expert_intermediate_size']} (sigmoid-gated), norm_topk_prob {cfg['norm_topk_prob']}")
+    elif info["family"] == "deepseek_v2":
+        nd = cfg["first_k_dense_replace"]
+        arch = (f"DeepseekV2ForCausalLM: {cfg['num_hidden_layers']} layers (first {nd} dense, MLP intermediate_size "
+                f"{cfg['intermediate_size']}; the rest MoE), hidden {cfg['hidden_size']}, {cfg['num_attention_heads']} heads, "
+                f"MLA attention (q_lora_rank {cfg['q_lora_rank']}, kv_lora_rank {cfg['kv_lora_rank']}, qk_nope_head_dim "
+                f"{cfg['qk_nope_head_dim']}, qk_rope_head_dim {cfg['qk_rope_head_dim']}, v_head_dim {cfg['v_head_dim']}), "
+                f"N {cfg['n_routed_experts']} routed experts, top-{cfg['num_experts_per_tok']} (`topk_method` "
+                f"{cfg['topk_method']}, softmax scores), moe_intermediate_size {cfg['moe_intermediate_size']}, "
+                f"{cfg['n_shared_experts']} shared experts (one ungated MLP of {cfg['n_shared_experts']} x "
+                f"{cfg['moe_intermediate_size']}), norm_topk_prob {cfg['norm_topk_prob']}, routed_scaling_factor "
+                f"{cfg['routed_scaling_factor']}")
     else:
         arch = (f"MixtralForCausalLM: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
                 f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), N {cfg['num_local_experts']} experts, "
                 f"top-{cfg['num_experts_per_tok']}, intermediate_size {cfg['intermediate_size']}")
     size = sum(f.stat().st_size for f in Path(out).iterdir() if f.is_file()) / 2**20
+    layers = ev.get("router_layers") or range(len(ev["router_topk_mean_p"]))
     rows = "\n".join(
-        f"| {i} | " + " | ".join(f"{p:.3f}" for p in layer) + " |" for i, layer in enumerate(ev["router_topk_mean_p"])
+        f"| {i} | " + " | ".join(f"{p:.3f}" for p in layer) + " |" for i, layer in zip(layers, ev["router_topk_mean_p"])
     )
     k = len(ev["router_topk_mean_p"][0])
-    sched = (
-        f"Step-based LR schedule over {a['steps']} steps."
-        if a.get("steps")
-        else f"The LR schedule ran on wall time; a step-based rerun of the same length: replace `--minutes` by `--steps {info['steps']}`."
-    )
+    sched = f"LR schedule over {info['steps']} steps" + (
+        f" (`--epochs {a['epochs']}`: ceil({a['epochs']} x {info['train_tokens']:,} / ({a['batch']} x {a['seq']})))."
+        if a.get("epochs") else ".")
+    if info["family"] == "deepseek_v2":
+        aux_src = ("DeepseekV2ForCausalLM returns router logits but no aux loss, so `train_fixture.py` adds "
+                   "transformers' Switch-style `load_balancing_loss_func` over the MoE layers' router logits, "
+                   f"coefficient {cfg['router_aux_loss_coef']}")
+    else:
+        aux_src = f"`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`"
+    load = info.get("loadavg")
+    load = f" (1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end)" if load else ""
     text = f"""# {name}
 
 Small MoE test fixture for lynx_hf, trained from scratch on CPU by `eval/train_fixture.py`.
@@ -181,13 +239,13 @@ can load a real trained MoE with `from_pretrained` offline.
 - vocab {cfg['vocab_size']} (byte-level BPE, `<|endoftext|>` = id 0 = bos/eos/pad), tied embeddings,
   {info['params'] / 1e6:.2f}M parameters, stored in bfloat16 (`model.safetensors`), {size:.1f} MiB folder.
 - Saved with `output_router_logits: false`; trained with the router load-balancing loss on
-  (`output_router_logits=True`, `router_aux_loss_coef={cfg['router_aux_loss_coef']}`).
-- Tokenizer: left padding (`padding_side: left`), pad = eos; identical in both fixtures.
+  ({aux_src}).
+- Tokenizer: left padding (`padding_side: left`), pad = eos; identical in all fixtures.
 
 ## Data (PSF licence)
-- docs: reST sources of the Python 3.11 documentation (Debian bookworm `python3.11-doc`,
+- docs: reST sources of the Python 3.11 documentation (Debian bookworm `python3.11-doc` 3.11.2-6+deb12u9,
   `/usr/share/doc/python3.11-doc/html/_sources/**/*.txt`).
-- code: CPython 3.11 standard library (Debian `libpython3.11-stdlib`, `/usr/lib/python3.11/**/*.py`,
+- code: CPython 3.11 standard library (Debian `libpython3.11-stdlib` / `-minimal` 3.11.2-6+deb12u9, `/usr/lib/python3.11/**/*.py`,
   without `test/`, `tests/`, `idle_test/`, site/dist-packages).
 - File-level split: `sha1("<docs|code>/<relative path>") % 20 == 0` -> validation. Tokenizer and
   training use the train split only ({info['train_tokens']:,} tokens). The committed held-out set is
@@ -198,9 +256,9 @@ can load a real trained MoE with `from_pretrained` offline.
 - Command: `{info['command']}` (after `python eval/build_corpus.py`)
 - {sched}
 - {info['steps']} steps x batch {a['batch']} x {a['seq']} tokens = {info['tokens_seen']:,} tokens seen
-  ({info['epochs']:.2f} epochs), {info['wall_minutes']:.1f} min wall on {a['threads']} CPU threads
-  (shared machine), fp32, AdamW (betas 0.9/0.95, wd {a['weight_decay']}), peak lr {a['lr']},
-  {a['warmup']} warmup steps, cosine to 10 % (over the time budget), grad clip 1.0, seed {a['seed']},
+  ({info['epochs']:.2f} epochs), {info['wall_minutes']:.1f} min wall ({info['wall_minutes'] * 60 / max(info['steps'], 1):.2f} s/step)
+  on {a['threads']} CPU threads{load}, fp32, AdamW (betas 0.9/0.95, wd {a['weight_decay']}), peak lr {a['lr']},
+  {a['warmup']} warmup steps, cosine to 10 %, grad clip 1.0, seed {a['seed']},
   experts implementation `{a['experts_impl']}`; torch {info['torch']}, transformers {info['transformers']}.
 - Final training LM loss (last logged batch): {info['log'][-1]['lm_loss'] if info['log'] else 'n/a'}, aux loss {info['log'][-1]['aux'] if info['log'] else 'n/a'}.
 - Not bit-reproducible across CPUs / thread counts: the committed weights are the reference.
@@ -220,16 +278,19 @@ Mean softmax probability (over all experts) of the rank-1..rank-{k} expert, per 
 |---|""" + "---|" * k + f"""
 {rows}
 """
-    if info.get("note"):
-        text += f"\n## Notes\n{info['note']}\n"
+    note = info.get("note") or a.get("note")
+    if note:
+        text += f"\n## Notes\n{note}\n"
     (Path(out) / "CARD.md").write_text(text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=["qwen2_moe", "mixtral"], default="qwen2_moe")
-    ap.add_argument("--minutes", type=float, default=30.0, help="training time budget")
-    ap.add_argument("--steps", type=int, default=0, help="fixed step count (overrides --minutes)")
+    ap.add_argument("--family", choices=["qwen2_moe", "mixtral", "deepseek_v2"], default="qwen2_moe")
+    length = ap.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=2000, help="optimizer steps (the LR schedule length)")
+    length.add_argument("--epochs", type=float, help="derive --steps: ceil(E * train tokens / (batch * seq))")
+    ap.add_argument("--note", default="", help="free text for the card's Notes section (e.g. machine load)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -242,7 +303,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", type=Path, default=WORK / "tokenizer")
     ap.add_argument("--experts-impl", default="grouped_mm")
     ap.add_argument("--eval-only", action="store_true")
-    ap.add_argument("--card-only", action="store_true", help="rewrite CARD.md from eval/work/train_log_<name>.json")
+    ap.add_argument("--card-only", action="store_true", help="rewrite CARD.md from eval/work/train_log_<name>.json (and --note)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -251,7 +312,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.card_only:
-        write_card(args.out, json.loads((WORK / f"train_log_{args.out.name}.json").read_text()))
+        info = json.loads((WORK / f"train_log_{args.out.name}.json").read_text())
+        info["note"] = args.note or info.get("note") or info["args"].get("note")
+        write_card(args.out, info)
         return
     if args.eval_only:
         tok = AutoTokenizer.from_pretrained(args.out)
@@ -269,7 +332,9 @@ def main() -> None:
     if args.experts_impl and hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation(args.experts_impl)
     nparams = sum(p.numel() for p in model.parameters())
-    print(f"{args.family}: {nparams / 1e6:.2f}M params, {data.numel()} train tokens", flush=True)
+    if args.epochs:
+        args.steps = math.ceil(args.epochs * data.numel() / (args.batch * args.seq))
+    print(f"{args.family}: {nparams / 1e6:.2f}M params, {data.numel()} train tokens, {args.steps} steps", flush=True)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed" not in n)]
@@ -278,38 +343,36 @@ def main() -> None:
         lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
     )
     gen = torch.Generator().manual_seed(args.seed)
-    budget = args.minutes * 60
+    coef = cfg.router_aux_loss_coef
     model.train()
+    load0 = os.getloadavg()[0]
     t0 = time.time()
     log = []
-    step = 0
     tokens_seen = 0
-    while True:
-        # Schedule progress: by steps with --steps, else by elapsed time over --minutes, so the cosine
-        # decay completes on schedule even when the (shared) CPU slows down mid-run.
-        progress = step / args.steps if args.steps else (time.time() - t0) / budget
-        if progress >= 1.0:
-            break
-        lr = lr_at(step, progress, args.lr, args.warmup)
+    for step in range(args.steps):
+        lr = lr_at(step, step / args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
         starts = torch.randint(0, data.numel() - args.seq, (args.batch,), generator=gen)
         x = torch.stack([data[s : s + args.seq] for s in starts.tolist()])
         out = model(input_ids=x, labels=x, use_cache=False)
-        out.loss.backward()
+        aux = aux_loss(model, out)
+        # Qwen2-MoE / Mixtral already add coef * aux_loss to out.loss; DeepSeek-V2 does not
+        loss = out.loss if out.aux_loss is not None or aux is None else out.loss + coef * aux
+        loss.backward()
         gn = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         tokens_seen += x.numel()
-        step += 1
-        if step % 25 == 0:
-            aux = out.aux_loss.item() if out.aux_loss is not None else 0.0
-            lm = out.loss.item() - cfg.router_aux_loss_coef * aux
+        if (step + 1) % 25 == 0 or step + 1 == args.steps:
+            a = aux.item() if aux is not None else 0.0
             el = time.time() - t0
-            rec = {"step": step, "lm_loss": round(lm, 4), "aux": round(aux, 4), "lr": round(lr, 6), "gnorm": round(gn.item(), 3), "min": round(el / 60, 2)}
+            rec = {"step": step + 1, "lm_loss": round(loss.item() - coef * a, 4), "aux": round(a, 4), "lr": round(lr, 6),
+                   "gnorm": round(gn.item(), 3), "min": round(el / 60, 2)}
             log.append(rec)
             print(json.dumps(rec), flush=True)
     wall = time.time() - t0
+    loadavg = [load0, os.getloadavg()[0]]
 
     save(model, tok, args.out, args.family)
     # metrics of the committed (bf16) checkpoint, as users load it
@@ -323,11 +386,12 @@ def main() -> None:
         "command": "python " + " ".join(sys.argv),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "params": nparams,
-        "steps": step,
+        "steps": args.steps,
         "tokens_seen": tokens_seen,
         "train_tokens": data.numel(),
         "epochs": tokens_seen / data.numel(),
         "wall_minutes": wall / 60,
+        "loadavg": loadavg,
         "eval_dtype": str(m.dtype),
         "eval": ev,
         "torch": torch.__version__,
