@@ -1,0 +1,142 @@
+"""Compiled decode on CPU (issue 12 item 3): one decode step of a batch through a StaticCache, eager vs
+``torch.compile(fullgraph=True)`` (inductor), unpatched vs LYNX (default config), interleaved rounds in one
+process, medians and ratios to eager unpatched.
+
+    python eval/bench_compile.py                      # fixture A (fp32) and the 2-layer Qwen2-57B-A14B config (bf16)
+    python eval/bench_compile.py --models fixture     # only fixture A
+
+Models: fixture A (eval/fixtures/qwen2moe-tiny) and Qwen2-57B-A14B's config cut to 2 decoder layers with
+random weights (eval/bench.py: build_tpot_model; router weights scaled to the fixtures' confidence).
+For each: prefill B prompts into a StaticCache, then time the forward of one decode token per row
+(the same inputs every call: the cache writes the same slot). Variants: eager unpatched, eager LYNX,
+compiled unpatched, compiled LYNX (each compiled once, fullgraph, static shapes; compile time printed
+but not counted). Also checks compiled LYNX == eager LYNX logits (atol 1e-3 bf16 / 1e-4 fp32) and
+that the compiled step still remaps (lynx_hf.stats). Run it alone on the machine: it times.
+Writes eval/results/bench_compile.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, StaticCache  # noqa: E402
+
+import lynx_hf  # noqa: E402
+
+
+def _decode_inputs(model, batch: int, prompt: int, vocab: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (batch, prompt), generator=gen)
+    mask = torch.ones_like(ids)
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 8)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    return dict(input_ids=nxt, attention_mask=torch.ones(batch, prompt + 1, dtype=torch.long),
+                past_key_values=out.past_key_values, use_cache=True)
+
+
+def _twin(model):
+    """A second model object sharing every parameter and buffer tensor with ``model`` (no extra memory):
+    one stays unpatched, the other is patched, so no variant toggles hooks between timed calls."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, memo)
+
+
+def bench(name, model, inputs, rounds: int, log) -> list[dict]:
+    plain, lynx = model, _twin(model)
+    lynx_hf.patch(lynx, policy="lynx")
+    variants = {"eager unpatched": plain.__call__, "eager lynx": lynx.__call__}
+    for label, m in (("compiled unpatched", plain), ("compiled lynx", lynx)):
+        fn = torch.compile(m.__call__, fullgraph=True, dynamic=False)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            fn(**inputs)
+        log(f"  {name}: {label} compiled in {time.perf_counter() - t0:.1f} s")
+        variants[label] = fn
+    with torch.inference_mode():
+        outs = {label: fn(**inputs).logits for label, fn in variants.items()}  # warm-up and correctness
+        lynx_hf.reset_stats(lynx)
+        variants["compiled lynx"](**inputs)
+        stats = lynx_hf.stats(lynx).summary()
+        tol = 1e-3 if outs["eager lynx"].dtype == torch.bfloat16 else 1e-4
+        same = torch.allclose(outs["compiled lynx"].float(), outs["eager lynx"].float(), atol=tol, rtol=tol)
+        log(f"  {name}: compiled lynx == eager lynx (atol {tol}): {same}; compiled step remaps: unique experts "
+            f"{stats['unique_experts_before']:.2f} -> {stats['unique_experts_after']:.2f}")
+        times = {label: [] for label in variants}
+        labels = list(variants)
+        for r in range(rounds):
+            for i in range(len(labels)):
+                label = labels[(r + i) % len(labels)]
+                t0 = time.perf_counter()
+                variants[label](**inputs)
+                times[label].append(time.perf_counter() - t0)
+    lynx_hf.unpatch(lynx)
+    base = statistics.median(times["eager unpatched"])
+    rows = []
+    for label, ts in times.items():
+        med = statistics.median(ts)
+        rows.append({"model": name, "variant": label, "ms": med * 1e3, "ratio": med / base,
+                     "unique_after": stats["unique_experts_after"] if "lynx" in label else stats["unique_experts_before"],
+                     "equal": same if label == "compiled lynx" else ""})
+        log(f"  {name}: {label:20s} {med * 1e3:9.2f} ms  ({med / base:.2f} of eager unpatched)")
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["fixture", "qwen2-57b-2l"], choices=["fixture", "qwen2-57b-2l"])
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "eval" / "results"))
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lines = []
+
+    def log(msg):
+        print(msg, flush=True)
+        lines.append(msg)
+
+    rows = []
+    t_start = time.perf_counter()
+    if "fixture" in args.models:
+        model = AutoModelForCausalLM.from_pretrained(ROOT / "eval" / "fixtures" / "qwen2moe-tiny").eval()
+        rows += bench("fixture A (fp32)", model, _decode_inputs(model, args.batch, args.prompt, 4096), args.rounds, log)
+        del model
+    if "qwen2-57b-2l" in args.models:
+        from bench import SHAPES, build_tpot_model
+
+        model = build_tpot_model(SHAPES["qwen2-57b-a14b"][1], layers=2, vocab=512)
+        rows += bench("Qwen2-57B-A14B, 2 layers (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 512),
+                      args.rounds, log)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = ["# Compiled decode on CPU", "", f"command: `python eval/bench_compile.py {' '.join(argv or sys.argv[1:])}`".rstrip(),
+          "", f"One decode step (B = {args.batch}, StaticCache, prompt {args.prompt}), median of {args.rounds} "
+          "interleaved rounds, ratio to eager unpatched; torch.compile(fullgraph=True, dynamic=False), inductor on "
+          f"{args.threads} CPU threads; compile time excluded. Total run {time.perf_counter() - t_start:.0f} s.", "",
+          "| model | variant | ms / step | ratio | unique experts / layer | compiled == eager |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['model']} | {r['variant']} | {r['ms']:.2f} | {r['ratio']:.2f} | {r['unique_after']:.2f} | "
+                  f"{r['equal']} |")
+    md += ["", "Log:", "", "```text", *lines, "```", ""]
+    (out / "bench_compile.md").write_text("\n".join(md))
+    print(f"wrote {out / 'bench_compile.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
