@@ -1,111 +1,135 @@
 #!/usr/bin/env python
-"""One prepared GPU check of the lynx_hf kernels (run on a CUDA machine, e.g. one H200; < 8 minutes).
+"""One prepared GPU check of lynx_hf (issue 12, item 6): one script, under 8 minutes on one H200.
 
-1. Correctness at real shapes (bf16 experts, fp32 router scores), every kernel vs its torch reference:
-   routing kernels (LYNX critical set, OEA critical set, remap + weights) must match *exactly*
-   (weights within 1e-5); block alignment exactly; the sparse expert kernel within a relative
-   Frobenius error of 2e-2 in bf16 (the kernel rounds the gate/up intermediate to bf16, the reference
-   keeps it in fp32) and 1e-4 in fp32 (TF32 off).
-2. Timing of the MoE routed-expert computation at B = 1, 16, 64, as ratios:
-   - ``sparse``: the Triton sparse decode kernel (lynx_hf.kernels.moe.sparse_moe);
-   - ``batched_mm``: HF transformers 5.x ``batched_mm`` style (gathers one expert matrix per
-     (token, slot), then bmm) — the default HF decode path on GPU;
-   - ``loop``: a loop over the unique experts (HF eager style, F.linear per expert);
-   - ``sparse+lynx``: the sparse kernel on LYNX-remapped routing of skewed logits (fewer unique
-     experts T), plus the routing overhead (critical set + remap) timed separately.
-   T (unique experts) before/after LYNX and the ideal ratio T_after / T_before are printed.
+Sections (run in this order; each is skipped with a printed note when the time budget is nearly spent):
 
-Shapes (DESIGN.md "Evaluation"): Qwen2-57B-A14B H 3584, I 2560, N 64, k 8; DeepSeek-V2-Lite H 2048,
-I 1408, N 64, k 6; Mixtral-8x7B H 4096, I 14336, N 8, k 2. Weights are random (latency does not
-depend on values; correctness uses the same random weights for both sides).
+1. ``kernels`` — every Triton kernel vs its torch reference at the real shapes of Qwen2-57B-A14B,
+   DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3, decode batches B = 1, 16, 64:
+   routing kernels (LYNX critical set, paper rule and the default policy's cover, the routing-mass
+   greedy, OEA, remap) with ``vote`` / ``seed`` masks and a 0-d batch-base tensor must equal
+   :mod:`lynx_hf.kernels.routing_torch` *exactly* (remap weights within 1e-5); block alignment exactly;
+   the sparse expert kernel in bf16 (block sizes from ``moe_block_config``) within a relative Frobenius
+   error of 2e-2 of :func:`lynx_hf.kernels.moe_naive.naive_sparse_moe` (the kernel rounds the gate/up
+   intermediate to bf16, the reference keeps fp32). Also: the Triton routing step and the expert kernel
+   traced by ``torch.compile(fullgraph=True)`` equal eager.
+2. ``sync`` — ``torch.cuda.set_sync_debug_mode("error")`` over patched decode steps of the 2-layer
+   Qwen2-57B-A14B config (random weights, built from its config, never the hub) with policies lynx
+   default, paper rule (``mass_price=None``), oea, mass_floor; backends triton (what ``auto`` gives on
+   CUDA) and torch. Scope: the whole decode forward if the *unpatched* forward passes the same mode;
+   else (HF's own code syncs) the ``"warn"`` mode with each sync attributed to the Python frame that
+   issued it: none may come from lynx_hf's files.
+3. ``tpot`` — TPOT of ``model.generate`` for the 2-layer Qwen2-57B-A14B and DeepSeek-V2-Lite configs
+   (bf16, vocab 4096), B = 1, 4, 16, 64: HF default (unpatched) vs LYNX default with transformers'
+   ``grouped_mm`` experts (``backend="torch"``) vs LYNX default with the Triton routing + sparse expert
+   kernel (``backend="triton"``), interleaved rounds; unique experts per layer-step before / after.
+   Prints, per shape, the expert path ``auto`` should take (the faster LYNX variant).
+4. ``graphs`` — CUDA-graph capture of compiled static-cache decode with LYNX: ``model.generate(...,
+   cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))``
+   on the patched 2-layer Qwen2-57B-A14B; tokens equal to eager LYNX.
 
-Usage: ``python eval/gpu_check.py [--quick] [--iters N]``. Without CUDA it prints a message and
-exits 0. ``--cpu-smoke`` runs the same code paths on tiny shapes with the Triton interpreter (a test
-of this script, not of performance). Exit status 1 if any correctness check fails.
+A summary table closes the run. Exit status 1 if any check fails.
+
+    python eval/gpu_check.py                 # on a CUDA machine (prints a note and exits 0 without CUDA)
+    python eval/gpu_check.py --dry-run       # CPU: each section on tiny shapes under the Triton interpreter
+    python eval/gpu_check.py --sections kernels,sync --budget 300
+
+``--dry-run`` tests this script, not performance: sync detection there is a dispatch-mode check of
+lynx_hf's own frames (CUDA's sync debug mode needs CUDA), the compile section uses dynamo with the eager
+backend and the torch routing ops (the interpreter's kernels cannot be traced). Imports the installed
+package only (``lynx_hf``, ``lynx_hf.kernels``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import os
+import statistics
 import sys
 import time
+import traceback
 
-if "--cpu-smoke" in sys.argv:
+if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-MODELS = {
-    # name: (H, I, N, k)
-    "Qwen2-57B-A14B": (3584, 2560, 64, 8),
-    "DeepSeek-V2-Lite": (2048, 1408, 64, 6),
-    "Mixtral-8x7B": (4096, 14336, 8, 2),
+#: name -> (H, I, N, k, weight rule, renormalize, routed scaling) of the routed experts
+KERNEL_MODELS = {
+    "Qwen2-57B-A14B": (3584, 2560, 64, 8, "softmax_all", False, 1.0),
+    "DeepSeek-V2-Lite": (2048, 1408, 64, 6, "softmax_all", False, 1.0),
+    "Mixtral-8x7B": (4096, 14336, 8, 2, "softmax_chosen", False, 1.0),
+    "Qwen3-30B-A3B": (2048, 768, 128, 8, "softmax_all", True, 1.0),
+    "DeepSeek-V3": (7168, 2048, 256, 8, "sigmoid", True, 2.5),
 }
-SMOKE_MODELS = {"tiny-qwen": (64, 32, 16, 4), "tiny-mixtral": (48, 32, 8, 2)}
-BATCHES = (1, 16, 64)
-FAILURES: list[str] = []
+DRY_KERNEL_MODELS = {
+    "tiny-qwen": (64, 32, 16, 4, "softmax_all", False, 1.0),
+    "tiny-mixtral": (48, 32, 8, 2, "softmax_chosen", False, 1.0),
+    "tiny-N60": (32, 16, 60, 4, "sigmoid", True, 2.5),
+}
+KERNEL_BATCHES, DRY_KERNEL_BATCHES = (1, 16, 64), (1, 5)
+TPOT_BATCHES, DRY_TPOT_BATCHES = (1, 4, 16, 64), (1, 2)
+SYNC_POLICIES = {
+    "lynx default": dict(policy="lynx"),
+    "lynx paper rule": dict(policy="lynx", mass_price=None),
+    "oea k0=1": dict(policy="oea", k0=1),
+    "lynx mass_floor 0.5": dict(policy="lynx", mass_floor=0.5),
+}
+SUMMARY: list[tuple[str, str, str, str]] = []  # (section, check, status, detail)
 
 
-def _import_kernels():
-    """The installed package's kernels (``pip install -e .``); never the folder as a top-level ``kernels``."""
-    from lynx_hf.kernels import moe, moe_naive, routing, routing_torch
+# ------------------------------------------------------------------------------------------- helpers
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.t0 = time.perf_counter()
+        self.seconds = seconds
 
-    return moe, moe_naive, routing, routing_torch
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def left(self) -> float:
+        return self.seconds - self.elapsed()
+
+    def allows(self, need: float, what: str, section: str) -> bool:
+        if self.left() >= need:
+            return True
+        note = f"skipped: {self.left():.0f} s left of the {self.seconds:.0f} s budget, needs ~{need:.0f} s"
+        print(f"  [skip] {what}: {note}", flush=True)
+        SUMMARY.append((section, what, "skipped", note))
+        return False
 
 
-def check(name: str, ok: bool, detail: str = "") -> None:
+def record(section: str, name: str, ok: bool, detail: str = "") -> bool:
     print(f"  [{'ok' if ok else 'FAIL'}] {name} {detail}", flush=True)
-    if not ok:
-        FAILURES.append(f"{name} {detail}")
+    SUMMARY.append((section, name, "ok" if ok else "FAIL", detail))
+    return ok
 
 
-def timeit(fn, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds per call (CUDA events on GPU, perf_counter otherwise)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    cuda = torch.cuda.is_available() and not os.environ.get("TRITON_INTERPRET")
-    for _ in range(iters):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
+def note(section: str, name: str, detail: str) -> None:
+    print(f"  [info] {name} {detail}", flush=True)
+    SUMMARY.append((section, name, "info", detail))
 
 
-def batched_mm_baseline(x, idx, w, gu, dn):
-    """HF ``batched_mm_experts_forward`` (transformers 5.x), non-transposed layout, SiLU gate."""
-    T, k = idx.shape
-    ids = idx.reshape(-1)
-    xs = x.repeat_interleave(k, dim=0)
-    h = torch.bmm(gu[ids], xs.unsqueeze(-1)).squeeze(-1)
-    gate, up = h.chunk(2, dim=-1)
-    h = torch.nn.functional.silu(gate) * up
-    y = torch.bmm(dn[ids], h.unsqueeze(-1)).squeeze(-1)
-    y = y * w.reshape(-1, 1).to(y.dtype)
-    return y.view(T, k, -1).float().sum(1).to(x.dtype)
+def _sync(dev) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
 
 
-def expert_loop_baseline(x, idx, w, gu, dn):
-    """Loop over the unique experts (HF eager style): F.linear per expert, index_add_ in fp32."""
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    hit = torch.zeros(gu.shape[0], dtype=torch.bool, device=x.device)
-    hit[idx.reshape(-1)] = True
-    for e in hit.nonzero().flatten().tolist():
-        tok, slot = torch.where(idx == e)
-        gate, up = torch.nn.functional.linear(x[tok], gu[e]).chunk(2, dim=-1)
-        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, dn[e])
-        out.index_add_(0, tok, (y * w[tok, slot, None].to(y.dtype)).float())
-    return out.to(x.dtype)
+def _fmt(x) -> str:
+    return "?" if x is None else f"{x:.1f}"
+
+
+def rel_err(a, b) -> float:
+    a, b = a.float(), b.float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def free_memory(dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def skewed_logits(T, N, gen, device, skew=2.0):
@@ -114,120 +138,540 @@ def skewed_logits(T, N, gen, device, skew=2.0):
     return (bias + torch.randn(T, N, generator=gen)).to(device)
 
 
-def rel_err(a, b) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+class HostReadDetector:
+    """CPU stand-in for CUDA's sync debug mode (dry run): records data-dependent aten ops issued from
+    lynx_hf's own files (``.item()``, ``nonzero``, ``is_nonzero``, ``masked_select``, ``unique``...)."""
+
+    def __init__(self) -> None:
+        import lynx_hf
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        aten = torch.ops.aten
+        root = os.path.dirname(os.path.abspath(lynx_hf.__file__))
+        self._roots = tuple({root, os.path.join(os.path.dirname(root), "patches"),
+                             os.path.join(os.path.dirname(root), "kernels")})
+        self._bad = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
+                     aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
+                     aten.bincount.default, aten.equal.default}
+        self.violations: list[str] = []
+        outer = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if func in outer._bad:
+                    frame = sys._getframe(1)
+                    while frame is not None:
+                        name = os.path.abspath(frame.f_code.co_filename)
+                        if name.startswith(outer._roots):
+                            outer.violations.append(f"{func} at {name}:{frame.f_lineno}")
+                            break
+                        frame = frame.f_back
+                return func(*args, **(kwargs or {}))
+
+        self.mode = _Mode()
 
 
-def run_model(name, shape, args, dev, dtype, kernels):
-    moe, moe_naive, routing, ref = kernels
-    H, I, N, k = shape
-    gen = torch.Generator().manual_seed(0)
-    print(f"\n== {name}: H {H}, I {I}, N {N}, k {k}, {dtype} ==", flush=True)
-    gu = (torch.randn(N, 2 * I, H, generator=gen, dtype=torch.float32) / H**0.5).to(dev, dtype)
-    dn = (torch.randn(N, H, I, generator=gen, dtype=torch.float32) / I**0.5).to(dev, dtype)
-    blk = dict(block_m=16, block_n=args.block_n, block_k=args.block_k)
-    alpha, beta = ref.default_lynx_bins(N, k)
-    tol = 2e-2 if dtype != torch.float32 else 1e-4
-    batches = BATCHES if not args.quick else (1, 64)
-    for B in batches:
-        logits = skewed_logits(B, N, gen, dev)
-        idx0 = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
-        w0 = ref.routing_weights(logits, idx0, "softmax_all")
-        x = torch.randn(B, H, generator=gen).to(dev, dtype)
+# ----------------------------------------------------------------------------------------- models
+def calibrate_temperature(num_experts: int, target: float = 0.42, samples: int = 4096) -> float:
+    """Scale s of N(0, 1) logits so the mean top-1 softmax probability is ``target`` (eval/bench.py's rule:
+    the trained fixture's routers have mean top-1 p 0.34-0.50)."""
+    gen = torch.Generator().manual_seed(1234)
+    z = torch.randn(samples, num_experts, generator=gen)
+    lo, hi = 0.01, 20.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        p = torch.softmax(z * mid, dim=-1).max(dim=-1).values.mean().item()
+        lo, hi = (mid, hi) if p < target else (lo, mid)
+    return (lo + hi) / 2
 
-        # --- routing kernels: exact ---
-        crit_ref = ref.lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
-        crit = routing.lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
-        check(f"B={B} lynx_critical_set", torch.equal(crit, crit_ref), f"|S|={int(crit.sum())}")
-        oea_ref = ref.oea_critical_set(logits, min(2, k))
-        check(f"B={B} oea_critical_set", torch.equal(routing.oea_critical_set(logits, min(2, k)), oea_ref))
-        idx1_ref = ref.remap_topk(logits, crit_ref, k)
-        idx1, w1 = routing.remap_topk(logits, crit, k, rule="softmax_all", renormalize=True)
-        check(f"B={B} remap_topk", torch.equal(idx1, idx1_ref))
-        w1_ref = ref.routing_weights(logits, idx1_ref, "softmax_all", renormalize=True)
-        check(f"B={B} remap weights", torch.allclose(w1, w1_ref, atol=1e-5, rtol=1e-5),
-              f"max abs {float((w1 - w1_ref).abs().max()):.2e}")
 
-        # --- alignment: exact ---
-        a_ref = moe_naive.naive_moe_align_block_size(idx0, N, 16)
-        a = moe.moe_align_block_size(idx0, N, 16)
-        check(f"B={B} moe_align_block_size", all(torch.equal(p, q) for p, q in zip(a, a_ref)))
+def model_configs(dry: bool) -> dict:
+    """The 2-layer configs (real sizes on GPU, tiny in the dry run), both MoE layers."""
+    from transformers import DeepseekV2Config, Qwen2MoeConfig
 
-        # --- sparse experts vs reference ---
-        want = moe_naive.naive_sparse_moe(x, idx0, w0, gu, dn)
-        got = moe.sparse_moe(x, idx0, w0, gu, dn, **blk)
-        err = rel_err(got, want)
-        check(f"B={B} sparse_moe", bool(torch.isfinite(got).all()) and err < tol, f"rel err {err:.2e} (tol {tol:g})")
-        if B == batches[-1]:  # the baselines compute the same function (sanity of the timing)
-            check(f"B={B} batched_mm baseline", rel_err(batched_mm_baseline(x, idx0, w0, gu, dn), want) < tol)
-            check(f"B={B} loop baseline", rel_err(expert_loop_baseline(x, idx0, w0, gu, dn), want) < tol)
+    if dry:
+        qwen = Qwen2MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                              shared_expert_intermediate_size=64, norm_topk_prob=False, num_hidden_layers=2,
+                              vocab_size=128, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                              max_position_embeddings=256)
+        dsv2 = DeepseekV2Config(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                                n_shared_experts=1, topk_method="greedy", n_group=1, topk_group=1,
+                                routed_scaling_factor=1.0, num_hidden_layers=2, first_k_dense_replace=0,
+                                intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+                                kv_lora_rank=16, q_lora_rank=None, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                v_head_dim=8, vocab_size=128, max_position_embeddings=256)
+    else:
+        qwen = Qwen2MoeConfig(hidden_size=3584, moe_intermediate_size=2560, num_experts=64, num_experts_per_tok=8,
+                              shared_expert_intermediate_size=20480, norm_topk_prob=False, num_hidden_layers=2,
+                              vocab_size=4096, num_attention_heads=28, num_key_value_heads=4,
+                              intermediate_size=18944, max_position_embeddings=4096)
+        dsv2 = DeepseekV2Config(hidden_size=2048, moe_intermediate_size=1408, n_routed_experts=64,
+                                num_experts_per_tok=6, n_shared_experts=2, topk_method="greedy", n_group=1,
+                                topk_group=1, routed_scaling_factor=1.0, num_hidden_layers=2,
+                                first_k_dense_replace=0, intermediate_size=10944, num_attention_heads=16,
+                                num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128,
+                                qk_rope_head_dim=64, v_head_dim=128, vocab_size=4096, max_position_embeddings=4096)
+    return {"Qwen2-57B-A14B (2 layers)": qwen, "DeepSeek-V2-Lite (2 layers)": dsv2}
 
-        # --- timing ---
-        T0 = int(idx0.unique().numel())
-        T1 = int(idx1.unique().numel())
-        it = args.iters
-        t_sparse = timeit(lambda: moe.sparse_moe(x, idx0, w0, gu, dn, **blk), it)
-        t_loop = timeit(lambda: expert_loop_baseline(x, idx0, w0, gu, dn), it)
-        gather_bytes = B * k * (gu[0].numel() + dn[0].numel()) * gu.element_size()
-        free = torch.cuda.mem_get_info()[0] if dev.type == "cuda" else float("inf")
-        if gather_bytes < 0.6 * free:
-            t_bmm = timeit(lambda: batched_mm_baseline(x, idx0, w0, gu, dn), max(3, it // 2), warmup=1)
-        else:
-            t_bmm = float("nan")
-        t_lynx = timeit(lambda: moe.sparse_moe(x, idx1, w1, gu, dn, **blk), it)
 
-        def _route():
-            c = routing.lynx_critical_set(logits, idx0, k, alpha, beta, args.tau)
-            return routing.remap_topk(logits, c, k, rule="softmax_all", renormalize=True, check=False)
+def build_model(config, dev, dtype):
+    """Random-weight model from ``config`` on ``dev`` (never the hub), routers scaled to realistic confidence."""
+    from transformers import AutoModelForCausalLM
 
-        t_route = timeit(_route, it)
-        print(
-            f"  B={B:3d}  T {T0:3d} -> {T1:3d} (ideal {T1 / T0:.2f})  "
-            f"sparse {t_sparse:8.3f} ms | batched_mm {t_bmm:8.3f} ms ({t_bmm / t_sparse:5.2f}x) | "
-            f"loop {t_loop:8.3f} ms ({t_loop / t_sparse:5.2f}x) | sparse+lynx {t_lynx:8.3f} ms "
-            f"({t_lynx / t_sparse:4.2f} of sparse; +routing {t_route:.3f} ms -> {(t_lynx + t_route) / t_sparse:4.2f})",
-            flush=True,
-        )
-    del gu, dn
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)
+    try:
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(old)
+    model = model.to(dtype).eval()
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "n_routed_experts")
+    h = config.hidden_size
+    bound = calibrate_temperature(num_experts) * math.sqrt(3.0 / h)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.normal_(0, 1)
+        for name, p in model.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.fill_(1.0)
+            elif name.endswith("mlp.gate.weight"):
+                p.uniform_(-bound, bound)
+    return model
+
+
+def prompts(batch: int, length: int, vocab: int, dev):
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, vocab, (batch, length), generator=gen).to(dev)
+    return ids, torch.ones_like(ids)
+
+
+# ------------------------------------------------------------------------------------------- section 1
+def section_kernels(args, dev, budget) -> None:
+    from lynx_hf.kernels import moe, moe_naive, routing, routing_torch as ref
+
+    S = "kernels"
+    models = DRY_KERNEL_MODELS if args.dry_run else KERNEL_MODELS
+    batches = DRY_KERNEL_BATCHES if args.dry_run else KERNEL_BATCHES
+    wdtype = torch.float32 if args.dry_run else torch.bfloat16  # the interpreter has no usable bf16 tl.dot
+    tol = 1e-4 if wdtype == torch.float32 else 2e-2
+    for name, (H, I, N, k, rule, renorm, scale) in models.items():
+        if not budget.allows(25 if not args.dry_run else 5, f"{name} kernels", S):
+            return
+        print(f"\n== {name}: H {H}, I {I}, N {N}, k {k}, experts {wdtype} ==", flush=True)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        gu = torch.randn(N, 2 * I, H, generator=gen, dtype=wdtype, device=dev).mul_(H**-0.5)
+        dn = torch.randn(N, H, I, generator=gen, dtype=wdtype, device=dev).mul_(I**-0.5)
+        alpha, beta = ref.default_lynx_bins(N, k)
+        cpu_gen = torch.Generator().manual_seed(1)
+        for B in batches:
+            logits = skewed_logits(B, N, cpu_gen, dev)
+            idx0 = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()
+            vote = (torch.arange(B, device=dev) % 4 != 3) if B > 1 else torch.ones(B, dtype=torch.bool, device=dev)
+            seed = torch.zeros(N, dtype=torch.bool, device=dev)
+            seed[torch.randperm(N, generator=cpu_gen)[:2].to(dev)] = True
+            base = vote.sum()
+            tag = f"B={B}"
+            got = routing.lynx_critical_set(logits, idx0, k, alpha, beta, 1.0, base, vote, seed)
+            want = ref.lynx_critical_set(logits, idx0, k, alpha, beta, 1.0, base, vote, seed)
+            record(S, f"{name} {tag} lynx paper rule (masks, 0-d base)", torch.equal(got, want),
+                   f"|S| {int(want.sum())}")
+            cover = routing.lynx_critical_set(logits, idx0, 1, alpha, beta, math.inf, vote=vote, seed=seed)
+            cover_ref = ref.lynx_critical_set(logits, idx0, 1, alpha, beta, math.inf, vote=vote, seed=seed)
+            record(S, f"{name} {tag} lynx cover", torch.equal(cover, cover_ref))
+            grown = routing.mass_greedy_grow(logits, idx0, cover_ref, k, 0.5, vote=vote, seed=seed)
+            with ref.strict_sync_free():
+                grown_ref = ref.mass_greedy_grow(logits, idx0, cover_ref, k, 0.5, vote=vote, seed=seed)
+            record(S, f"{name} {tag} mass greedy", torch.equal(grown, grown_ref), f"|S| {int(grown_ref.sum())}")
+            oea = routing.oea_critical_set(logits, 1, vote=vote, seed=seed)
+            record(S, f"{name} {tag} oea", torch.equal(oea, ref.oea_critical_set(logits, 1, vote=vote, seed=seed)))
+            idx1, w1 = routing.remap_topk(logits, grown_ref, k, rule=rule, renormalize=renorm, scale=scale,
+                                          check=False)
+            idx1_ref = ref.remap_topk(logits, grown_ref, k)
+            w1_ref = ref.routing_weights(logits, idx1_ref, rule, renorm, scale)
+            ok = torch.equal(idx1, idx1_ref) and torch.allclose(w1, w1_ref, atol=1e-5, rtol=1e-5)
+            record(S, f"{name} {tag} remap + {rule}", ok, f"max |dw| {float((w1 - w1_ref).abs().max()):.1e}")
+            a = moe.moe_align_block_size(idx1, N, 16)
+            a_ref = moe_naive.naive_moe_align_block_size(idx1, N, 16)
+            record(S, f"{name} {tag} moe_align_block_size", all(torch.equal(p, q) for p, q in zip(a, a_ref)))
+            x = torch.randn(B, H, generator=gen, dtype=wdtype, device=dev)
+            w = w1.to(wdtype)
+            cfg = moe.moe_block_config(B, k, N, H, I, wdtype)
+            out = moe.sparse_moe(x, idx1, w, gu, dn, exact_grid=False)
+            err = rel_err(out, moe_naive.naive_sparse_moe(x, idx1, w, gu, dn))
+            record(S, f"{name} {tag} sparse_moe {str(wdtype).split('.')[-1]}",
+                   bool(torch.isfinite(out).all()) and err < tol,
+                   f"rel err {err:.1e} (tol {tol:g}), blocks m{cfg['block_m']} n{cfg['block_n']} k{cfg['block_k']}")
+        if not args.dry_run and name == "Qwen2-57B-A14B":
+            _compiled_kernels(S, routing, moe, ref, logits, idx0, vote, seed, alpha, beta, k, x, gu, dn)
+        del gu, dn
+        free_memory(dev)
+    if args.dry_run:
+        note(S, "torch.compile of the Triton launchers", "not checked in the dry run (interpreter kernels)")
+
+
+def _compiled_kernels(S, routing, moe, ref, logits, idx0, vote, seed, alpha, beta, k, x, gu, dn) -> None:
+    """The decode path's Triton calls traced by dynamo (fullgraph) equal eager."""
+
+    def step(logits, idx0, vote, seed, x):
+        c = routing.lynx_critical_set(logits, idx0, 1, alpha, beta, math.inf, vote=vote, seed=seed)
+        c = routing.mass_greedy_grow(logits, idx0, c, k, 0.5, vote=vote, seed=seed)
+        idx, w = routing.remap_topk(logits, c, k, rule="softmax_all", check=False)
+        return c, idx, moe.sparse_moe(x, idx, w.to(x.dtype), gu, dn, exact_grid=False)
+
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(step, fullgraph=True)
+        got = compiled(logits, idx0, vote, seed, x)
+        want = step(logits, idx0, vote, seed, x)
+        ok = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and rel_err(got[2], want[2]) < 1e-3
+        record(S, "torch.compile(fullgraph) of lynx cover + mass greedy + remap + sparse_moe == eager", ok)
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "torch.compile(fullgraph) of the Triton launchers", False, f"{type(exc).__name__}: {exc}"[:300])
+
+
+# ------------------------------------------------------------------------------------------- section 2
+def _decode_steps(model, dev, batch, steps, guard):
+    """Prefill, then ``steps`` decode forwards, each inside ``guard(model)`` (a context manager factory)."""
+    ids, mask = prompts(batch, 8, model.config.vocab_size, dev)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = out.past_key_values
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(steps):
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            _sync(dev)
+            with guard(model):
+                out = model(input_ids=nxt, attention_mask=mask, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync(dev)
+
+
+def _our_roots() -> tuple[str, ...]:
+    import lynx_hf
+
+    root = os.path.dirname(os.path.abspath(lynx_hf.__file__))
+    parent = os.path.dirname(root)
+    return tuple({root, os.path.join(parent, "patches"), os.path.join(parent, "kernels")})
+
+
+class CudaSyncGuard:
+    """``torch.cuda.set_sync_debug_mode`` over a decode forward.
+
+    ``"error"``: any synchronizing CUDA call raises (used when the unpatched forward passes it too).
+    ``"attribute"``: the ``"warn"`` mode, each sync warning attributed to the innermost Python frame
+    outside torch when it is raised; syncs from lynx_hf's files (``lynx_hf/``, ``patches/``,
+    ``kernels/``) are violations, others (HF's own code) are listed apart.
+    """
+
+    def __init__(self, mode: str) -> None:
+        self.mode = mode
+        self.ours: list[str] = []
+        self.others: list[str] = []
+        self._roots = _our_roots()
+        self._torch = os.path.dirname(os.path.abspath(torch.__file__))
+
+    def _attribute(self, message, category, filename, lineno, file=None, line=None):
+        import traceback as tb
+
+        if "synchroniz" not in str(message):
+            return self._show(message, category, filename, lineno, file, line)
+        for frame in reversed(tb.extract_stack()[:-1]):
+            name = os.path.abspath(frame.filename)
+            if name.startswith(self._torch) or name.endswith(("warnings.py", "gpu_check.py")):
+                continue
+            where = f"{name}:{frame.lineno}"
+            (self.ours if name.startswith(self._roots) else self.others).append(where)
+            return None
+        self.others.append("?")
+        return None
+
+    def __call__(self, model):
+        import contextlib
+        import warnings
+
+        @contextlib.contextmanager
+        def ctx():
+            if self.mode == "error":
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                return
+            self._show = warnings.showwarning
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = self._attribute
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    yield
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                    warnings.showwarning = self._show
+
+        return ctx()
+
+
+def section_sync(args, dev, budget, models) -> None:
+    import contextlib
+
+    import lynx_hf
+    from lynx_hf.kernels.routing_torch import strict_sync_free
+
+    S = "sync"
+    name, config = next(iter(model_configs(args.dry_run).items()))
+    if not budget.allows(40 if not args.dry_run else 10, f"{name} sync-free decode", S):
+        return
+    print(f"\n== sync-free decode: {name} ==", flush=True)
+    model = models.get(name) or build_model(config, dev, torch.float32 if args.dry_run else torch.bfloat16)
+    models[name] = model
+    batch = 8 if args.dry_run else 16
     if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        try:
+            _decode_steps(model, dev, batch, 1, CudaSyncGuard("error"))
+            mode = "error"
+            note(S, "scope", 'set_sync_debug_mode("error") over the whole decode forward (the unpatched one passes)')
+        except RuntimeError as exc:
+            mode = "attribute"
+            probe = CudaSyncGuard("attribute")
+            _decode_steps(model, dev, batch, 1, probe)
+            note(S, "scope", 'the unpatched decode forward syncs in HF code, so set_sync_debug_mode("warn") with '
+                             f"each sync attributed to its Python frame; unpatched: {sorted(set(probe.others))[:4]} "
+                             f"({str(exc).splitlines()[0][:120]})")
+    else:
+        detector = HostReadDetector()
+
+        @contextlib.contextmanager
+        def guard(model):
+            with strict_sync_free(), detector.mode:
+                yield
+
+        note(S, "scope", "dispatch-mode check of lynx_hf frames under strict_sync_free() (CPU dry run)")
+    for backend in ("triton", "torch"):
+        for label, kwargs in SYNC_POLICIES.items():
+            lynx_hf.patch(model, backend=backend, **kwargs)
+            try:
+                if dev.type == "cuda":
+                    guard = CudaSyncGuard(mode)
+                    _decode_steps(model, dev, batch, 2, guard)
+                    ok = not guard.ours
+                    detail = "; ".join(sorted(set(guard.ours))[:3])
+                else:
+                    detector.violations.clear()
+                    _decode_steps(model, dev, batch, 2, guard)
+                    ok, detail = not detector.violations, "; ".join(detector.violations[:3])
+                summary = lynx_hf.stats(model).summary()
+                ok = ok and summary["decode_steps"] >= 2
+                detail = detail or (f"decode steps {summary['decode_steps']}, unique experts/layer-step "
+                                    f"{_fmt(summary.get('unique_experts_before'))} -> "
+                                    f"{_fmt(summary.get('unique_experts_after'))}")
+            except RuntimeError as exc:
+                ok, detail = False, str(exc).splitlines()[0][:300]
+            finally:
+                lynx_hf.unpatch(model)
+            record(S, f"{label}, backend={backend}", ok, detail)
+
+
+# ------------------------------------------------------------------------------------------- section 3
+class StepClock:
+    """Logits processor that timestamps each decode step (after a device sync)."""
+
+    def __init__(self, dev) -> None:
+        self.dev = dev
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        _sync(self.dev)
+        self.stamps.append(time.perf_counter())
+        return scores
+
+
+def section_tpot(args, dev, budget, models) -> None:
+    import lynx_hf
+    from transformers import LogitsProcessorList
+
+    S = "tpot"
+    batches = DRY_TPOT_BATCHES if args.dry_run else TPOT_BATCHES
+    new_tokens = 3 if args.dry_run else args.new_tokens
+    rounds = 1 if args.dry_run else args.rounds
+    variants = {"hf": None, "lynx grouped_mm": "torch", "lynx triton": "triton"}
+    table = []
+    for name, config in model_configs(args.dry_run).items():
+        if not budget.allows(45 if not args.dry_run else 10, f"{name} TPOT", S):
+            break
+        print(f"\n== TPOT: {name} ==", flush=True)
+        model = models.get(name) or build_model(config, dev, torch.float32 if args.dry_run else torch.bfloat16)
+        models[name] = model
+        note(S, f"{name} HF default experts implementation", repr(model.config._experts_implementation))
+        for B in batches:
+            if not budget.allows(12 if not args.dry_run else 2, f"{name} B={B}", S):
+                break
+            ids, mask = prompts(B, 16, config.vocab_size, dev)
+            times = {v: [] for v in variants}
+            unique = {}
+
+            def run(v, n_new):
+                if variants[v] is None:
+                    lynx_hf.unpatch(model)
+                else:
+                    lynx_hf.patch(model, policy="lynx", backend=variants[v])
+                    lynx_hf.reset_stats(model)
+                clock = StepClock(dev)
+                with torch.inference_mode():
+                    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                                   do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+                diffs = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+                if variants[v] is not None:
+                    s = lynx_hf.stats(model).summary()
+                    unique[v] = (s.get("unique_experts_before"), s.get("unique_experts_after"))
+                return sum(diffs) / max(len(diffs), 1)
+
+            try:
+                for v in variants:  # warm-up: kernels compiled, caches allocated
+                    run(v, 2)
+                names = list(variants)
+                for r in range(rounds):
+                    for i in range(len(names)):
+                        v = names[(r + i) % len(names)]
+                        times[v].append(run(v, new_tokens))
+            except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+                record(S, f"{name} B={B}", False, f"{type(exc).__name__}: {exc}"[:300])
+                traceback.print_exc()
+                continue
+            finally:
+                lynx_hf.unpatch(model)
+            med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+            choice = min(("lynx grouped_mm", "lynx triton"), key=lambda v: med[v])
+            u = unique.get("lynx triton") or unique.get("lynx grouped_mm") or (None, None)
+            line = (f"B={B:3d}: HF {med['hf']:.2f} ms | LYNX grouped_mm {med['lynx grouped_mm']:.2f} ms "
+                    f"({med['lynx grouped_mm'] / med['hf']:.2f}x) | LYNX triton {med['lynx triton']:.2f} ms "
+                    f"({med['lynx triton'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
+                    f"auto should pick: {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton sparse kernel'}")
+            note(S, f"{name} TPOT", line)
+            table.append((name, B, med, choice, u))
+    if table:
+        print("\n  TPOT summary (ms per decode step, median of interleaved rounds):", flush=True)
+        print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | unique experts | auto |", flush=True)
+        print("  |---|---|---|---|---|---|---|", flush=True)
+        for name, B, med, choice, u in table:
+            print(f"  | {name} | {B} | {med['hf']:.2f} | {med['lynx grouped_mm']:.2f} | {med['lynx triton']:.2f} | "
+                  f"{_fmt(u[0])} -> {_fmt(u[1])} | {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton'} |", flush=True)
+
+
+# ------------------------------------------------------------------------------------------- section 4
+def section_graphs(args, dev, budget, models) -> None:
+    import lynx_hf
+    from transformers import CompileConfig
+
+    S = "graphs"
+    name, config = next(iter(model_configs(args.dry_run).items()))
+    if not budget.allows(150 if not args.dry_run else 20, "compiled static-cache decode with CUDA graphs", S):
+        return
+    print(f"\n== compiled static-cache decode: {name} ==", flush=True)
+    model = models.get(name) or build_model(config, dev, torch.float32 if args.dry_run else torch.bfloat16)
+    models[name] = model
+    ids, mask = prompts(4, 8, config.vocab_size, dev)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+               pad_token_id=0, cache_implementation="static")
+    backend = "torch" if args.dry_run else "auto"  # dry run: dynamo cannot trace the interpreter's kernels
+    if args.dry_run:
+        cc = CompileConfig(fullgraph=True, backend="eager", mode=None)
+        cc._compile_all_devices = True
+    else:
+        cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    lynx_hf.patch(model, policy="lynx", backend=backend)
+    try:
+        with torch.inference_mode():
+            eager = model.generate(**gen)
+        eager_stats = lynx_hf.stats(model).summary()
+        lynx_hf.reset_stats(model)
+        torch._dynamo.reset()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            compiled = model.generate(**gen, compile_config=cc)
+        seconds = time.perf_counter() - t0
+        stats = lynx_hf.stats(model).summary()
+        ran = getattr(model, "_compiled_call", None) is not None
+        same = torch.equal(compiled, eager)
+        detail = (f"compiled path ran: {ran}, first call {seconds:.0f} s, decode steps {stats['decode_steps']} "
+                  f"(eager {eager_stats['decode_steps']}), unique experts after {stats.get('unique_experts_after')} "
+                  f"(eager {eager_stats.get('unique_experts_after')})")
+        if not same:
+            diff = (compiled != eager).nonzero()
+            detail += f"; first differing (row, position) {diff[0].tolist() if len(diff) else '-'}"
+        record(S, f"compiled ({'eager backend' if args.dry_run else 'inductor, reduce-overhead'}) == eager LYNX tokens",
+               ran and same and stats["decode_steps"] == eager_stats["decode_steps"], detail)
+        if dev.type == "cuda":
+            from torch._dynamo.utils import counters
+
+            skips = dict(counters.get("inductor", {}))
+            note(S, "inductor counters", str({k: v for k, v in skips.items() if "cudagraph" in k}) or "{}")
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "compiled static-cache decode", False, f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+    finally:
+        lynx_hf.unpatch(model)
+
+
+# ------------------------------------------------------------------------------------------------ main
+SECTIONS = ("kernels", "sync", "tpot", "graphs")
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help="B in (1, 64) only")
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--tau", type=float, default=1.0)
-    p.add_argument("--block-n", type=int, default=64)
-    p.add_argument("--block-k", type=int, default=64)
-    p.add_argument("--models", default=",".join(MODELS), help="comma-separated subset of " + ",".join(MODELS))
-    p.add_argument("--fp32", action="store_true", help="also check the expert kernel in fp32 (first model)")
-    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes, Triton interpreter, CPU (tests this script)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, Triton interpreter (tests this script)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated subset of " + ",".join(SECTIONS))
+    p.add_argument("--budget", type=float, default=450.0, help="seconds; sections that would not fit are skipped")
+    p.add_argument("--new-tokens", type=int, default=12, help="decode steps timed per TPOT run")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved TPOT rounds")
     args = p.parse_args(argv)
-    if args.cpu_smoke:
-        dev, dtype, models = torch.device("cpu"), torch.float32, SMOKE_MODELS
-        args.iters, args.block_n, args.block_k, args.quick = 1, 32, 32, True
+    SUMMARY.clear()
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        p.error(f"unknown sections {sorted(unknown)}")
+    if args.dry_run:
+        dev = torch.device("cpu")
+        print("gpu_check --dry-run: CPU, tiny shapes, Triton interpreter (a test of this script, no timings to read)")
     else:
         if not torch.cuda.is_available():
-            print("gpu_check: no CUDA device available; nothing to check (run this on a GPU machine).")
+            print("gpu_check: no CUDA device available; nothing to check (run this on a GPU machine, or --dry-run).")
             return 0
-        dev, dtype = torch.device("cuda"), torch.bfloat16
+        dev = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False
-        models = {m: MODELS[m] for m in args.models.split(",")}
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    kernels = _import_kernels()
-    t_start = time.time()
-    for name, shape in models.items():
-        run_model(name, shape, args, dev, dtype, kernels)
-    if args.fp32 and not args.cpu_smoke:
-        name, shape = next(iter(models.items()))
-        args.quick = True
-        run_model(name + " (fp32)", shape, args, dev, torch.float32, kernels)
-    print(f"\n{len(FAILURES)} failure(s) in {time.time() - t_start:.0f} s", flush=True)
-    for f in FAILURES:
-        print("  FAIL", f)
-    return 1 if FAILURES else 0
+    import lynx_hf  # noqa: F401  (the installed package)
+    import transformers
+    import triton
+
+    print(f"lynx_hf {getattr(lynx_hf, '__version__', '?')}, transformers {transformers.__version__}, "
+          f"triton {triton.__version__}", flush=True)
+    budget = Budget(args.budget)
+    models: dict = {}
+    runners = {"kernels": lambda: section_kernels(args, dev, budget),
+               "sync": lambda: section_sync(args, dev, budget, models),
+               "tpot": lambda: section_tpot(args, dev, budget, models),
+               "graphs": lambda: section_graphs(args, dev, budget, models)}
+    for name in SECTIONS:
+        if name not in sections:
+            continue
+        t0 = time.perf_counter()
+        try:
+            runners[name]()
+        except Exception as exc:  # noqa: BLE001 - one section's crash must not hide the others
+            record(name, "section crashed", False, f"{type(exc).__name__}: {exc}"[:400])
+            traceback.print_exc()
+        print(f"  ({name}: {time.perf_counter() - t0:.0f} s)", flush=True)
+    failures = [row for row in SUMMARY if row[2] == "FAIL"]
+    print(f"\n## gpu_check summary ({budget.elapsed():.0f} s, budget {args.budget:.0f} s)\n")
+    print("| section | check | result | detail |")
+    print("|---|---|---|---|")
+    for section, check, status, detail in SUMMARY:
+        print(f"| {section} | {check} | {status} | {detail} |")
+    print(f"\n{len(failures)} failure(s), "
+          f"{sum(1 for r in SUMMARY if r[2] == 'ok')} ok, {sum(1 for r in SUMMARY if r[2] == 'skipped')} skipped")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

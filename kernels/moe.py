@@ -20,11 +20,38 @@ to the kernels, so non-contiguous expert tensors work too. All offsets are int64
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from .moe_naive import _check_moe_args, max_num_tokens_padded
+
+#: the interpreter (CPU tests) is chosen when triton is first imported; read once, like triton does.
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def moe_block_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
+                     dtype: torch.dtype) -> dict:
+    """Launch configuration of both expert kernels for one decode step (one source of truth: the
+    launcher :func:`sparse_moe`, the AOT compile test and ``eval/kernel_report.py`` call it).
+
+    ``T`` tokens, ``k`` slots, ``N`` experts, hidden ``H``, intermediate ``I``, expert ``dtype`` ->
+    ``{"block_m", "block_n", "block_k", "num_warps", "num_stages"}``. ``block_m`` is the smallest power
+    of two >= 16 (``tl.dot``'s minimum) that holds the average number of (token, slot) pairs per expert,
+    ``T*k/N``, at most 64, so a touched expert is usually one block. ``block_n`` / ``block_k`` follow
+    vLLM's untuned fused-MoE defaults (``fused_moe.get_default_config``: 32 / 64 for small M, 64 / 32
+    otherwise); ``num_warps`` 4 and ``num_stages`` 3 are Triton's defaults. ``H`` and ``I`` only bound
+    the tiles (never above the next power of two of the dimension, at least 16). Not tuned on a GPU
+    yet: ``eval/gpu_check.py`` measures it against transformers' ``grouped_mm``.
+    """
+    pairs_per_expert = -(-num_tokens * top_k // max(num_experts, 1))
+    block_m = min(64, max(16, triton.next_power_of_2(max(pairs_per_expert, 1))))
+    block_n, block_k = (32, 64) if block_m == 16 else (64, 32)
+    block_n = max(16, min(block_n, triton.next_power_of_2(max(min(hidden, inter), 1))))
+    block_k = max(16, min(block_k, triton.next_power_of_2(max(min(hidden, inter), 1))))
+    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "num_warps": 4, "num_stages": 3}
 
 
 def moe_align_block_size(
@@ -164,9 +191,9 @@ def sparse_moe(
     transposed: bool = False,
     weight_on_input: bool = False,
     activation: str = "silu",
-    block_m: int = 16,
-    block_n: int = 64,
-    block_k: int = 64,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    block_k: int | None = None,
     exact_grid: bool | None = None,
 ) -> torch.Tensor:
     """Routed experts of one MoE layer, sparse Triton decode kernel. Returns ``[T, H]`` in ``hidden.dtype``.
@@ -175,10 +202,12 @@ def sparse_moe(
     fp32 accumulation); the gate/up intermediate is stored in ``hidden.dtype`` (exact for fp32; one
     rounding for bf16/fp16, as the model's own bf16 expert does). fp32/fp16/bf16 on CUDA; under the
     interpreter (``TRITON_INTERPRET=1``, CPU) non-fp32 inputs are upcast to fp32 (the interpreter's
-    bf16 ``tl.dot`` is unusable) and the result is cast back to ``hidden.dtype``. ``block_m`` >= 16 (``tl.dot``), ``block_n`` /
-    ``block_k`` powers of two >= 16. ``exact_grid`` (default: on non-CUDA devices) launches exactly
-    the used blocks (one host sync); otherwise the grid is the data-independent upper bound and
-    programs past ``num_tokens_post_padded`` exit at once (no sync, CUDA-graph friendly).
+    bf16 ``tl.dot`` is unusable) and the result is cast back to ``hidden.dtype``. Block sizes default
+    to :func:`moe_block_config` (each given one overrides it): ``block_m`` >= 16 (``tl.dot``),
+    ``block_n`` / ``block_k`` powers of two >= 16. ``exact_grid`` (default: on non-CUDA devices)
+    launches exactly the used blocks (one host sync); otherwise the grid is the data-independent upper
+    bound and programs past ``num_tokens_post_padded`` exit at once (no sync, CUDA-graph friendly;
+    the decode path passes ``False``).
 
     Raises ``ValueError`` for inconsistent shapes or dtypes (see :func:`.moe_naive.naive_sparse_moe`),
     mixed devices, or bad block sizes. Expert ids are not range-checked (that would need a sync).
@@ -194,13 +223,17 @@ def sparse_moe(
         raise ValueError(f"hidden must be fp32/fp16/bf16, got {hidden.dtype}")
     if w_gate_up.dtype != w_down.dtype or not w_gate_up.is_floating_point():
         raise ValueError(f"expert weights must share one float dtype, got {w_gate_up.dtype} / {w_down.dtype}")
+    cfg = moe_block_config(num_tokens, top_k, num_experts, hidden_size, inter, w_gate_up.dtype)
+    block_m = cfg["block_m"] if block_m is None else block_m
+    block_n = cfg["block_n"] if block_n is None else block_n
+    block_k = cfg["block_k"] if block_k is None else block_k
     for name, b in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-        if b < 16 or b & (b - 1):
+        if not isinstance(b, int) or b < 16 or b & (b - 1):
             raise ValueError(f"{name} must be a power of two >= 16, got {b}")
     dev = hidden.device
     num_pairs = num_tokens * top_k
     out_dtype = hidden.dtype
-    if dev.type != "cuda" and (hidden.dtype != torch.float32 or w_gate_up.dtype != torch.float32):
+    if _INTERPRET and (hidden.dtype != torch.float32 or w_gate_up.dtype != torch.float32):
         # the interpreter's bf16/fp16 tl.dot is unusable: compute in fp32, return hidden's dtype
         hidden, w_gate_up, w_down = hidden.float(), w_gate_up.float(), w_down.float()
     if num_pairs == 0:
@@ -227,6 +260,7 @@ def sparse_moe(
             x.stride(0), x.stride(1), *gu_strides, h.stride(0), h.stride(1),
             WEIGHT_ON_INPUT=bool(weight_on_input), IEEE=ieee,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
         _down_kernel[(num_blocks, triton.cdiv(hidden_size, block_n))](
             h, w_down, rw, sorted_ids, expert_ids, num_post, y,
@@ -234,5 +268,6 @@ def sparse_moe(
             h.stride(0), h.stride(1), *dn_strides, y.stride(0), y.stride(1),
             WEIGHT_ON_INPUT=bool(weight_on_input), IEEE=ieee,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )
     return y.view(num_tokens, top_k, hidden_size).sum(dim=1).to(out_dtype)

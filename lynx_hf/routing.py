@@ -39,6 +39,9 @@ class RoutePlan:
     policy: policies.Policy
     params: object
     ops: object
+    # the sparse Triton expert kernel runs only when chosen explicitly (``backend="triton"``); ``"auto"`` on
+    # CUDA uses transformers' ``grouped_mm`` until a GPU run measures which is faster per shape [issue 12 item 5]
+    expert_kernel: bool = False
 
 
 class BlockRouting:
@@ -212,7 +215,8 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> Rou
     device = torch.device(device)
     policy = policies.get(config.policy)
     backend = resolve_backend(config.backend, device) if device.type != "meta" else "torch"
-    return RoutePlan(device, backend, policy, policy.resolve(config, num_experts, top_k), routing_ops(backend))
+    return RoutePlan(device, backend, policy, policy.resolve(config, num_experts, top_k), routing_ops(backend),
+                     expert_kernel=backend == "triton" and config.backend == "triton")
 
 
 def remap(plan: RoutePlan, rule, step: Step, scores, logits, weights, idx):
