@@ -3,22 +3,28 @@
 After a remap the experts must read only the unique experts the step uses. transformers' own
 ``grouped_mm`` implementation does that (well kept, CUDA and CPU); in decode on CUDA, ``generate``
 switches ``grouped_mm`` to ``batched_mm``, which copies one expert matrix per (token, slot) and gains
-nothing from a remap. So, for a policy that remaps, ``patch`` registers the implementation
-``"lynx"`` (:data:`IMPLEMENTATION`) in ``ALL_EXPERTS_FUNCTIONS`` and ``ALL_FP8_EXPERTS_FUNCTIONS`` and
-sets it with ``model.set_experts_implementation``; ``unpatch`` sets the previous one back. It chooses,
-per call:
+nothing from a remap. So, for a policy that remaps, ``patch`` calls :func:`install`: it registers the
+implementation ``"lynx"`` (:data:`IMPLEMENTATION`) in ``ALL_EXPERTS_FUNCTIONS`` and
+``ALL_FP8_EXPERTS_FUNCTIONS`` and sets it with ``model.set_experts_implementation``; :func:`remove`
+(``unpatch``, or a policy that does not remap) sets the previous one back. ``"lynx"`` chooses, per call:
 
 - not a decode step -> the implementation the model had (prefill bit-identical);
-- decode, ``backend="triton"`` and the experts are plain dense float tensors on the compute device
-  in the layout and activation the kernel implements (:func:`kernel_storage`) -> the sparse Triton
-  kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
-- decode on CUDA -> that interface's ``grouped_mm`` (reads only the unique experts);
-- otherwise -> the implementation the model had (on CPU: ``grouped_mm``, which already reads only
-  the unique experts).
+- decode, ``backend="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run measures
+  which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``eval/gpu_check.py``), the experts passed :func:`kernel_storage` at patch time and
+  :func:`weights_ready` now -> the sparse Triton kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
+- decode on CUDA, the experts passed :func:`storage_reason` at patch time and :func:`weights_ready`
+  now -> that interface's ``grouped_mm`` (reads only the unique experts);
+- otherwise -> the implementation the model had (on CPU usually ``grouped_mm``, which already reads
+  only the unique experts).
 
-Experts that are not plain dense tensors (fp8 with scales, bitsandbytes / GPTQ / AWQ replacements,
-accelerate offload, PEFT-wrapped or parametrized weights, unknown subclasses) always run their own
-implementation with the remapped routing (issue: "never silently wrong").
+"Never silently wrong" (issue 15): a sparse path reads an experts module's weight tensors itself, so it
+runs only when those tensors *are* the expert weights -- plain dense ``torch.Tensor`` / ``Parameter`` in
+fp32/fp16/bf16, materialized on the compute device, of one of transformers' own experts classes with no
+other state. Everything else (fp8 weights with block scales such as transformers' ``FP8Experts``,
+bitsandbytes / GPTQ / AWQ-style quantized storage, accelerate offload (``meta`` weights behind a hook),
+PEFT LoRA on the expert parameters (a ``ParamWrapper`` around the module, a parametrization while it
+runs), tensor subclasses, unknown subclasses) runs the module's own forward with the remapped routing:
+the routing is remapped by the router hook (``lynx_hf.routing``), so the policy acts either way.
 """
 
 from __future__ import annotations
@@ -29,8 +35,12 @@ import inspect
 import torch
 
 IMPLEMENTATION = "lynx"
-EXPERTS_ATTR = "_lynx_experts"  # on an experts module of a patched block: its BlockRouting
+EXPERTS_ATTR = "_lynx_experts"  # on an experts module: its BlockRouting, or the name of the implementation it had
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_OWN_MODULE_PREFIX = "transformers.models."  # transformers' own experts classes live in its model files
+# tensors transformers' grouped_mm reads (weights, biases, the optional post-expert norm): nothing else may exist
+_GROUPED_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
 def _interfaces():
@@ -46,10 +56,38 @@ def _interfaces():
     return found
 
 
+def _base_class(cls: type) -> type:
+    """``cls`` without the classes ``torch.nn.utils.parametrize`` injects (one per registration: PEFT
+    registers a parametrization on every forward, so caching on them would grow without bound)."""
+    while cls.__module__ == "torch.nn.utils.parametrize" and cls.__bases__:
+        cls = cls.__bases__[0]
+    return cls
+
+
 @functools.lru_cache(maxsize=None)
 def _class_dispatch(cls) -> tuple[object, object] | None:
-    """``(experts_interface, original_forward)`` of a class wrapped by ``use_experts_implementation``."""
-    forward = getattr(cls, "forward", None)
+    """``(experts_interface, original_forward)`` of a class wrapped by ``use_experts_implementation``.
+
+    The decorator rewrites the class in place, so a class decorated twice (transformers'
+    ``replace_with_fp8_linear`` decorates ``FP8Experts`` again at every FP8 model load) wraps a wrapper:
+    the original forward is the innermost one (else ``"lynx"``'s own implementation would dispatch to
+    ``"lynx"`` again, without end)."""
+    found = None
+    for klass in cls.__mro__:  # a subclass with a forward of its own may still call its base's dispatching forward
+        found = _wrapper_parts(klass.__dict__.get("forward"))
+        if found is not None:
+            break
+    if found is None:
+        return None
+    interface, original = found
+    while (inner := _wrapper_parts(original)) is not None:
+        original = inner[1]
+    return interface, original
+
+
+def _wrapper_parts(forward):
+    if forward is None:
+        return None
     try:
         nonlocals = inspect.getclosurevars(forward).nonlocals
     except (TypeError, ValueError):
@@ -60,41 +98,111 @@ def _class_dispatch(cls) -> tuple[object, object] | None:
     return interface, original
 
 
+def _dispatch(module) -> tuple[object, object] | None:
+    return _class_dispatch(_base_class(type(module)))
+
+
 def uses_interface(experts: torch.nn.Module) -> bool:
     """Whether ``experts`` dispatches through transformers' experts-implementation interface."""
-    return _class_dispatch(type(experts)) is not None and hasattr(experts, "config")
+    return _dispatch(experts) is not None and hasattr(experts, "config")
+
+
+def unwrap(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+    """``(module, wrappers)``: the module inside adapter wrappers that hold the experts as their base layer
+    (PEFT ``ParamWrapper``, nested once per targeted parameter; found through PEFT's ``get_base_layer``
+    contract), and the wrapper class names, outermost first (empty when ``experts`` is not wrapped)."""
+    wrappers = []
+    module = experts
+    while not uses_interface(module):
+        base = getattr(module, "base_layer", None)
+        if not isinstance(base, torch.nn.Module) or base is module:
+            break
+        wrappers.append(type(module).__name__)
+        module = base
+    return module, wrappers
+
+
+def _offloads(hook) -> bool:
+    """Whether an accelerate hook (or a ``SequentialHook`` of hooks) keeps the weights elsewhere (offload)."""
+    if hook is None:
+        return False
+    if any(_offloads(h) for h in getattr(hook, "hooks", ()) or ()):
+        return True
+    return bool(getattr(hook, "offload", False)) or getattr(hook, "weights_map", None) is not None
+
+
+def storage_reason(experts: torch.nn.Module, names=_GROUPED_NAMES) -> str | None:
+    """``None`` if code other than ``experts``' own forward may read its weight tensors, else the reason.
+
+    Checked at patch time (a few attribute reads per block). The weights must *be* the expert weights:
+
+    - the class is one of transformers' own (defined in ``transformers.models.*``; an unknown subclass may
+      compute anything in its forward), not parametrized (PEFT LoRA on the expert parameters while it runs,
+      ``torch.nn.utils.parametrize``);
+    - every parameter and buffer, recursively, is one of ``names`` (anything else -- fp8 / int block scales,
+      zero points, LoRA factors, activation scales -- is state only the module's forward knows);
+    - each is a plain ``torch.Tensor`` / ``Parameter`` (no tensor subclass: bitsandbytes ``Params4bit``,
+      torchao / GPTQ packed tensors) of a float dtype of 16 bits or more (not fp8 / int: quantized);
+    - no accelerate hook that offloads them (a disk / CPU offload map keeps ``meta`` placeholders and loads
+      the weights only inside the module's own forward, CASES C19).
+
+    ``names`` (default: what transformers' ``grouped_mm`` reads) narrows what may exist; the sparse Triton
+    kernel passes ``("gate_up_proj", "down_proj")``. What ``.to(dtype / device)`` changes (fp32/fp16/bf16,
+    one dtype, on the compute device, never ``meta``) is checked per call by :func:`weights_ready`, so a
+    model moved after patch takes the sparse path again when it can.
+    """
+    cls = _base_class(type(experts))
+    if type(experts) is not cls or getattr(experts, "parametrizations", None):
+        return "parametrized expert weights (e.g. PEFT LoRA on the expert parameters)"
+    if _offloads(getattr(experts, "_hf_hook", None)):
+        return "accelerate offloads the expert weights (CPU / disk offload hook)"
+    tensors = [*experts.named_parameters(recurse=True), *experts.named_buffers(recurse=True)]
+    if not tensors:
+        return "the experts module holds no weight tensors"
+    extra = sorted(name for name, _ in tensors if name not in names)
+    if extra:
+        return f"expert state besides the dense weights ({', '.join(extra)}: quantization scales, adapters?)"
+    for name, tensor in tensors:
+        if type(tensor) not in _PLAIN_TYPES:
+            return f"{name} is a {type(tensor).__name__} (a tensor subclass: quantized or wrapped storage)"
+        if not tensor.dtype.is_floating_point or tensor.element_size() < 2:
+            return f"{name} is {tensor.dtype} (quantized storage), not a 16/32-bit float"
+    if not cls.__module__.startswith(_OWN_MODULE_PREFIX):
+        return (f"experts class {cls.__module__}.{cls.__qualname__} is not one of transformers' own "
+                f"(its forward may differ)")
+    return None
 
 
 def kernel_storage(experts: torch.nn.Module) -> str | None:
     """``None`` if the sparse Triton kernel may read ``experts``' weights, else the reason it may not.
 
-    Static part of the check (done at patch time): the standard layout (``gate_up_proj [N, 2I, H]``
-    concatenated gate-first, ``down_proj [N, H, I]``, no bias, no post-expert norm), SiLU gate, plain
-    ``torch.Tensor`` / ``Parameter`` storage in fp32/fp16/bf16, no parametrization (PEFT
-    ``target_parameters``), no accelerate offload hook. :func:`kernel_applies` adds the cheap per-call
-    device check.
+    :func:`storage_reason`, then the kernel's layout and activation (and no tensor besides ``gate_up_proj`` /
+    ``down_proj``): ``gate_up_proj [N, 2I, H]`` concatenated gate-first, ``down_proj [N, H, I]``, no bias, no
+    post-expert norm, the default gate ``act(gate) * up`` with SiLU (``lynx_hf.kernels.moe``). Patch time;
+    :func:`weights_ready` is the per-call part.
     """
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    if not (type(gate_up) in (torch.Tensor, torch.nn.Parameter) and type(down) in (torch.Tensor, torch.nn.Parameter)):
-        return "expert weights are not plain tensors"
-    if gate_up.dtype not in _KERNEL_DTYPES or down.dtype != gate_up.dtype:
-        return f"expert weights are {gate_up.dtype}/{down.dtype} (quantized or mixed), not fp32/fp16/bf16"
-    if gate_up.dim() != 3 or down.dim() != 3:
-        return "expert weights are not 3-d stacked tensors"
+    reason = storage_reason(experts)
+    if reason is not None:
+        return reason
     if not getattr(experts, "has_gate", False) or getattr(experts, "is_transposed", False):
         return "layout is not gate_up [N, 2I, H] / down [N, H, I]"
     if not getattr(experts, "is_concatenated", True) or getattr(experts, "has_bias", False) \
             or getattr(experts, "has_post_expert_norm", False):
         return "interleaved gate/up, biases or a post-expert norm"
-    if type(experts)._apply_gate is not _default_apply_gate():
+    reason = storage_reason(experts, names=("gate_up_proj", "down_proj"))
+    if reason is not None:
+        return reason
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        return "expert weights are not 3-d stacked gate_up_proj / down_proj tensors"
+    num_experts, two_i, hidden = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (num_experts, hidden, two_i // 2):
+        return f"shapes gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are not [N, 2I, H] / [N, H, I]"
+    if getattr(type(experts), "_apply_gate", None) is not _default_apply_gate():
         return "custom gate activation"
     act = getattr(experts, "act_fn", None)
     if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")):
         return "activation is not SiLU"
-    if getattr(experts, "parametrizations", None):
-        return "parametrized expert weights (e.g. PEFT LoRA on the experts)"
-    if hasattr(experts, "_hf_hook"):
-        return "accelerate hook on the experts (offloaded weights)"
     return None
 
 
@@ -105,34 +213,61 @@ def _default_apply_gate():
     return gate
 
 
-def kernel_applies(experts, hidden: torch.Tensor) -> bool:
-    """Per-call part of the check: the weights are on the compute device (never ``meta``)."""
-    return experts.gate_up_proj.device == hidden.device and experts.down_proj.device == hidden.device
+def weights_ready(experts, hidden: torch.Tensor, names=("gate_up_proj", "down_proj")) -> bool:
+    """Per-call part of the check (cheap: attribute reads): not parametrized now (PEFT registers its LoRA
+    parametrization around each forward), and each of ``names`` is a plain tensor, all of one kernel dtype
+    (fp32/fp16/bf16), on ``hidden``'s device (so never ``meta``, whatever moved the weights after patch)."""
+    if "parametrizations" in experts._modules:
+        return False
+    device = hidden.device
+    dtype = None
+    for name in names:
+        tensor = experts._parameters.get(name)
+        if tensor is None:
+            tensor = experts._buffers.get(name)
+        if tensor is None or type(tensor) not in _PLAIN_TYPES or tensor.device != device \
+                or tensor.dtype not in _KERNEL_DTYPES or (dtype is not None and tensor.dtype != dtype):
+            return False
+        dtype = tensor.dtype
+    return True
+
+
+kernel_applies = weights_ready  # the name the first redesign used
 
 
 def implementations(experts, name: str):
     """``(own, grouped)``: the forward function of implementation ``name`` for ``experts``' class and its
     ``grouped_mm`` (``None`` if the interface has none). Resolved at patch time (not traced)."""
-    interface, original = _class_dispatch(type(experts))
+    interface, original = _dispatch(experts)
     grouped = interface.get_interface("grouped_mm", original) if "grouped_mm" in interface else None
     return interface.get_interface(name, original), grouped
 
 
+def _grouped_names(experts) -> tuple[str, ...]:
+    return ("up_proj" if not getattr(experts, "has_gate", True) else "gate_up_proj", "down_proj")
+
+
 def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     state = self.__dict__.get(EXPERTS_ATTR)
-    if state is None:  # shares the config of a patched model but is not patched itself: HF's default
-        interface, original = _class_dispatch(type(self))
-        return interface.get_interface("grouped_mm" if "grouped_mm" in interface else "eager", original)(
-            self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    if not hasattr(state, "experts_impls"):  # not in a patched block: the implementation it had (None: HF default)
+        interface, original = _dispatch(self)
+        name = state if isinstance(state, str) else ("grouped_mm" if "grouped_mm" in interface else "eager")
+        return interface.get_interface(name, original)(self, hidden_states, top_k_index, top_k_weights,
+                                                       *args, **kwargs)
     own, grouped = state.experts_impls
+    if own is None:  # after unpickling / deep copy: resolved again, once
+        state.experts_impls = implementations(self, state.original_impl)
+        own, grouped = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     plan = state.plan
-    if plan is not None and plan.backend == "triton" and state.kernel_reason is None \
-            and kernel_applies(self, hidden_states):
+    if plan is not None and plan.expert_kernel and state.kernel_reason is None \
+            and weights_ready(self, hidden_states):
         return plan.ops.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                    exact_grid=False)
-    if grouped is not None and hidden_states.device.type == "cuda":
+    if grouped is not None and hidden_states.device.type == "cuda" \
+            and getattr(state, "grouped_reason", "not checked") is None \
+            and weights_ready(self, hidden_states, _grouped_names(self)):
         return grouped(self, hidden_states, top_k_index, top_k_weights)
     return own(self, hidden_states, top_k_index, top_k_weights)
 
@@ -142,3 +277,66 @@ def register() -> None:
     for interface in _interfaces():
         if IMPLEMENTATION not in interface:
             interface.register(IMPLEMENTATION, _lynx_forward)
+
+
+def _wrapped_reason(wrappers) -> str:
+    return (f"the experts are wrapped by {' > '.join(wrappers)} (e.g. PEFT LoRA on the expert parameters), whose "
+            f"forward changes the weights the module computes with")
+
+
+def install(state) -> None:
+    """Install ``"lynx"`` on the model of ``state`` (a ``lynx_hf.patcher.ModelState``) for a remapping policy.
+
+    For each patched block: the experts module that dispatches through the interface (inside PEFT wrappers,
+    :func:`unwrap`) gets its ``BlockRouting`` under :data:`EXPERTS_ATTR`, which records the implementation
+    it had, its functions, and why a sparse path may not read its weights (``kernel_reason`` for the Triton
+    kernel, ``grouped_reason`` for ``grouped_mm``; ``None`` = allowed). Blocks whose experts do not
+    dispatch through the interface (Llama-4, custom experts) get ``kernel_reason`` from their family spec's
+    ``kernel_storage(experts)`` if it has one, else a reason. Every other interface-dispatching experts
+    module of the model (they share the config whose implementation changes) records the implementation it
+    had, so it keeps running it. Idempotent; undone exactly by :func:`remove`.
+    """
+    owner = state.owner
+    blocks = []
+    for block in state.blocks:
+        inner, wrappers = unwrap(block.experts)
+        if uses_interface(inner):
+            blocks.append((block, inner, wrappers))
+            continue
+        check = getattr(block.spec, "kernel_storage", None)
+        if wrappers:
+            block.kernel_reason = _wrapped_reason(wrappers)
+        elif check is not None:
+            block.kernel_reason = check(block.experts)
+        else:
+            block.kernel_reason = "the experts do not dispatch through transformers' experts interface"
+        block.grouped_reason = block.kernel_reason
+    if state.experts_impl_before is not None or not blocks or not hasattr(owner, "set_experts_implementation"):
+        return
+    register()
+    state.experts_impl_before = owner.get_experts_implementation()
+    for block, inner, wrappers in blocks:
+        block.original_impl = inner.config._experts_implementation
+        block.experts_impls = implementations(inner, block.original_impl)
+        if wrappers:
+            block.kernel_reason = block.grouped_reason = _wrapped_reason(wrappers)
+        else:
+            block.kernel_reason = kernel_storage(inner)
+            block.grouped_reason = storage_reason(inner)
+        object.__setattr__(inner, EXPERTS_ATTR, block)
+    for module in owner.modules():
+        if EXPERTS_ATTR not in module.__dict__ and uses_interface(module):
+            object.__setattr__(module, EXPERTS_ATTR, module.config._experts_implementation)
+    owner.set_experts_implementation(IMPLEMENTATION)
+
+
+def remove(state) -> None:
+    """Undo :func:`install`: the implementations the model had, no attribute left on any module."""
+    before, state.experts_impl_before = state.experts_impl_before, None
+    if before is None:
+        return
+    current = state.owner.get_experts_implementation()
+    if IMPLEMENTATION in current.values():
+        state.owner.set_experts_implementation(before)
+    for module in state.owner.modules():
+        module.__dict__.pop(EXPERTS_ATTR, None)

@@ -14,15 +14,25 @@ Weight rule: inferred, then verified. The router/block/config attributes state w
 (``norm_topk_prob`` -> renormalize, ``routed_scaling_factor`` -> scale, ``scoring_func``-like
 fields or an ``e_score_correction_bias`` -> sigmoid); what they do not state (e.g. GraniteMoE's and
 MiniMax's always-on renormalization, which no attribute names) is enumerated (softmax/sigmoid,
-renormalize or not). At patch time (:meth:`GenericAdapter.check_block`) the router runs, without
-grad, on a fixed random probe of ``[16, H]`` hidden states in the experts' dtype, and a rule is
+renormalize or not). At patch time (:meth:`GenericSpec.validate`) the router runs, without
+grad, on a fixed random probe of ``[16, H]`` hidden states in the router's dtype, and a rule is
 accepted only if (1) the model's own experts are the top-k of its router logits (no correction bias,
 no group limits, no sampling), and (2) the rule, applied by ``routing_weights`` to the model's
 own logits and indices and cast to the router's weight dtype, reproduces the router's own weights
 (to 4 ulps of that dtype; the closest fitting candidate wins). Otherwise ``patch`` refuses with
-:class:`lynx_hf.UnsupportedModelError` naming the block class (e.g. PhiMoE's sparsemixer). A router whose weights are not materialized at
-patch time (meta / offloaded) is verified on its first decode call instead, on the real outputs;
-if that fails the block keeps the model's own routing (a warning says so).
+:class:`lynx_hf.UnsupportedModelError` naming the block class (e.g. PhiMoE's sparsemixer). A router
+whose weights are not materialized at patch time (meta / offloaded) is verified on its first decode call
+instead, on the real outputs; if that fails the block keeps the model's own routing (a warning says so).
+
+Never a raw error (issue 15): the probe's hidden size comes from the config's ``hidden_size`` (else the
+router weight, else the expert layout, transposed or not: GPT-OSS stores ``gate_up_proj [N, H, 2I]``), in
+the router's dtype (not the experts': fp8 experts); a router that fails on hidden states alone (it needs
+other inputs), returns another tuple, ids out of range or non-finite logits is refused with
+:class:`lynx_hf.UnsupportedModelError` naming the block, the router class and the reason.
+
+Experts: whatever their storage, the block's own forward calls them with the remapped routing; a sparse
+path reads their weights only when ``lynx_hf.experts`` finds them plain (GPT-OSS's transposed, biased,
+clamped-SwiGLU experts run transformers' own implementation).
 
 Selection scores: the fp32 router logits (pre-softmax / pre-sigmoid, DESIGN.md).
 
@@ -61,17 +71,22 @@ class InferredRule:
     top_k: int
 
 
-
-
 def block_parts(module: torch.nn.Module):
-    """``(router, experts)`` of a block with the standard contract, else ``(None, None)``."""
+    """``(router, experts)`` of a block with the standard contract, else ``(None, None)``. ``experts`` is the
+    experts module itself, inside adapter wrappers (PEFT LoRA on the expert parameters wraps it in
+    ``ParamWrapper`` layers; ``lynx_hf.experts.unwrap``); the block's child is :meth:`GenericSpec.experts_of`."""
+    from ..experts import unwrap
+
     children = dict(module.named_children())
-    experts = children.get("experts")
-    if experts is None or not _is_standard_experts(experts):
+    child = children.get("experts")
+    if child is None:
+        return None, None
+    experts = unwrap(child)[0]
+    if not _is_standard_experts(experts):
         return None, None
     for name in _ROUTER_NAMES:
         router = children.get(name)
-        if isinstance(router, torch.nn.Module) and router is not experts:
+        if isinstance(router, torch.nn.Module) and router is not child:
             return router, experts
     return None, None
 
@@ -84,10 +99,18 @@ def _is_standard_experts(experts) -> bool:
             and hasattr(experts, "has_gate") and hasattr(experts, "is_transposed"))
 
 
-def _kernel_layout(experts) -> bool:
-    """The sparse decode kernel's layout: [N, 2I, H] gate-first, [N, H, I], no bias, no post norm."""
-    return (bool(experts.has_gate) and not experts.is_transposed and getattr(experts, "is_concatenated", True)
-            and not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False))
+def _hidden_dim(block, router, experts) -> int | None:
+    """The hidden size the router reads: the config's ``hidden_size``, else a 2-d router weight's input size,
+    else the expert layout (``gate_up_proj [N, 2I, H]``, or ``[N, H, 2I]`` when ``is_transposed``: GPT-OSS)."""
+    for owner in (getattr(experts, "config", None), getattr(block, "config", None)):
+        value = getattr(owner, "hidden_size", None)
+        if isinstance(value, int) and value > 0:
+            return value
+    weight = getattr(router, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[-1])
+    gate_up = experts.gate_up_proj
+    return int(gate_up.shape[-2] if getattr(experts, "is_transposed", False) else gate_up.shape[-1])
 
 
 def _stated(block, router, experts, names):
@@ -120,7 +143,7 @@ class GenericSpec(FamilySpec):
         return block_parts(block)[0]
 
     def experts_of(self, block):
-        return block_parts(block)[1]
+        return getattr(block, self.experts)  # the child the block calls (a PEFT wrapper included)
 
     def shape(self, block):
         router, experts = block_parts(block)
@@ -133,19 +156,34 @@ class GenericSpec(FamilySpec):
         return experts.num_experts, top_k
 
     def validate(self, block, name, config):
-        """Infer the weight rule and verify it on a probe (raises :class:`UnsupportedModelError`)."""
+        """Infer the weight rule and verify it on a probe (raises :class:`UnsupportedModelError`, never a raw
+        error: a router that cannot run on hidden states alone, a probe that fails, an output of another
+        form are each refused with the block's class and the reason)."""
         router, experts = block_parts(block)
+        who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         weight = next(router.parameters(), None)
         if weight is None or weight.device.type == "meta" or experts.gate_up_proj.device.type == "meta":
             self._rules[id(block)] = None  # not materialized here: verify on the first decode call
         else:
-            hidden_dim = experts.gate_up_proj.shape[-1]
+            hidden_dim = _hidden_dim(block, router, experts)
+            if hidden_dim is None:
+                raise UnsupportedModelError(
+                    f"{who}: cannot tell the hidden size (no hidden_size in the config, no 2-d router weight, expert "
+                    f"layout unknown); the generic adapter cannot probe its router"
+                )
+            dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 else torch.float32
             probe = torch.randn(_PROBE_TOKENS, hidden_dim, generator=torch.Generator().manual_seed(0))
-            with torch.no_grad():
-                output = router(probe.to(device=weight.device, dtype=experts.gate_up_proj.dtype))
+            try:
+                with torch.no_grad():
+                    output = router(probe.to(device=weight.device, dtype=dtype))
+            except Exception as exc:  # noqa: BLE001 - any failure of a foreign router is a refusal, not a crash
+                raise UnsupportedModelError(
+                    f"{who}: calling the router on hidden states [{_PROBE_TOKENS}, {hidden_dim}] alone failed "
+                    f"({type(exc).__name__}: {exc}); a router that needs other inputs or another layout cannot be "
+                    f"patched by the generic adapter (a dedicated adapter is needed)"
+                ) from exc
             self._rules[id(block)] = self.verify(block, name, output)
         super().validate(block, name, config)
-
     def weight_rule(self, block):
         """The verified rule (``None``: verification deferred to the first decode call)."""
         rule = self._rules.pop(id(block), None)
@@ -159,6 +197,17 @@ class GenericSpec(FamilySpec):
         """The rule that reproduces ``output`` (the router's own), or raise ``UnsupportedModelError``."""
         router, experts = block_parts(block)
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
+        try:
+            return self._verify(who, block, router, experts, output)
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a foreign router's output that breaks the check is a refusal
+            raise UnsupportedModelError(
+                f"{who}: checking the router's output failed ({type(exc).__name__}: {exc}); the generic adapter "
+                f"cannot patch it (a dedicated adapter is needed)"
+            ) from exc
+
+    def _verify(self, who, block, router, experts, output) -> InferredRule:
         num_experts = experts.num_experts
         if not (isinstance(output, (tuple, list)) and len(output) == 3
                 and all(isinstance(t, torch.Tensor) for t in output)):
@@ -177,6 +226,16 @@ class GenericSpec(FamilySpec):
         top_k = idx.shape[-1]
         scores = logits.float()
         idx = idx.long()
+        if top_k < 1 or bool((idx < 0).any()) or bool((idx >= num_experts).any()):
+            raise UnsupportedModelError(
+                f"{who}: the router's expert ids are not in 0..{num_experts - 1} (k={top_k}); the generic adapter "
+                f"cannot patch it"
+            )
+        if not bool(torch.isfinite(scores).all()):
+            raise UnsupportedModelError(
+                f"{who}: the router's logits on a probe input are not finite (uninitialized weights?); the generic "
+                f"adapter cannot verify its rule"
+            )
         distinct = bool((idx.sort(dim=-1).values.diff(dim=-1) != 0).all()) if top_k > 1 else True
         chosen = scores.gather(1, idx).sort(dim=-1, descending=True).values
         best = scores.topk(top_k, dim=-1).values

@@ -5,9 +5,11 @@
 HF computes every expert for every token (``routed_in = hidden.repeat(N, 1) * scores``), so a remap
 alone would save nothing: this is the one family whose block forward changes in decode. With a policy
 that remaps, the routed experts run sparsely (each unique expert's weights read once): the Triton
-kernel on the Triton backend, transformers' grouped matmul otherwise; experts that are not plain dense
-tensors (PEFT LoRA on the expert parameters, quantized, offloaded) run HF's own dense computation with
-the remapped dense scores. With policy ``none`` the block's computation is HF's, bit-identical.
+kernel on the Triton backend, transformers' grouped matmul otherwise, both only when the experts are HF's
+own plain dense tensors on the compute device (:func:`kernel_storage` at patch time, a cheap device check
+per call); other experts (PEFT LoRA on the expert parameters, quantized, offloaded, replaced) run their
+own forward inside HF's dense computation, with the remapped dense scores (issue 15). With policy ``none``
+the block's computation is HF's, bit-identical.
 """
 
 from __future__ import annotations
@@ -27,13 +29,29 @@ def _dense(block, hidden, scores):
     return out
 
 
-def _plain(experts) -> bool:
-    from ..experts import _KERNEL_DTYPES  # the storage rule lives with the experts path
+def kernel_storage(experts) -> str | None:
+    """``None`` if the sparse paths (Triton kernel, :func:`sparse_experts`) may read ``experts``' weights, else
+    the reason (checked at patch time by ``lynx_hf.experts.install``; ``weights_ready`` per call).
 
-    gu, dn = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    return (type(gu) in (torch.Tensor, torch.nn.Parameter) and type(dn) in (torch.Tensor, torch.nn.Parameter)
-            and gu.dtype in _KERNEL_DTYPES and dn.dtype == gu.dtype and not getattr(experts, "parametrizations", None)
-            and not hasattr(experts, "_hf_hook") and type(experts).__name__ == "Llama4TextExperts")
+    The weights must be HF's own ``Llama4TextExperts`` tensors in plain dense storage
+    (``lynx_hf.experts.storage_reason``: no PEFT wrapper / parametrization, quantization, offload, tensor
+    subclass), laid out ``gate_up_proj [N, H, 2I]`` (gate first), ``down_proj [N, I, H]``, with SiLU.
+    """
+    from ..experts import storage_reason
+
+    reason = storage_reason(experts, names=("gate_up_proj", "down_proj"))
+    if reason is not None:
+        return reason
+    if type(experts).__name__ != "Llama4TextExperts":
+        return f"experts module is a {type(experts).__name__}, not Llama4TextExperts (wrapped or replaced)"
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[-1] % 2 or \
+            tuple(down.shape) != (gate_up.shape[0], gate_up.shape[-1] // 2, gate_up.shape[1]):
+        return f"shapes gate_up {tuple(gate_up.shape)} / down {tuple(down.shape)} are not [N, H, 2I] / [N, I, H]"
+    act = getattr(experts, "act_fn", None)
+    if not (isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")):
+        return "activation is not SiLU"
+    return None
 
 
 def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -60,6 +78,8 @@ def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_w
 
 
 def decode_forward(state, step, hidden_states):
+    from ..experts import weights_ready
+
     block = state.block
     hidden = hidden_states.reshape(-1, block.hidden_dim)
     scores, logits = block.router(hidden)
@@ -69,12 +89,13 @@ def decode_forward(state, step, hidden_states):
     if new_idx is idx:  # policy none: HF's computation
         return _dense(block, hidden, scores), logits
     experts = block.experts
-    if not _plain(experts):  # the experts module's own forward, with the remapped dense scores
+    if state.kernel_reason is not None or not weights_ready(experts, hidden):
+        # the experts module's own forward (PEFT-wrapped, quantized, offloaded...), with the remapped dense scores
         dense = torch.zeros_like(scores).scatter_(1, new_idx, new_weights.to(scores.dtype))
         return _dense(block, hidden, dense), logits
-    if state.plan.backend == "triton" and experts.gate_up_proj.device == hidden.device:
-        routed = state.plan.ops.sparse_moe(hidden, new_idx, new_weights, experts.gate_up_proj, experts.down_proj, transposed=True,
-                            weight_on_input=True, exact_grid=False)
+    if state.plan.expert_kernel:  # backend="triton" chosen explicitly (issue 12 item 5)
+        routed = state.plan.ops.sparse_moe(hidden, new_idx, new_weights, experts.gate_up_proj, experts.down_proj,
+                                           transposed=True, weight_on_input=True, exact_grid=False)
     else:
         routed = sparse_experts(experts, hidden, new_idx, new_weights)
     out = block.shared_expert(hidden)
@@ -85,6 +106,10 @@ def decode_forward(state, step, hidden_states):
 class _Llama4Spec(FamilySpec):
     def shape(self, block):
         return int(block.num_experts), int(block.top_k)
+
+    @staticmethod
+    def kernel_storage(experts) -> str | None:
+        return kernel_storage(experts)
 
 
 SPEC = _Llama4Spec(
