@@ -368,7 +368,7 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
     row[6] = tokens
     row[7] = 1.0 if fallback else 0.0
     row[8] = tokens if verify else 0
-    row[9] = prefill.sum()
+    row[9] = prefill.sum() if tokens > 0 else 0.0  # [issue 14 helper edit] as telemetry.record: only in steps that decode
     row[10] = finished.sum()
     return row
 

@@ -14,7 +14,7 @@ from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
 from .kernels.backend import resolve_backend
 from .patches import find_spec, looks_like_moe, supported_families
 from .routing import BlockRouting
-from .step import StepTracker, generation_scope
+from .step import StepTracker, cache_length, generation_scope
 from .telemetry import LynxStats
 
 MODEL_ATTR = "_lynx_state"  # on the module that owns generate (or the backbone): the ModelState
@@ -42,8 +42,10 @@ class ModelState:
 
 
 class _PatchedGenerate:
-    """The patched model's ``generate``: records the prompt length, stop tokens and whether the mode
-    verifies candidates, for the forwards it makes (``lynx_hf.step``), then calls the original."""
+    """The patched model's ``generate``: records, for the forwards it makes (``lynx_hf.step``), the prompt
+    length (``input_ids`` / ``inputs`` / ``inputs_embeds``, ``shape[1]``), the tokens the caller's
+    ``past_key_values`` already holds (read once, here), the stop tokens that finish a row and whether the
+    generation mode verifies candidates; then calls the original ``generate`` unchanged."""
 
     def __init__(self, state: ModelState) -> None:
         self.state = state
@@ -51,13 +53,55 @@ class _PatchedGenerate:
     def __call__(self, *args, **kwargs):
         owner = self.state.owner
         original = type(owner).generate.__get__(owner)
-        prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
-        if prompt is None:
-            prompt = kwargs.get("inputs_embeds")
+        prompt = next((kwargs[name] for name in ("input_ids", "inputs")
+                       if isinstance(kwargs.get(name), torch.Tensor)), None)
+        if prompt is None and args and isinstance(args[0], torch.Tensor):
+            prompt = args[0]
+        if prompt is None and isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+            prompt = kwargs["inputs_embeds"]
         if prompt is None or prompt.dim() < 2:
             return original(*args, **kwargs)
-        with generation_scope(self.state, prompt.shape[1], _eos_ids(owner, kwargs), _verifies(owner, kwargs)):
+        held = 0
+        cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+        if cache is not None:
+            length = cache_length(cache)
+            held = int(length) if length is not None else 0  # once per call (a StaticCache: one host read)
+        with generation_scope(self.state, prompt.shape[1], _eos_ids(owner, kwargs), _verifies(owner, kwargs), held):
             return original(*args, **kwargs)
+
+
+class _PatchedInitContinuousBatching:
+    """The patched model's ``init_continuous_batching`` (the entry point of ``generate_batch``,
+    ``cache_implementation="paged"`` and ``transformers serve``): the manager it returns is watched by the
+    step tracker, whose hook then reads the scheduler's request states to tell a request's last prefill
+    chunk from its decode tokens (``lynx_hf.step``, rule 1)."""
+
+    def __init__(self, state: ModelState) -> None:
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        owner = self.state.owner
+        manager = type(owner).init_continuous_batching(owner, *args, **kwargs)
+        self.state.tracker.watch(manager)
+        return manager
+
+
+_OWNER_METHODS = {"generate": _PatchedGenerate, "init_continuous_batching": _PatchedInitContinuousBatching}
+
+
+def _install_owner_methods(state: ModelState) -> None:
+    """Instance attributes shadowing the owner's class methods (removed exactly by :func:`_remove_owner_methods`)."""
+    if not _has_generate(state.owner):
+        return
+    for name, wrapper in _OWNER_METHODS.items():
+        if callable(getattr(type(state.owner), name, None)) and name not in state.owner.__dict__:
+            object.__setattr__(state.owner, name, wrapper(state))
+
+
+def _remove_owner_methods(state: ModelState) -> None:
+    for name, wrapper in _OWNER_METHODS.items():
+        if isinstance(state.owner.__dict__.get(name), wrapper):
+            del state.owner.__dict__[name]
 
 
 def _from_generation(owner, kwargs, name):
@@ -68,21 +112,28 @@ def _from_generation(owner, kwargs, name):
 
 
 def _eos_ids(owner, kwargs) -> list[int]:
-    """The EOS ids that finish a row (none under beam search, whose rows are beams that reorder)."""
+    """The stop tokens that finish a row (``eos_token_id`` of the call or generation config); none under
+    beam search, whose rows are beams that reorder."""
     if (_from_generation(owner, kwargs, "num_beams") or 1) > 1:
         return []
     value = _from_generation(owner, kwargs, "eos_token_id")
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-    return [int(i) for i in ids if not isinstance(i, bool)]
+    return [int(i) for i in ids if not isinstance(i, bool) and int(i) >= 0]
 
 
 def _verifies(owner, kwargs) -> bool:
-    """Whether generate verifies candidate tokens (assisted decoding with a draft model, prompt lookup)."""
+    """Whether generate verifies candidate tokens, as ``GenerationConfig.get_generation_mode`` decides
+    assisted generation: a draft model (``assistant_model``), prompt lookup (``prompt_lookup_num_tokens``),
+    early exit (``assistant_early_exit``) or multi-token prediction (``use_mtp``), with greedy or
+    sampling (under beam search generate ignores them)."""
+    if (_from_generation(owner, kwargs, "num_beams") or 1) > 1:
+        return False
     if kwargs.get("assistant_model") is not None:
         return True
-    return any(_from_generation(owner, kwargs, name) for name in ("prompt_lookup_num_tokens", "assistant_early_exit"))
+    return any(_from_generation(owner, kwargs, name)
+               for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"))
 
 
 def _as_config(config, overrides) -> LynxConfig:
@@ -195,8 +246,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     for block in state.blocks:
         block.install()
     state.tracker.attach(backbone)
-    if _has_generate(owner):
-        object.__setattr__(owner, "generate", _PatchedGenerate(state))
+    _install_owner_methods(state)  # generate, init_continuous_batching
     object.__setattr__(owner, MODEL_ATTR, state)
     _sync_experts_impl(state)
     return model
@@ -222,29 +272,17 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
 
 def _sync_experts_impl(state: ModelState) -> None:
     """Install the ``"lynx"`` experts implementation iff the policy remaps (see ``lynx_hf.experts``)."""
-    owner = state.owner
-    wants = policies.get(state.config.policy).remaps and hasattr(owner, "set_experts_implementation")
-    modules = [b for b in state.blocks if experts_impl.uses_interface(b.experts)]
-    if wants and modules and state.experts_impl_before is None:
-        experts_impl.register()
-        state.experts_impl_before = owner.get_experts_implementation()
-        for block in modules:
-            block.original_impl = block.experts.config._experts_implementation
-            block.experts_impls = experts_impl.implementations(block.experts, block.original_impl)
-            block.kernel_reason = experts_impl.kernel_storage(block.experts)
-            object.__setattr__(block.experts, experts_impl.EXPERTS_ATTR, block)
-        owner.set_experts_implementation(experts_impl.IMPLEMENTATION)
-    elif not wants and state.experts_impl_before is not None:
+    # [issue 15 helper edit] the decision of which experts module gets which implementation, and why a sparse
+    # path may not read its weights, lives in lynx_hf.experts.install / remove (PEFT wrappers unwrapped,
+    # other experts modules sharing the config keep the implementation they had).
+    if policies.get(state.config.policy).remaps:
+        experts_impl.install(state)
+    else:
         _remove_experts_impl(state)
 
 
 def _remove_experts_impl(state: ModelState) -> None:
-    before, state.experts_impl_before = state.experts_impl_before, None
-    if state.owner.get_experts_implementation() == {k: experts_impl.IMPLEMENTATION for k in before} or \
-            experts_impl.IMPLEMENTATION in state.owner.get_experts_implementation().values():
-        state.owner.set_experts_implementation(before)
-    for block in state.blocks:
-        block.experts.__dict__.pop(experts_impl.EXPERTS_ATTR, None)
+    experts_impl.remove(state)
 
 
 def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
@@ -268,8 +306,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state.tracker.detach(state.backbone)
     for block in state.blocks:
         block.uninstall()
-    if isinstance(state.owner.__dict__.get("generate"), _PatchedGenerate):
-        del state.owner.__dict__["generate"]
+    _remove_owner_methods(state)
     del state.owner.__dict__[MODEL_ATTR]
     return model
 

@@ -3,20 +3,35 @@
 A forward pre-hook on the model's decoder backbone (the module every entry point ends in:
 ``CausalLM.forward``, ``generate``, PEFT wrappers, continuous batching) classifies the forward's
 tokens and publishes a :class:`Step`; the router hooks of the MoE blocks read it. The unit is the
-token (flattened ``[B, q] -> [B*q]`` order, the order of the router's rows):
+token (flattened ``[B, q] -> [B*q]`` order, the order of the router's rows). Rules, first match wins:
 
-- **continuous batching** (``cu_seq_lens_q`` / ``cu_seq_lens_k`` in the kwargs, paged cache): a
-  request with ``q_len <= q_max`` new tokens and a KV history (``k_len > q_len``) is decoding; the
-  other requests' tokens are prefill; padding tokens after the last request are not live;
-- inside ``generate`` (the patched model's ``generate`` records its prompt length ``P``, verification
-  mode and stop tokens): a forward whose KV cache already holds ``>= P`` tokens is a decode step
-  (``q_len == 1``) or a verification step (``q_len > 1``: assisted / prompt-lookup decoding);
-  rows whose input token is a stop / pad token (finished rows) are not live;
-- any other forward (manual loops, lm-eval, teacher forcing): decode iff a cache is present, it holds
-  tokens and ``q_len <= q_max``; no cache, ``use_cache=False`` or a longer query is prefill.
+1. **continuous batching** (transformers' ``generate_batch`` / ``cache_implementation="paged"``: one
+   flattened forward ``[1, T]`` with ``cu_seq_lens_q`` / ``cu_seq_lens_k``): a request is decoding when
+   its query starts at or after the end of its prompt. That is read from the scheduler's request states
+   (``position_offset`` minus the query length >= ``len(initial_tokens)``) when the model's continuous
+   batching manager was created through the patched ``init_continuous_batching`` (``generate_batch``,
+   ``cache_implementation="paged"``, ``transformers serve``). Otherwise (a manager built before patching,
+   or a forward being captured into a CUDA graph) the device rule ``1 <= q_len <= q_max`` and
+   ``k_len > q_len`` is used, which also counts the *last prefill chunk of one token* of a split prompt
+   as decode (the forward alone cannot tell the two apart). Tokens after ``cu_seq_lens_q[-1]``
+   (static-shape padding) are not live. Finished requests leave the batch.
+2. inside ``generate`` (the patched model's ``generate`` records the prompt length ``P``, whether the
+   generation mode verifies candidates, and the stop tokens): a forward whose KV cache already holds
+   ``>= P`` tokens is a decode step (``q_len == 1``) or, in assisted / prompt-lookup decoding, a
+   verification step (``q_len > 1``: the last accepted token plus the candidates; every token is decode
+   work). Shorter caches (the prompt, or its chunks with ``prefill_chunk_size``) are prefill. Rows whose
+   input token is a stop token, and every later token of those rows, are finished: not live (they do not
+   vote and are not counted), as ``generate``'s ``unfinished_sequences``. None under beam search.
+3. any other forward (manual loops, lm-eval, teacher forcing, a compiled forward): decode iff a cache is
+   present, it holds tokens and ``q_len <= q_max``; no cache, ``use_cache=False`` or a longer query is
+   prefill.
 
-The attention mask is never read (CASES C1). Cache lengths that are device tensors (``StaticCache``)
-are compared on the device (no host sync): the step's decode mask is then a tensor.
+The attention mask is never read (CASES C1). Cache lengths come from ``Cache.get_seq_length()``, which
+transformers resolves to the first layer that holds attention KV (hybrid caches with linear-attention /
+Mamba layers first). ``StaticCache`` keeps its length in a 0-d device tensor: outside ``generate`` the
+step's decode mask is then computed on the device (no host sync); inside ``generate`` the length is
+counted on the host from the query lengths of the generation's forwards (the cache passed in by the
+caller, if any, is read once when ``generate`` starts).
 
 State: eager forwards publish the step in a ``contextvars.ContextVar`` (per thread / task, so two
 threads generating on one model keep separate state, CASES C18); a forward traced by ``torch.compile``
@@ -26,6 +41,8 @@ keeps it in a plain attribute that dynamo tracks inside the graph (a ContextVar 
 from __future__ import annotations
 
 import contextvars
+import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -40,10 +57,14 @@ MIXED = "mixed"
 class Step:
     """How the router hooks treat one forward.
 
-    ``kind``: ``"prefill"`` (nothing to do), ``"decode"`` / ``"verify"`` (every live token is a decode
-    token), ``"mixed"`` (``decode`` says which). ``decode [T]`` bool or ``None`` (all tokens, unless
-    ``kind`` is prefill); ``live [T]`` bool or ``None`` (all rows live): finished / padding rows are
-    not live (they neither vote nor count; they are remapped into the critical set).
+    ``kind``: ``"prefill"`` (nothing to do), ``"decode"`` (one new token per row, or a continuous-batching
+    forward in which every token decodes), ``"verify"`` (a verification forward of assisted / prompt-lookup
+    decoding: every token is decode work), ``"mixed"`` (a continuous-batching forward with prefill tokens
+    or padding beside its decode tokens: ``decode`` says which). ``decode [T]`` bool or ``None``
+    (every token is a decode token, unless ``kind`` is prefill); for ``decode`` / ``verify`` it is a
+    tensor only when the cache length lives on the device (``StaticCache`` outside ``generate``).
+    ``live [T]`` bool or ``None`` (all rows live): tokens of finished rows and padding tokens are not
+    live (they neither vote nor count; decode ones are remapped into the critical set).
     """
 
     kind: str
@@ -58,14 +79,22 @@ _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
 @dataclass
 class Generation:
-    """What the patched ``generate`` records for the forwards it makes (one per call, per context)."""
+    """What the patched ``generate`` records for the forwards it makes (one per call, per context).
+
+    ``prompt_length``: tokens of the prompt (``input_ids.shape[1]``, padding included); ``eos_ids``:
+    stop tokens that finish a row (empty: no finished-row detection, e.g. beam search); ``verify``:
+    the generation mode verifies candidates; ``held``: tokens the cache holds before the next forward,
+    counted on the host (used when the cache keeps its length on the device); ``finished [B]`` bool:
+    rows that fed a stop token.
+    """
 
     owner: object  # the ModelState whose generate set it
     prompt_length: int
-    eos_ids: tuple[int, ...]  # empty: no finished-row detection (no EOS, or beam search)
+    eos_ids: tuple[int, ...]
     verify: bool
+    held: int = 0
     eos_tensor: torch.Tensor | None = None
-    finished: torch.Tensor | None = None  # [B] bool, rows that fed an EOS token (as generate's unfinished_sequences)
+    finished: torch.Tensor | None = None
 
 
 _GENERATION: contextvars.ContextVar = contextvars.ContextVar("lynx_generation", default=None)
@@ -82,34 +111,82 @@ def _query(args, kwargs):
 
 
 def cache_length(cache):
-    """Tokens held by ``cache``: an int, a 0-d device tensor (static caches), or ``None`` if unknown.
+    """Tokens held by ``cache``: an int, a 0-d device tensor (``StaticCache``), or ``None`` if unknown.
 
-    Hybrid caches (linear-attention layers first) are read at their first attention layer.
+    ``Cache.get_seq_length()`` (transformers >= 5) reads the first layer that holds attention KV, so
+    hybrid caches whose first layers are linear-attention / Mamba states (``is_linear``) or hold nothing
+    (``DummyLayer``) report the attention length; sliding-window layers report every token seen
+    (``cumulative_length``), not the window. A cache that cannot resolve its first attention layer
+    itself is read at the first layer that is neither linear nor empty. Legacy tuple caches: the key
+    length of layer 0.
     """
     get = getattr(cache, "get_seq_length", None)
     if get is None:
-        if isinstance(cache, (tuple, list)) and cache and isinstance(cache[0], (tuple, list)):
-            return int(cache[0][0].shape[-2])  # legacy tuple cache
+        if isinstance(cache, (tuple, list)) and cache and isinstance(cache[0], (tuple, list)) and cache[0]:
+            return int(cache[0][0].shape[-2])
         return None
-    layer = 0
-    linear = getattr(cache, "is_linear", None)
-    if isinstance(linear, (list, tuple)) and linear and linear[0]:
-        layer = next((i for i, lin in enumerate(linear) if not lin), None)
-        if layer is None:
-            return None
     try:
-        return get(layer) if layer else get()
-    except TypeError:
         return get()
+    except (ValueError, TypeError, AttributeError, IndexError):
+        pass
+    linear = list(getattr(cache, "is_linear", None) or [])
+    dummy = list(getattr(cache, "is_dummy", None) or [])
+    for layer in range(len(linear)):
+        if linear[layer] or (layer < len(dummy) and dummy[layer]):
+            continue
+        try:
+            return get(layer)
+        except (ValueError, TypeError, AttributeError, IndexError):
+            return None
+    return None
 
 
-def _continuous_batching(kwargs, num_tokens: int, device, q_max: int) -> Step | None:
-    cu_q = kwargs.get("cu_seq_lens_q")
+# -- continuous batching --------------------------------------------------------------------------------
+def _cu_seq_lens_k(kwargs):
     cu_k = kwargs.get("cu_seq_lens_k")
-    if not isinstance(cu_q, torch.Tensor):
+    if isinstance(cu_k, dict):  # per layer type: the full-attention lengths when there are any
+        cu_k = cu_k.get("full_attention", next(iter(cu_k.values()), None))
+    return cu_k
+
+
+def _request_phases(requests) -> list[tuple[int, bool]] | None:
+    """``[(query_length, decoding)]`` per request of a continuous-batching forward, from the scheduler's
+    request states, or ``None`` if they do not look like transformers' (then the device rule applies).
+
+    A request decodes when its query starts at or after the end of its prompt: ``past >= prompt`` with
+    ``past = state.position_offset - query_length`` (``prepare_batch_tensors`` has already advanced the
+    offset by the query) and ``prompt = len(state.initial_tokens)`` (a request evicted and re-admitted
+    re-prefills its generated tokens as part of its prompt: prefill work, correctly so)."""
+    phases = []
+    try:
+        for future in requests:
+            q = int(future.query_length)
+            state = future.state
+            past = int(state.position_offset) - q
+            phases.append((q, past >= len(state.initial_tokens)))
+    except (AttributeError, TypeError):
         return None
-    if isinstance(cu_k, dict):
-        cu_k = next(iter(cu_k.values()), None)
+    return phases
+
+
+def _continuous_batching(kwargs, num_tokens: int, device, q_max: int, requests=None) -> Step | None:
+    cu_q = kwargs.get("cu_seq_lens_q")
+    if not isinstance(cu_q, torch.Tensor) or cu_q.dim() != 1 or cu_q.numel() < 1:
+        return None
+    phases = None if requests is None else _request_phases(requests)
+    if phases is not None and len(phases) <= cu_q.numel() - 1 and sum(q for q, _ in phases) <= num_tokens:
+        real = sum(q for q, _ in phases)
+        if not any(decoding for _, decoding in phases):
+            return PREFILL_STEP  # prefill chunks only: nothing to remap
+        if real == num_tokens and all(decoding for _, decoding in phases):
+            return Step(DECODE)  # every token decodes, no padding
+        decode = []
+        for q, decoding in phases:
+            decode.extend([decoding] * q)
+        live = [True] * real + [False] * (num_tokens - real)
+        decode.extend([False] * (num_tokens - real))
+        return Step(MIXED, decode=torch.tensor(decode, device=device), live=torch.tensor(live, device=device))
+    cu_k = _cu_seq_lens_k(kwargs)
     if not isinstance(cu_k, torch.Tensor) or cu_k.shape != cu_q.shape:
         return None
     q_len = cu_q[1:] - cu_q[:-1]
@@ -122,18 +199,32 @@ def _continuous_batching(kwargs, num_tokens: int, device, q_max: int) -> Step | 
     return Step(MIXED, decode=decode, live=live)
 
 
-def detect_step(args, kwargs, config, generation: Generation | None) -> Step:
-    """The :class:`Step` of a backbone forward called with ``args`` / ``kwargs``."""
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def detect_step(args, kwargs, config, generation: Generation | None, requests=None) -> Step:
+    """The :class:`Step` of a backbone forward called with ``args`` / ``kwargs``.
+
+    ``config``: the ``LynxConfig`` (``phase``, ``q_max``, ``verify``); ``generation``: the
+    :class:`Generation` of the patched ``generate`` this forward belongs to, or ``None``;
+    ``requests``: the continuous-batching scheduler's requests of this forward (``FutureRequestState``
+    list, in ``cu_seq_lens_q`` order), or ``None``. Updates ``generation`` (host token count, finished
+    rows). Never reads a device value on the host.
+    """
     if config.phase == "never":
         return PREFILL_STEP
     x = _query(args, kwargs)
     if x is None:
         return PREFILL_STEP
-    batch, q_len = (int(x.shape[0]), int(x.shape[1])) if x.dim() >= 2 else (1, int(x.shape[0]))
+    if x.dim() >= 2:
+        batch, q_len = int(x.shape[0]), int(x.shape[1])
+    else:
+        batch, q_len = 1, int(x.shape[0])
     num_tokens = batch * q_len
     if config.phase == "decode":  # decode emulation: every forward
         return Step(DECODE)
-    cb = _continuous_batching(kwargs, num_tokens, x.device, config.q_max)
+    cb = _continuous_batching(kwargs, num_tokens, x.device, config.q_max, requests)
     if cb is not None:
         return cb
     if kwargs.get("use_cache") is False:
@@ -145,24 +236,24 @@ def detect_step(args, kwargs, config, generation: Generation | None) -> Step:
     if length is None:
         return PREFILL_STEP
     if generation is not None and not torch.compiler.is_compiling():
-        if q_len > 1 and not (generation.verify and config.verify):
+        held = generation.held if isinstance(length, torch.Tensor) else int(length)
+        generation.held = held + q_len
+        if held < generation.prompt_length:  # the prompt (or a chunk of it)
             return PREFILL_STEP
-        kind = DECODE if q_len == 1 else VERIFY
-        live = _live_rows(generation, x, q_len) if q_len == 1 else None
-        if isinstance(length, torch.Tensor):
-            decode = (length >= generation.prompt_length).expand(num_tokens)
-            return Step(MIXED, decode=decode, live=live)
-        return Step(kind, live=live) if length >= generation.prompt_length else PREFILL_STEP
+        if q_len > 1:  # verification of candidates (assisted / prompt-lookup decoding)
+            return Step(VERIFY) if generation.verify and config.verify else PREFILL_STEP
+        return Step(DECODE, live=_live_rows(generation, x))
     if q_len > config.q_max:
         return PREFILL_STEP
     if isinstance(length, torch.Tensor):
-        return Step(MIXED, decode=(length > 0).expand(num_tokens))
+        return Step(DECODE, decode=(length > 0).expand(num_tokens))
     return Step(DECODE) if length > 0 else PREFILL_STEP
 
 
-def _live_rows(generation: Generation, x: torch.Tensor, q_len: int) -> torch.Tensor | None:
-    """Rows that have not finished: a row finishes when its input is an EOS token (the token it generated
-    last), and stays finished (it then decodes pad tokens), as ``generate``'s ``unfinished_sequences``."""
+def _live_rows(generation: Generation, x: torch.Tensor) -> torch.Tensor | None:
+    """Rows that have not finished: a row finishes when its input is a stop token (the token it generated
+    last), and stays finished (it then decodes pad tokens), as ``generate``'s ``unfinished_sequences``.
+    Rows stopped by other criteria (``stop_strings``, a custom ``StoppingCriteria``) stay live."""
     if not generation.eos_ids or x.dtype.is_floating_point or x.dim() < 2:
         return None
     if generation.eos_tensor is None or generation.eos_tensor.device != x.device:
@@ -189,7 +280,8 @@ class StepTracker:
     """Per-model step state; install with :meth:`attach`, remove with :meth:`detach`.
 
     ``owner`` is the patched model's state (it has ``config``). Picklable and deep-copyable: the copy
-    gets a fresh context variable (no forward is in flight in a copy).
+    gets a fresh context variable and watches no continuous-batching manager (no forward is in flight
+    in a copy).
     """
 
     _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -202,6 +294,8 @@ class StepTracker:
     def _init_runtime(self) -> None:
         self._var: contextvars.ContextVar = contextvars.ContextVar(f"lynx_step_{id(self)}", default=None)
         self._traced: Step = PREFILL_STEP
+        self._managers: weakref.WeakSet = weakref.WeakSet()
+        self._managers_lock = threading.Lock()  # watch() in the caller's thread, reads in the engine's thread
 
     def __getstate__(self):
         return {"owner": self.owner}
@@ -218,6 +312,33 @@ class StepTracker:
         frame = self._var.get()
         return PREFILL_STEP if frame is None else frame.step
 
+    def watch(self, manager) -> None:
+        """Read the request states of ``manager`` (a transformers ``ContinuousBatchingManager``) when
+        classifying its forwards (rule 1 of the module docstring). Weakly held."""
+        try:
+            with self._managers_lock:
+                self._managers.add(manager)
+        except TypeError:  # not weak-referenceable: the device rule applies to its forwards
+            pass
+
+    def _requests(self, kwargs, device):
+        """The scheduled requests of a continuous-batching forward, if a watched manager made it."""
+        cache = kwargs.get("cache")
+        if cache is None or "cu_seq_lens_q" not in kwargs or _capturing(device):
+            return None
+        with self._managers_lock:
+            managers = list(self._managers)
+        for manager in managers:
+            processor = getattr(manager, "batch_processor", None)
+            if processor is None or getattr(processor, "cache", None) is not cache:
+                continue
+            io = getattr(processor, "inputs_and_outputs", None)
+            pairs = getattr(io, "io_pairs", None)  # asynchronous batching: the pair being computed
+            if pairs is not None:
+                io = getattr(pairs[io.current_pair], "host_io", None)
+            return getattr(io, "requests_in_batch", None)
+        return None
+
     def _generation(self) -> Generation | None:
         gen = _GENERATION.get()
         return gen if gen is not None and gen.owner is self.owner else None
@@ -226,7 +347,9 @@ class StepTracker:
         if torch.compiler.is_compiling():
             self._traced = detect_step(args, kwargs, self.owner.config, None)
             return None
-        step = detect_step(args, kwargs, self.owner.config, self._generation())
+        x = _query(args, kwargs)
+        requests = self._requests(kwargs, x.device) if x is not None else None
+        step = detect_step(args, kwargs, self.owner.config, self._generation(), requests)
         self._var.set(_Frame(step, self._var.get()))
         return None
 
@@ -258,9 +381,11 @@ class StepTracker:
                     hooks.pop(key, None)
 
 
-def generation_scope(owner, prompt_length: int, eos_ids, verify: bool):
-    """Context manager used by the patched ``generate``: publishes a :class:`Generation` for its forwards."""
-    return _Scope(Generation(owner, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify)))
+def generation_scope(owner, prompt_length: int, eos_ids, verify: bool, held: int = 0):
+    """Context manager used by the patched ``generate``: publishes a :class:`Generation` for its forwards.
+
+    ``held``: tokens the cache passed to ``generate`` already holds (0 for a fresh cache)."""
+    return _Scope(Generation(owner, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify), int(held)))
 
 
 class _Scope:
