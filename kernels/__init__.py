@@ -1,4 +1,4 @@
-"""Routing and sparse-expert kernels (Triton) beside their torch references (``naive_*``).
+"""Routing and sparse-expert kernels: Triton (``routing.py``, ``moe.py``), the canonical torch references (``routing_torch.py``, ``moe_naive.py``) and numba CPU twins (``routing_cpu.py``).
 
 Tier rule (DESIGN.md): nothing here imports transformers or ``lynx_hf`` internals. Importing this
 package is cheap: Triton is imported only by the kernel modules themselves.

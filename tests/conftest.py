@@ -19,6 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
+# tests/vllm_plugin runs in the vLLM environment only (.venv-vllm, `pytest tests/vllm_plugin`; .ci/vllm_env.sh)
+collect_ignore = ["vllm_plugin"]
+
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
     """NaN for floats, 77 for int8 (reads as True when cast to bool), True for bool, a large negative

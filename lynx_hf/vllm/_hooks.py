@@ -1,0 +1,610 @@
+"""vLLM side of the plugin: imported only from ``register()`` when vLLM is importable.
+
+Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`install`:
+
+- ``MoERunner.__init__`` (``vllm/model_executor/layers/fused_moe/runner/moe_runner.py``; what
+  ``FusedMoEFactory`` returns for every MoE layer): after the original init, the runner's router
+  instance gets its ``_compute_routing`` wrapped. ``BaseRouter._select_experts`` calls
+  ``_compute_routing`` (router logits -> logical ``(topk_weights, topk_ids)``), then the routed-experts
+  capture, then the EPLB logical->physical mapping, then the index dtype cast; so the remap acts on
+  logical expert ids, before EPLB, and everything downstream (capture, EPLB load recording, the
+  experts kernel) sees the remapped routing.
+- The remap runs inside the custom op ``torch.ops.lynx_vllm.remap_routing`` (``torch.library.custom_op``
+  with a fake implementation): under ``torch.compile`` (vLLM's compiled mode; on CPU Dynamo traces
+  straight through the MoE layer) the op is an opaque node, so its Python body (step mask, policy,
+  telemetry) runs on every step instead of being traced once and frozen.
+- ``GPUModelRunner._prepare_inputs`` (also ``CPUModelRunner``'s): before the original, the step's
+  per-token kinds are computed on the host from the persistent batch (:func:`token_kinds`) and copied
+  into a persistent int8 buffer on the model's device (0 = padding / no model step, 1 = prefill,
+  2 = decode) that the op reads as ``Step("mixed", decode=kinds == 2, live=kinds > 0)``.
+- ``GPUModelRunner.execute_model``: zeroes the buffer after the forward, so dummy / profiling /
+  capture runs (which do not go through ``_prepare_inputs``) see no decode token and stay untouched.
+- ``WorkerBase.lynx_stats`` / ``lynx_reset_stats`` / ``lynx_configure``: telemetry and run-time
+  reconfiguration for ``LLM.collective_rpc``.
+- ``EngineArgs.create_engine_config`` (driver): validates the configuration before any process
+  starts and copies an environment configuration into ``additional_config["lynx"]``, so that it is
+  part of vLLM's config hash (the torch.compile cache key) and reaches every worker.
+
+The per-step work is the engine-independent core :func:`lynx_hf.routing.remap` (policy on the live
+decode rows; prefill rows keep their routing and seed the critical set) and
+:class:`lynx_hf.telemetry.BlockTelemetry` (the numbers mean what ``lynx_hf.stats`` means in HF).
+Neither reads a device value on the host nor makes a data-dependent shape. The op body takes one
+host-side shortcut, on CPU tensors in eager mode only (``kernels.routing_torch.host_reads_allowed``):
+a step without decode tokens returns at once. On an accelerator (CUDA graphs replay whatever the
+capture recorded) the op always runs the remap against the buffer, whose address never changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..errors import LynxConfigError, UnsupportedModelError
+from ..kernels.routing_torch import host_reads_allowed
+from ..patches.base import WeightRule
+from ..routing import RoutePlan, make_plan, remap
+from ..step import MIXED, Step
+from ..telemetry import BlockTelemetry, LynxStats
+from . import _config
+
+logger = logging.getLogger("lynx_hf.vllm")
+
+#: vLLM versions this plugin was written against (others: a warning, hooks still tried)
+TESTED_VLLM = ("0.32",)
+
+#: token kinds in the step buffer
+PADDING, PREFILL, DECODE = 0, 1, 2
+
+
+@dataclass
+class _Layer:
+    """One MoE layer of this process (a ``MoERunner``)."""
+
+    index: int
+    name: str
+    top_k: int
+    num_experts: int
+    rule: WeightRule
+    runner: object = None  # weakref.ref to the MoERunner
+    plan: RoutePlan | None = None
+    telemetry: BlockTelemetry = field(default_factory=BlockTelemetry)
+    # fp64 [3]: steps with decode tokens, experts the step's live tokens (prefill + decode) use,
+    # before / after the remap (what the experts kernel loads); summed over steps
+    loaded: torch.Tensor | None = None
+    gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (skipped)
+    skipped: int = 0  # calls left untouched because the step's mask does not apply to their rows
+
+    @property
+    def identity(self) -> bool:
+        return self.top_k >= self.num_experts
+
+
+@dataclass
+class _StepBuffer:
+    kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
+    staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
+    num_tokens: int = 0
+    num_decode: int = 0
+    num_prefill: int = 0
+    active: bool = False
+
+
+@dataclass
+class _Process:
+    config: _config.PluginConfig | None = None
+    resolved: bool = False
+    layers: list[_Layer] = field(default_factory=list)
+    step: _StepBuffer = field(default_factory=_StepBuffer)
+    capacity: int = 0  # tokens per step the buffer holds (max_num_batched_tokens)
+    steps: int = 0  # model steps seen by _prepare_inputs
+    decode_steps: int = 0  # ... with >= 1 decode token
+    mixed_steps: int = 0  # ... with decode and prefill tokens
+    spec_tokens: int = 0  # speculative tokens per request (verification counts as decode work)
+    rank: int = 0
+    warned: set = field(default_factory=set)
+
+
+STATE = _Process()
+_INSTALL_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+# --------------------------------------------------------------------------- the custom op
+
+
+@torch.library.custom_op("lynx_vllm::remap_routing", mutates_args=())
+def remap_routing(router_logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights, topk_ids)`` of MoE layer ``layer`` after the plugin's policy.
+
+    ``router_logits [T, N]`` (the model dtype), ``topk_weights [T, k]`` fp32 and ``topk_ids [T, k]``
+    int32 (vLLM's routing, logical expert ids). Returns new tensors of the same shapes and dtypes
+    (a custom op may not return its inputs)."""
+    weights, ids = _remap_layer(router_logits, topk_weights, topk_ids, layer)
+    return (weights.clone() if weights is topk_weights else weights,
+            ids.clone() if ids is topk_ids else ids)
+
+
+@remap_routing.register_fake
+def _remap_routing_fake(router_logits, topk_weights, topk_ids, layer):
+    return torch.empty_like(topk_weights), torch.empty_like(topk_ids)
+
+
+def _buffer(device: torch.device, rows: int) -> torch.Tensor:
+    """The persistent int8 kinds buffer on ``device`` (allocated zero on first use)."""
+    step = STATE.step
+    if step.kind is None or step.kind.device != device:
+        capacity = max(STATE.capacity, rows, 1)
+        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
+        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+    return step.kind
+
+
+def _is_gathered(layer: _Layer) -> bool:
+    """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens
+    (vLLM's naive dispatch all-gathers hidden states and router logits before routing): this rank's
+    step mask does not describe those rows, so the layer is left untouched."""
+    if layer.gathered is None:
+        runner = layer.runner() if layer.runner is not None else None
+        gathered = False
+        if runner is not None:
+            try:
+                cfg = runner.moe_config
+                gathered = bool(runner.do_naive_dispatch_combine) or (
+                    cfg.pcp_size > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
+            except AttributeError:
+                gathered = False
+        if gathered:
+            _warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
+                       "parallel ranks (naive dispatch); they keep vLLM's routing. Use an all2all backend "
+                       "(routing before dispatch) for LYNX under DP+EP.")
+        layer.gathered = gathered
+    return layer.gathered
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in STATE.warned:
+        STATE.warned.add(key)
+        logger.warning(message)
+
+
+def _step_for(layer: _Layer, router_logits: torch.Tensor) -> Step | None:
+    """The :class:`~lynx_hf.step.Step` of this call's rows, or ``None`` (leave the routing as it is)."""
+    cfg = STATE.config
+    if cfg is None or cfg.lynx.phase == "never" or _is_gathered(layer):
+        return None
+    rows = router_logits.shape[0]
+    if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)
+        return Step("decode")
+    kind = _buffer(router_logits.device, rows)
+    step = STATE.step
+    if host_reads_allowed(router_logits):  # CPU eager: skip steps without decode tokens at once
+        if not step.active or step.num_decode == 0:
+            return None
+        if rows < step.num_tokens:
+            layer.skipped += 1
+            return None
+    if rows > kind.shape[0]:
+        layer.skipped += 1
+        return None
+    kinds = kind[:rows]
+    return Step(MIXED, decode=kinds == DECODE, live=kinds != PADDING)
+
+
+def _remap_layer(router_logits, topk_weights, topk_ids, index):
+    layer = STATE.layers[index]
+    step = _step_for(layer, router_logits)
+    if step is None:
+        return topk_weights, topk_ids
+    cfg = STATE.config.lynx
+    plan = layer.plan
+    if plan is None or plan.device != router_logits.device:
+        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device)
+    finite = None
+    if plan.policy.remaps and not layer.identity:
+        # selection scores of softmax / sigmoid routers: the router logits in fp32 (DESIGN.md)
+        new_weights, new_ids, finite = remap(plan, layer.rule, step, router_logits.float(), router_logits,
+                                             topk_weights, topk_ids)
+    else:
+        new_weights, new_ids = topk_weights, topk_ids
+    if cfg.telemetry:
+        _record(layer, step, topk_ids, topk_weights, new_ids, finite)
+    return new_weights, new_ids
+
+
+def _union_size(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Distinct experts of ``ids [T, k]`` over the rows where ``rows [T]`` bool is set (0-d int64)."""
+    hit = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool, device=ids.device)
+    hit.scatter_(1, ids.long(), True)
+    return (hit & rows[:, None]).any(0).sum()
+
+
+@torch.no_grad()
+def _record(layer: _Layer, step: Step, ids, weights, new_ids, finite) -> None:
+    rows = ids.shape[0]
+    dev = ids.device
+    decode = torch.ones(rows, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+    live = torch.ones(rows, dtype=torch.bool, device=dev) if step.live is None else step.live
+    counted = decode & live
+    layer.telemetry.record(
+        layer.num_experts, ids, weights, new_ids, counted,
+        prefill_rows=None if step.decode is None else ~decode & live,
+        fallback=None if finite is None else (counted & ~finite).any(),
+    )
+    has_decode = counted.any().to(torch.float64)
+    row = torch.stack([has_decode,
+                       _union_size(ids, live, layer.num_experts).to(torch.float64) * has_decode,
+                       _union_size(new_ids, live, layer.num_experts).to(torch.float64) * has_decode])
+    if layer.loaded is None or layer.loaded.device != dev:
+        layer.loaded = torch.zeros(3, dtype=torch.float64, device=dev)
+    elif layer.loaded.is_inference() and not torch.is_inference_mode_enabled():
+        layer.loaded = layer.loaded.clone()  # created under vLLM's inference_mode, updated outside it
+    layer.loaded.add_(row)
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def _process_config():
+    """This process's PluginConfig (resolved once, from the engine's additional_config or the env)."""
+    if not STATE.resolved:
+        from vllm.config import get_current_vllm_config
+
+        vllm_config = get_current_vllm_config()
+        additional = getattr(vllm_config, "additional_config", None)
+        STATE.config = _config.resolve(additional if isinstance(additional, dict) else None)
+        STATE.resolved = True
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        STATE.capacity = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
+        spec = getattr(vllm_config, "speculative_config", None)
+        STATE.spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        if STATE.config is not None:
+            logger.info("lynx_hf.vllm: policy %s (%s)", STATE.config.lynx.policy, STATE.config.to_dict())
+    return STATE.config
+
+
+def weight_rule(router) -> WeightRule:
+    """The fp32 rule that reproduces ``router``'s own ``topk_weights`` on any expert set.
+
+    ``router``: a vLLM ``CPURouter`` or ``FusedTopKRouter``. Their softmax path computes
+    ``softmax(all N logits)`` picked at the chosen ids, renormalized over the k iff ``renormalize``
+    (``router.renormalize``; Qwen2-MoE False, Mixtral True); sigmoid scoring (``FusedTopKRouter``)
+    ``sigmoid(logit)``, renormalized iff ``renormalize``. Neither applies ``routed_scaling_factor``
+    in this path (vLLM's ``MoERunner`` scales the layer output), so ``scale`` is 1.
+    Raises :class:`~lynx_hf.UnsupportedModelError` for routing the plugin cannot remap: other router
+    classes, grouped top-k, a custom routing function, a score-correction bias, hash routing, or a
+    scoring function other than softmax / sigmoid.
+    """
+    kind = type(router).__name__
+    if kind not in ("CPURouter", "FusedTopKRouter"):
+        raise UnsupportedModelError(f"lynx_hf.vllm: router {kind} is not supported (CPURouter, FusedTopKRouter)")
+    unsupported = [name for name in ("use_grouped_topk", "custom_routing_function", "e_score_correction_bias",
+                                     "_hash_indices_table")
+                   if not (getattr(router, name, None) is None or getattr(router, name, None) is False)]
+    if unsupported:
+        raise UnsupportedModelError(f"lynx_hf.vllm: {kind} with {unsupported} is not supported yet")
+    scoring = getattr(router, "scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid"):
+        raise UnsupportedModelError(f"lynx_hf.vllm: scoring_func {scoring!r} is not supported")
+    return WeightRule("softmax_all" if scoring == "softmax" else "sigmoid",
+                      renormalize=bool(getattr(router, "renormalize", False)), scale=1.0)
+
+
+def _monolithic(runner) -> bool:
+    """Whether ``runner``'s experts kernel takes the router logits itself (the router is bypassed)."""
+    try:
+        return bool(runner.routed_experts.quant_method.is_monolithic)
+    except AttributeError:
+        return False
+
+
+def _attach(runner) -> None:
+    cfg = _process_config()
+    if cfg is None:
+        return
+    router = runner.router
+    if not hasattr(router, "_compute_routing"):
+        raise UnsupportedModelError(f"lynx_hf.vllm: router {type(router).__name__} has no _compute_routing")
+    if _monolithic(runner) and cfg.lynx.policy != "none":
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {runner.layer_name} uses a monolithic experts kernel that routes "
+            "internally (the router is bypassed), so its routing cannot be remapped")
+    layer = _Layer(index=len(STATE.layers), name=str(runner.layer_name), top_k=int(router.top_k),
+                   num_experts=int(router.global_num_experts), rule=weight_rule(router),
+                   runner=weakref.ref(runner))
+    STATE.layers.append(layer)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        STATE.rank = torch.distributed.get_rank()
+    original = router._compute_routing
+    index = layer.index
+
+    def _compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
+        topk_weights, topk_ids = original(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        return torch.ops.lynx_vllm.remap_routing(router_logits, topk_weights, topk_ids, index)
+
+    router._compute_routing = _compute_routing
+    router._lynx_original_compute_routing = original
+
+
+def configure(options) -> bool:
+    """Replace this process's configuration (``options``: as ``additional_config["lynx"]``); the
+    per-layer plans are re-resolved and the telemetry restarts. Returns False (nothing changed) when
+    the plugin is off in this engine (no layer attached). Raises :class:`~lynx_hf.LynxConfigError`."""
+    cfg = _config.parse(options, source="lynx_hf.vllm.configure")
+    if cfg is None:
+        raise LynxConfigError("lynx_hf.vllm.configure: empty configuration (the plugin cannot be switched off "
+                              "at run time; use policy 'none')")
+    if STATE.config is None or not STATE.layers:
+        return False
+    for layer in STATE.layers:
+        runner = layer.runner() if layer.runner is not None else None
+        if runner is not None and _monolithic(runner) and cfg.lynx.policy != "none":
+            raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
+    STATE.config = cfg
+    for layer in STATE.layers:
+        layer.plan = None
+    reset()
+    return True
+
+
+# --------------------------------------------------------------------------- per-step decode mask
+
+
+def token_kinds(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_max: int,
+                draft_tokens=None) -> np.ndarray:
+    """Per-token kinds of one model step, in the runner's token order (requests contiguous).
+
+    ``num_scheduled_tokens`` / ``num_computed_tokens`` / ``num_prompt_tokens``: int arrays ``[R]``
+    (the step's query length, the tokens already in the KV cache before the step, the prompt length,
+    per request of the persistent batch); ``draft_tokens [R]`` int or ``None``: speculative tokens
+    scheduled for verification. A request **decodes** iff it is past its prompt
+    (``computed >= prompt``: vLLM's own ``is_prefilling`` rule) and its query is at most ``q_max``
+    tokens or exactly ``1 + drafts`` (a verification query: the last token plus its drafts, all
+    decode work). Anything else is prefill work (prompt chunks; a preempted request recomputing its
+    generated tokens in a long query). Returns int8 ``[sum(num_scheduled_tokens)]`` of
+    :data:`PREFILL` / :data:`DECODE`.
+    """
+    query = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    past_prompt = np.asarray(num_computed_tokens, dtype=np.int64) >= np.asarray(num_prompt_tokens, dtype=np.int64)
+    decoding = past_prompt & (query <= q_max)
+    if draft_tokens is not None:
+        drafts = np.asarray(draft_tokens, dtype=np.int64)
+        decoding |= past_prompt & (drafts > 0) & (query == drafts + 1)
+    return np.repeat(np.where(decoding, DECODE, PREFILL).astype(np.int8), query)
+
+
+def _set_step(runner, scheduler_output, num_scheduled_tokens) -> None:
+    step = STATE.step
+    step.active = False
+    cfg = STATE.config
+    if cfg is None or not STATE.layers:
+        return
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    drafts = None
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    if cfg.lynx.verify and spec:
+        drafts = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, tokens in spec.items():
+            index = batch.req_id_to_index.get(req_id)
+            if index is not None and index < num_reqs:
+                drafts[index] = len(tokens)
+    kinds = token_kinds(num_scheduled_tokens[:num_reqs], batch.num_computed_tokens_cpu[:num_reqs],
+                        batch.num_prompt_tokens[:num_reqs], cfg.lynx.q_max, drafts)
+    total = int(kinds.shape[0])
+    kind = _buffer(torch.device(runner.device), total)
+    if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
+        _warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
+        return
+    staging = step.staging
+    staging[:total] = torch.from_numpy(kinds)
+    staging[total:] = PADDING
+    if kind is not staging:
+        kind.copy_(staging, non_blocking=True)
+    step.num_tokens = total
+    step.num_decode = int((kinds == DECODE).sum())
+    step.num_prefill = total - step.num_decode
+    step.active = True
+    STATE.steps += 1
+    if step.num_decode:
+        STATE.decode_steps += 1
+        if step.num_prefill:
+            STATE.mixed_steps += 1
+
+
+def _end_step() -> None:
+    step = STATE.step
+    had_decode = step.active and step.num_decode > 0
+    step.active = False
+    step.num_decode = step.num_prefill = step.num_tokens = 0
+    if step.kind is not None:
+        step.kind.zero_()  # on the device stream, after the forward: the next dummy run sees padding only
+    cfg = STATE.config
+    if had_decode and cfg is not None and cfg.stats_path and cfg.stats_every and \
+            STATE.decode_steps % cfg.stats_every == 0:
+        write_stats()
+
+
+# --------------------------------------------------------------------------- telemetry
+
+
+def snapshot() -> dict:
+    """This process's telemetry (one host read of each layer's accumulators).
+
+    ``{"rank", "pid", "config", "steps", "decode_steps", "mixed_steps", "layers": [...], "summary"}``:
+    ``steps`` / ``decode_steps`` / ``mixed_steps``: model steps this worker prepared / with decode
+    tokens / with decode and prefill tokens. Each layer: ``name``, ``index``, ``num_experts``,
+    ``top_k``, ``rule``, ``skipped_calls`` (calls whose rows the step mask does not describe, left
+    untouched), ``gathered``, the keys of :meth:`lynx_hf.telemetry.BlockTelemetry.summary` (unique
+    experts per decode step over the live decode tokens before / after, remapped fraction, routing
+    mass kept, decode tokens, prefill tokens in mixed steps, fallbacks) and ``loaded_experts_before``
+    / ``loaded_experts_after`` (distinct experts of all the step's live tokens, prefill included:
+    what the experts kernel reads, per step with decode tokens). ``summary``: the means over layers
+    (:meth:`lynx_hf.LynxStats.summary`, the keys ``lynx_hf.stats(model).summary()`` has in HF).
+    """
+    layers = []
+    for layer in STATE.layers:
+        entry = {"name": layer.name, "index": layer.index, "num_experts": layer.num_experts, "top_k": layer.top_k,
+                 "rule": {"rule": layer.rule.rule, "renormalize": layer.rule.renormalize, "scale": layer.rule.scale},
+                 "skipped_calls": layer.skipped, "gathered": bool(layer.gathered)}
+        entry.update(layer.telemetry.summary())
+        loaded = [0.0, 0.0, 0.0] if layer.loaded is None else layer.loaded.tolist()
+        steps = loaded[0]
+        entry["loaded_experts_before"] = loaded[1] / steps if steps else None
+        entry["loaded_experts_after"] = loaded[2] / steps if steps else None
+        layers.append(entry)
+    cfg = STATE.config
+    summary = LynxStats(cfg.lynx.policy if cfg else "off", layers).summary()
+    summary.pop("per_layer")
+    seen = [entry for entry in layers if entry["loaded_experts_before"] is not None]
+    for key in ("loaded_experts_before", "loaded_experts_after"):
+        summary[key] = sum(entry[key] for entry in seen) / len(seen) if seen else None
+    summary["skipped_calls"] = sum(entry["skipped_calls"] for entry in layers)
+    return {"rank": STATE.rank, "pid": os.getpid(), "config": cfg.to_dict() if cfg else None,
+            "steps": STATE.steps, "decode_steps": STATE.decode_steps, "mixed_steps": STATE.mixed_steps,
+            "layers": layers, "summary": summary}
+
+
+def reset() -> None:
+    for layer in STATE.layers:
+        layer.telemetry.reset()
+        layer.loaded = None
+        layer.skipped = 0
+    STATE.steps = STATE.decode_steps = STATE.mixed_steps = 0
+
+
+def _stats_path() -> str | None:
+    cfg = STATE.config
+    if cfg is None or not cfg.stats_path:
+        return None
+    path = cfg.stats_path
+    if "{rank}" in path:
+        return path.replace("{rank}", str(STATE.rank))
+    return path if STATE.rank == 0 else f"{path}.rank{STATE.rank}"
+
+
+def write_stats() -> str | None:
+    path = _stats_path()
+    if path is None:
+        return None
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as fh:
+        json.dump(snapshot(), fh, indent=1)
+    os.replace(tmp, path)
+    return path
+
+
+def _worker_lynx_stats(self) -> dict:
+    out = snapshot()
+    write_stats()
+    return out
+
+
+def _worker_lynx_reset_stats(self) -> None:
+    reset()
+
+
+def _worker_lynx_configure(self, options) -> bool:
+    return configure(options)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _check_version() -> None:
+    import vllm
+
+    version = getattr(vllm, "__version__", "?")
+    if not any(version.startswith(v) for v in TESTED_VLLM):
+        logger.warning("lynx_hf.vllm was written for vLLM %s; found %s", "/".join(TESTED_VLLM), version)
+
+
+def install() -> None:
+    """Install the hooks (idempotent). Raises ``ImportError`` / ``AttributeError`` when this vLLM
+    does not have the expected classes."""
+    global _INSTALLED
+    with _INSTALL_LOCK:
+        if _INSTALLED:
+            return
+        _check_version()
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        for cls, name in ((MoERunner, "__init__"), (GPUModelRunner, "_prepare_inputs"),
+                          (GPUModelRunner, "execute_model"), (EngineArgs, "create_engine_config")):
+            if not callable(getattr(cls, name, None)):
+                raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in this vLLM")
+
+        runner_init = MoERunner.__init__
+
+        def __init__(self, *args, **kwargs):
+            runner_init(self, *args, **kwargs)
+            _attach(self)
+
+        __init__.__wrapped__ = runner_init
+        MoERunner.__init__ = __init__
+
+        prepare_inputs = GPUModelRunner._prepare_inputs
+
+        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+            _set_step(self, scheduler_output, num_scheduled_tokens)
+            return prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+        _prepare_inputs.__wrapped__ = prepare_inputs
+        GPUModelRunner._prepare_inputs = _prepare_inputs
+
+        execute_model = GPUModelRunner.execute_model
+
+        def _execute_model(self, *args, **kwargs):
+            STATE.step.active = False
+            try:
+                return execute_model(self, *args, **kwargs)
+            finally:
+                _end_step()
+
+        _execute_model.__wrapped__ = execute_model
+        GPUModelRunner.execute_model = _execute_model
+
+        create_engine_config = EngineArgs.create_engine_config
+
+        def _create_engine_config(self, *args, **kwargs):
+            _validate_engine_args(self)
+            return create_engine_config(self, *args, **kwargs)
+
+        _create_engine_config.__wrapped__ = create_engine_config
+        EngineArgs.create_engine_config = _create_engine_config
+
+        if not hasattr(WorkerBase, "lynx_stats"):
+            WorkerBase.lynx_stats = _worker_lynx_stats
+            WorkerBase.lynx_reset_stats = _worker_lynx_reset_stats
+            WorkerBase.lynx_configure = _worker_lynx_configure
+        _INSTALLED = True
+
+
+def _validate_engine_args(engine_args) -> None:
+    """Driver side: a bad configuration stops here, before any engine process starts
+    (:class:`~lynx_hf.LynxConfigError`); an environment configuration is copied into
+    ``additional_config`` (config hash, workers)."""
+    additional = engine_args.additional_config
+    if additional is None:
+        additional = {}
+    if not isinstance(additional, dict):
+        return
+    cfg = _config.resolve(additional)
+    if cfg is None:
+        return
+    if additional.get(_config.ADDITIONAL_CONFIG_KEY) is None:
+        engine_args.additional_config = {**additional, _config.ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+
+
+__all__ = ["install", "snapshot", "reset", "configure", "write_stats", "weight_rule", "token_kinds", "STATE",
+           "PADDING", "PREFILL", "DECODE"]

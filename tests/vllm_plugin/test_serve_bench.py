@@ -1,0 +1,49 @@
+"""eval/serve_bench.py's pure parts (the benchmark itself is a script the lead runs alone): the paired
+ratios of ``aggregate`` on hand-worked numbers, the real-shape config, the fixture prompts."""
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "eval"))
+
+import serve_bench as sb  # noqa: E402  (eval/serve_bench.py)
+
+
+def _cell(tpot, decode, before=None, after=None):
+    return {"tpot_ms": tpot, "decode_tok_s": decode, "total_tok_s": decode / 2, "unique_before": before,
+            "unique_after": after}
+
+
+def test_aggregate_pairs_ratios_by_round():
+    """Round 0: lynx 50 vs unpatched 100 ms (0.5); round 1: 90 vs 120 (0.75). Paired ratios -> median 0.625;
+    the ratio of medians would be 70 / 110 = 0.636. Decode speed-ups 2.0 and 1.25 -> 1.625."""
+    results = [
+        {"model": "m", "round": 0, "variant": "unpatched", "cells": {"16": _cell(100.0, 160.0)}},
+        {"model": "m", "round": 0, "variant": "lynx", "cells": {"16": _cell(50.0, 320.0, 20.0, 9.0)}},
+        {"model": "m", "round": 1, "variant": "lynx", "cells": {"16": _cell(90.0, 200.0, 22.0, 11.0)}},
+        {"model": "m", "round": 1, "variant": "unpatched", "cells": {"16": _cell(120.0, 160.0)}},
+    ]
+    rows = {r["variant"]: r for r in sb.aggregate(results, ["unpatched", "lynx"])}
+    assert rows["lynx"]["tpot_ratio"] == 0.625 and rows["lynx"]["decode_speedup"] == 1.625
+    assert rows["lynx"]["tpot_ms"] == 70.0 and rows["unpatched"]["tpot_ratio"] == 1.0
+    assert (rows["lynx"]["unique_before"], rows["lynx"]["unique_after"]) == (21.0, 10.0)
+    assert rows["unpatched"]["unique_before"] is None
+    md = sb.markdown(list(rows.values()), "# t")
+    assert "| m | 16 | lynx | 70.0 | 0.625 |" in md
+
+
+def test_real_shape_config_is_qwen2_57b_cut_to_layers():
+    cfg = sb.real_shape_config(layers=2, vocab=4096, scale=1)
+    assert (cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
+            cfg["shared_expert_intermediate_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == \
+        (3584, 64, 8, 2560, 20480, 28, 4)
+    assert cfg["num_hidden_layers"] == 2 and cfg["norm_topk_prob"] is False
+    tiny = sb.real_shape_config(layers=2, vocab=4096, scale=16)
+    assert tiny["hidden_size"] == 224 and tiny["num_experts"] == 64 and tiny["hidden_size"] % tiny["num_attention_heads"] == 0
+
+
+def test_fixture_prompts_have_exact_length_and_differ():
+    prompts = sb.make_prompts("fixture-a", sb.FIXTURE_A, 64, 32, 4096, seed=16)
+    assert len(prompts) == 64 and all(len(p) == 32 for p in prompts)
+    assert len({tuple(p) for p in prompts}) == 64
