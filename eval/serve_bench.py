@@ -171,12 +171,14 @@ def make_prompts(model: str, tokenizer_dir: Path, count: int, length: int, vocab
         docs = [json.loads(line)["text"] for line in (ROOT / "eval" / "data" / "valid_docs.jsonl").read_text().splitlines()]
         docs += [json.loads(line)["text"] for line in (ROOT / "eval" / "data" / "valid_code.jsonl").read_text().splitlines()]
         encoded = [tok.encode(doc).ids for doc in docs]
-        out = []
+        out, seen = [], set()
         for w in range(64):  # window w of every document in turn (documents differ more than windows)
             for d in range(len(encoded)):
                 ids = encoded[(seed + d) % len(encoded)]
-                if len(ids) >= (w + 1) * length:
-                    out.append(ids[w * length:(w + 1) * length])
+                window = tuple(ids[w * length:(w + 1) * length])
+                if len(window) == length and window not in seen:  # distinct prompts (files share headers)
+                    seen.add(window)
+                    out.append(list(window))
                     if len(out) == count:
                         return out
         raise RuntimeError(f"not enough held-out text for {count} prompts of {length} tokens")
