@@ -56,14 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-#: name -> (H, I, N, k, weight rule, renormalize, routed scaling) of the routed experts
-KERNEL_MODELS = {
-    "Qwen2-57B-A14B": (3584, 2560, 64, 8, "softmax_all", False, 1.0),
-    "DeepSeek-V2-Lite": (2048, 1408, 64, 6, "softmax_all", False, 1.0),
-    "Mixtral-8x7B": (4096, 14336, 8, 2, "softmax_chosen", False, 1.0),
-    "Qwen3-30B-A3B": (2048, 768, 128, 8, "softmax_all", True, 1.0),
-    "DeepSeek-V3": (7168, 2048, 256, 8, "sigmoid", True, 2.5),
-}
+from kernel_report import MODELS as KERNEL_MODELS  # noqa: E402  (eval/: name -> (H, I, N, k, rule, renorm, scale))
 DRY_KERNEL_MODELS = {
     "tiny-qwen": (64, 32, 16, 4, "softmax_all", False, 1.0),
     "tiny-mixtral": (48, 32, 8, 2, "softmax_chosen", False, 1.0),

@@ -195,18 +195,28 @@ class BlockRouting:
         return new_weights, new_idx
 
     def _record(self, step: Step, idx, weights, new_idx, finite) -> None:
-        num_tokens = idx.shape[0]
-        dev = idx.device
-        decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
-        live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
-        counted = decode & live
-        self.telemetry.record(
-            self.num_experts, idx, weights, new_idx, counted,
-            verify=step.kind == VERIFY,
-            prefill_rows=None if step.decode is None else ~decode & live,
-            finished_rows=None if step.live is None else decode & ~live,
-            fallback=None if finite is None else (counted & ~finite).any(),
-        )
+        record_step(self.telemetry, self.num_experts, step, idx, weights, new_idx, finite)
+
+
+@torch.no_grad()
+def record_step(telemetry, num_experts: int, step: Step, idx, weights, new_idx, finite):
+    """Accumulate one step of one MoE layer into ``telemetry`` (a ``BlockTelemetry``), on the device:
+    live decode tokens are counted (before ``idx [T, k]`` / ``weights [T, k]``, after ``new_idx``), prefill
+    and finished rows separately, ``finite [T]`` bool (or ``None``) flags the non-finite fallback. Shared by
+    the HF path and serving-engine plugins (``lynx_hf.vllm``). Returns ``(counted, live)``, ``[T]`` bool."""
+    num_tokens = idx.shape[0]
+    dev = idx.device
+    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
+    counted = decode & live
+    telemetry.record(
+        num_experts, idx, weights, new_idx, counted,
+        verify=step.kind == VERIFY,
+        prefill_rows=None if step.decode is None else ~decode & live,
+        finished_rows=None if step.live is None else decode & ~live,
+        fallback=None if finite is None else (counted & ~finite).any(),
+    )
+    return counted, live
 
 
 def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> RoutePlan:

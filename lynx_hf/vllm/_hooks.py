@@ -49,7 +49,7 @@ import torch
 from ..errors import LynxConfigError, UnsupportedModelError
 from ..kernels.routing_torch import host_reads_allowed
 from ..patches.base import WeightRule
-from ..routing import RoutePlan, make_plan, remap
+from ..routing import RoutePlan, make_plan, record_step, remap
 from ..step import MIXED, Step
 from ..telemetry import BlockTelemetry, LynxStats
 from . import _config
@@ -228,16 +228,8 @@ def _union_size(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torc
 
 @torch.no_grad()
 def _record(layer: _Layer, step: Step, ids, weights, new_ids, finite) -> None:
-    rows = ids.shape[0]
     dev = ids.device
-    decode = torch.ones(rows, dtype=torch.bool, device=dev) if step.decode is None else step.decode
-    live = torch.ones(rows, dtype=torch.bool, device=dev) if step.live is None else step.live
-    counted = decode & live
-    layer.telemetry.record(
-        layer.num_experts, ids, weights, new_ids, counted,
-        prefill_rows=None if step.decode is None else ~decode & live,
-        fallback=None if finite is None else (counted & ~finite).any(),
-    )
+    counted, live = record_step(layer.telemetry, layer.num_experts, step, ids, weights, new_ids, finite)
     has_decode = counted.any().to(torch.float64)
     row = torch.stack([has_decode,
                        _union_size(ids, live, layer.num_experts).to(torch.float64) * has_decode,
