@@ -90,13 +90,7 @@ def cmd_generate(args) -> int:
 
     print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
           f"  decode steps: {summary['decode_steps']}")
-    print(f"{'layer':<28}{'N':>5}{'k':>4}{'experts before':>16}{'experts after':>15}{'ratio':>8}{'mass kept':>11}")
-    for layer in summary["per_layer"]:
-        ratio = layer["unique_experts_after"] / max(layer["unique_experts_before"], 1e-9)
-        print(f"{layer['layer']:<28}{layer['num_experts']:>5}{layer['top_k']:>4}{layer['unique_experts_before']:>16.2f}"
-              f"{layer['unique_experts_after']:>15.2f}{ratio:>8.3f}{layer['routing_mass_kept']:>11.3f}")
-    print(f"{'mean':<37}{summary['unique_experts_before']:>16.2f}{summary['unique_experts_after']:>15.2f}"
-          f"{summary['ratio']:>8.3f}{summary['routing_mass_kept']:>11.3f}")
+    print_layer_table(summary, summary["per_layer"])
     print(f"token agreement with unpatched greedy decode: {agreement:.3f}; identical continuations: {exact:.3f}")
     if not args.quiet:
         for prompt, row in zip(prompts, new_out):
@@ -106,6 +100,45 @@ def cmd_generate(args) -> int:
         import json
 
         Path(args.stats_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def print_layer_table(summary: dict, layers: list) -> None:
+    """Per MoE layer: N, k, unique experts per decode step before / after, ratio, routing mass kept; then
+    the means of ``summary`` (``lynx_hf.stats(model).summary()`` or a vLLM worker's ``summary``)."""
+    def num(value, spec):
+        return format(value, spec) if isinstance(value, (int, float)) else format("-", spec[:-3] if "." in spec else spec)
+
+    print(f"{'layer':<28}{'N':>5}{'k':>4}{'experts before':>16}{'experts after':>15}{'ratio':>8}{'mass kept':>11}")
+    for layer in layers:
+        before, after = layer.get("unique_experts_before"), layer.get("unique_experts_after")
+        ratio = after / max(before, 1e-9) if isinstance(before, (int, float)) and isinstance(after, (int, float)) else None
+        print(f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
+              f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(layer.get('routing_mass_kept'), '>11.3f')}")
+    print(f"{'mean':<37}{num(summary.get('unique_experts_before'), '>16.2f')}{num(summary.get('unique_experts_after'), '>15.2f')}"
+          f"{num(summary.get('ratio'), '>8.3f')}{num(summary.get('routing_mass_kept'), '>11.3f')}")
+
+
+def cmd_vllm_stats(args) -> int:
+    """Print the telemetry file a vLLM worker writes (``lynx_hf.vllm``, ``stats_path``): one table per rank."""
+    import json
+
+    path = Path(args.stats_json)
+    if not path.is_file():
+        raise CliError(f"no stats file at {path}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CliError(f"{path} is not JSON: {exc}") from exc
+    workers = data if isinstance(data, list) else [data]
+    if not workers or not all(isinstance(w, dict) and "layers" in w and "summary" in w for w in workers):
+        raise CliError(f"{path} is not a lynx_hf.vllm stats file (expected 'layers' and 'summary'; "
+                       "for `lynx-hf generate --stats-json` files use `lynx-hf plot`)")
+    for worker in workers:
+        policy = (worker.get("config") or {}).get("policy", "off")
+        print(f"rank {worker.get('rank', '?')}  policy: {policy}  steps: {worker.get('steps')}  decode steps: "
+              f"{worker.get('decode_steps')}  mixed steps: {worker.get('mixed_steps')}")
+        print_layer_table(worker["summary"], worker["layers"])
     return 0
 
 
@@ -194,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="lynx_stats.png", help="PNG to write")
     p.add_argument("--title", default=None)
     p.set_defaults(func=cmd_plot)
+    v = sub.add_parser("vllm-stats", help="print the telemetry file of the vLLM plugin (stats_path)")
+    v.add_argument("stats_json", help="file written by a vLLM worker with lynx_hf.vllm (stats_path)")
+    v.set_defaults(func=cmd_vllm_stats)
     for name, (_, text) in _SCRIPTS.items():
         s = sub.add_parser(name, help=text, add_help=False,
                            description=f"{text}; all arguments are passed on (try `lynx-hf {name} --help`)")
