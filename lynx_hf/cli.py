@@ -66,6 +66,9 @@ def cmd_generate(args) -> int:
     import lynx_hf
 
     cfg = _config(args)  # validate options before loading anything
+    for name in ("batch_size", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise CliError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     model, tokenizer = _load(Path(args.model), args.dtype)
     prompts = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:

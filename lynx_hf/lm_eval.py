@@ -25,6 +25,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .config import LynxConfig
+from .errors import LynxConfigError
 from .patcher import patch
 
 _LYNX_ARGS = tuple(f.name for f in fields(LynxConfig) if f.name != "backend")
@@ -40,10 +41,12 @@ class LynxLM(HFLM):
 
     def __init__(self, pretrained, *, lynx_backend: str = "auto", **kwargs) -> None:
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
+        if "policy" in options and options["policy"] is None:  # lm-eval's model_args parser reads "none" as None
+            options["policy"] = "none"
         self.lynx_config = LynxConfig.from_options({**options, "backend": lynx_backend})
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM assumes CUDA
         if kwargs.get("batch_size") == "auto":
-            raise ValueError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")
+            raise LynxConfigError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")
         super().__init__(pretrained=pretrained, **kwargs)
         patch(self.model, self.lynx_config)
 

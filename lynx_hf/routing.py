@@ -153,22 +153,30 @@ class BlockRouting:
     def router_hook(self, module, args, output):
         """Forward hook on the router: the remapped ``(router_logits, weights, indices)`` in decode, else
         ``None`` (the router's own output object, untouched)."""
+        if not self.rule and not self._verify_deferred(output):  # None: not verified yet; False: refused
+            return None
         step = self.step
         if step.kind == PREFILL:
             return None
         logits, weights, idx = self.spec.unpack(output)
-        if self.rule is None and not self._verify_deferred(output):
-            return None
         new_weights, new_idx = self.route(step, logits, weights, idx)
         if new_idx is idx:
             return None
         return self.spec.repack(output, logits, new_weights, new_idx)
 
     def _verify_deferred(self, output) -> bool:
-        """Generic spec, router not materialized at patch time: verify its rule on its real output."""
+        """Generic spec, router not materialized at patch time (accelerate offload): verify its rule on its
+        real output, on the first call (prefill or decode) with at least as many tokens as the patch-time
+        probe (``spec.probe_tokens``). Until then the block keeps the model's own routing: a check on a few
+        tokens proves little (a group-limited or bias-corrected router can agree with plain top-k on one
+        token by chance). A refusal warns once and the block keeps the model's own routing for good."""
         from .errors import UnsupportedModelError
 
         if self.rule is False:
+            return False
+        logits = output[0] if isinstance(output, (tuple, list)) and output else None
+        if isinstance(logits, torch.Tensor) and logits.dim() >= 1 and \
+                logits.shape[0] < getattr(self.spec, "probe_tokens", 1):
             return False
         try:
             self.rule = self.spec.deferred_rule(self.block, self.name, output)

@@ -128,6 +128,9 @@ def _stated(block, router, experts, names):
 class GenericSpec(FamilySpec):
     """Any block with the standard router/experts contract that no dedicated spec claims."""
 
+    #: tokens a router output needs before a deferred verification trusts it (the patch-time probe's size)
+    probe_tokens = _PROBE_TOKENS
+
     def __init__(self, exclude=()) -> None:
         super().__init__(family="generic", block_classes=(), weight_rule_of=None)
         object.__setattr__(self, "exclude", tuple(exclude))

@@ -37,3 +37,10 @@ def test_vllm_stats_refuses_a_generate_stats_file(tmp_path, capsys):
     path.write_text(json.dumps({"per_layer": [], "decode_steps": 3}))
     assert cli.main(["vllm-stats", str(path)]) == 2
     assert "not a lynx_hf.vllm stats file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--batch-size", "--max-new-tokens"])
+def test_generate_refuses_non_positive_sizes_in_one_line(option, capsys):
+    assert cli.main(["generate", option, "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{option} must be >= 1, got 0" in err
