@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .routing_torch import (
+    PRICE_UNITS,
     WEIGHT_RULES,
     batch_base_powers,
     mass_grow_steps,
@@ -393,7 +394,7 @@ def _mass_greedy_kernel(
     stride_wt, stride_it, stride_ik, stride_v, stride_sd, stride_c,
     K: tl.constexpr, KK: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_VOTE: tl.constexpr, HAS_SEED: tl.constexpr, PER_TOKEN: tl.constexpr,
+    HAS_VOTE: tl.constexpr, HAS_SEED: tl.constexpr, UNIT: tl.constexpr,
 ):
     # w [T, N] int64 fixed-point weights (0 on non-voting rows); lst [T, KK] int64 scratch: per row, the
     # KK largest W of the experts in S (descending, -1 padded): the k-th one is the row's threshold.
@@ -423,13 +424,17 @@ def _mass_greedy_kernel(
     tl.debug_barrier()
 
     price = price + tl.zeros([], dtype=tl.int64)  # (an int arg equal to 1 arrives as a constexpr)
-    if PER_TOKEN:  # price per voting token: threshold = price x B (B counted on the device)
+    if UNIT != 0:  # threshold from the number of voting tokens B (counted on the device): 1 = P x B, 2 = ceil(P sqrt B)
         voters = tl.zeros([], dtype=tl.int64)
         for t0 in range(0, T, BLOCK_T):
             offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
             tm = offs_t < T
             voters += tl.sum((_row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE) & tm).to(tl.int64), axis=0)
-        price = price * voters
+        if UNIT == 1:
+            price = price * voters
+        else:
+            # fp64 sqrt is correctly rounded (PTX has no approximate f64 sqrt: sqrt.rn.f64), as torch's / numba's
+            price = tl.ceil(tl.sqrt(voters.to(tl.float64)) * price.to(tl.float64)).to(tl.int64)
     size = tl.sum(crit, axis=0)
     it = tl.zeros([], dtype=tl.int32)
     go = it < steps
@@ -479,14 +484,15 @@ def mass_greedy_grow(
     price: float,
     vote: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
-    per_token: bool = False,
+    unit: str = "token",
 ) -> torch.Tensor:
     """Routing-mass greedy growth of a critical set, one Triton program; exact twin of
     :func:`.routing_torch.mass_greedy_grow` (same integers, same result element for element).
 
     ``scores [T, N]`` fp32, ``topk_idx [T, k]`` the model's own selection, ``critical [N]`` bool the
     starting set, ``vote [T]`` / ``seed [N]`` bool or ``None``, ``price`` in units of one token's top-k
-    routing mass (``per_token``: times the number of voting tokens B, counted in the kernel) -> ``[N]`` bool, a superset of ``critical`` (and of ``seed``). The fixed-point weights
+    routing mass, ``unit`` ``"token"`` / ``"batch"`` / ``"sqrt"`` (threshold P, P x B, ceil(P sqrt B), B the voting
+    tokens counted in the kernel; :func:`.routing_torch.batch_threshold`) -> ``[N]`` bool, a superset of ``critical`` (and of ``seed``). The fixed-point weights
     ``W = round(w * 2**24)`` (int64) come from the reference's torch expression; the kernel then adds,
     while the rule wants one, the candidate with the largest integer gain (ties -> lower id), at most
     :func:`.routing_torch.mass_grow_steps` times, stopping on the device at the first idle step (the
@@ -515,7 +521,9 @@ def mass_greedy_grow(
     # price in fixed point, clamped to a range that changes no comparison: gains are >= -1 (none) and
     # below 2**62 (sums of at most T weights of at most 2**24 each, for finite scores)
     price_fixed = math.ceil(price * _MASS_UNIT) if math.isfinite(price) else (2**62 if price > 0 else -1)
-    price_fixed = max(-1, min(price_fixed, 2**62 // max(num_tokens, 1) if per_token else 2**62))
+    if unit not in PRICE_UNITS:
+        raise ValueError(f"unit must be one of {PRICE_UNITS}, got {unit!r}")
+    price_fixed = max(-1, min(price_fixed, 2**62 // max(num_tokens, 1) if unit != "token" else 2**62))
     blk = block_sizes(num_tokens, num_experts, topk_idx.shape[1])
     block_kk = triton.next_power_of_2(max(kk, 1))
     crit_i8 = critical.view(torch.int8)
@@ -527,7 +535,7 @@ def mass_greedy_grow(
         big_w.stride(0), topk_idx.stride(0), topk_idx.stride(1), stride_v, stride_sd, crit_i8.stride(0),
         K=topk_idx.shape[1], KK=block_kk,
         BLOCK_T=blk["BLOCK_T"], BLOCK_N=blk["BLOCK_N"], BLOCK_P=blk["BLOCK_P"],
-        HAS_VOTE=has_vote, HAS_SEED=has_seed, PER_TOKEN=bool(per_token),
+        HAS_VOTE=has_vote, HAS_SEED=has_seed, UNIT=PRICE_UNITS.index(unit),
     )
     return out.view(torch.bool)
 

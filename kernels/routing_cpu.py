@@ -285,7 +285,7 @@ def _mass_greedy(w, cand, critical, top_k, price_fixed):
         size += 1
 
 
-def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=None, per_token=False):
+def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=None, unit="token"):
     """Twin of :func:`.routing_torch.mass_greedy_grow` (the fixed-point weights are computed by torch)."""
     num_tokens, num_experts = scores.shape
     big_w = _fixed_point_weights(scores, topk_idx, vote)
@@ -296,9 +296,7 @@ def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=N
         seeded = _np(seed)
         cand |= seeded
         crit |= seeded
-    price_fixed = math.ceil(price * rt._MASS_UNIT)
-    if per_token:
-        price_fixed *= int(voters.sum())
+    price_fixed = rt.batch_threshold(math.ceil(price * rt._MASS_UNIT), int(voters.sum()), unit)
     return torch.from_numpy(_mass_greedy(_np(big_w), cand, crit, int(top_k), int(price_fixed)))
 
 

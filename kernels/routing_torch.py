@@ -350,6 +350,25 @@ def mass_grow_steps(num_tokens: int, num_experts: int, top_k: int) -> int:
     return min(num_experts, num_tokens * top_k)
 
 
+PRICE_UNITS = ("token", "batch", "sqrt")
+
+
+def batch_threshold(price_fixed: int, voters, unit: str):
+    """The mass greedy's integer threshold from ``price_fixed`` (``ceil(price * 2**24)``) and the number of
+    voting tokens ``voters`` (a 0-d int tensor, or an int): ``unit`` ``"token"`` -> ``price_fixed``,
+    ``"batch"`` -> ``price_fixed * B``, ``"sqrt"`` -> ``ceil(price_fixed * sqrt(B))`` (fp64, correctly
+    rounded ``sqrt`` and product: the same integer on every backend). Raises ``ValueError`` for another unit."""
+    if unit == "token":
+        return price_fixed
+    if unit == "batch":
+        return price_fixed * voters
+    if unit == "sqrt":
+        if isinstance(voters, torch.Tensor):
+            return torch.ceil(voters.double().sqrt() * float(price_fixed)).long()
+        return math.ceil(math.sqrt(voters) * float(price_fixed))
+    raise ValueError(f"unit must be one of {PRICE_UNITS}, got {unit!r}")
+
+
 def mass_greedy_grow(
     scores: torch.Tensor,
     topk_idx: torch.Tensor,
@@ -358,7 +377,7 @@ def mass_greedy_grow(
     price: float,
     vote: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
-    per_token: bool = False,
+    unit: str = "token",
 ) -> torch.Tensor:
     """Grow a critical set greedily by routing mass gained per expert loaded (project extension).
 
@@ -370,9 +389,11 @@ def mass_greedy_grow(
     inside S, so adding expert ``e`` gains it ``max(0, W[t, e] - kth_t)`` (``kth_t``: the k-th largest
     ``W`` of the token inside S, 0 if fewer). Repeatedly add the candidate of ``U`` (the voting tokens'
     union and the seed) with the largest total gain over the voting tokens while that gain is
-    ``>= ceil(price * 2**24)`` (units: one token's whole top-k mass; with ``per_token``, times the number
-    of voting tokens B: the price is then a share of the batch's mass, i.e. a price on the mean mass
-    per token), and in any case until ``|S| >= k``; ties -> lower id. Integer sums: the result does not depend on the order of the
+    ``>= threshold`` and in any case until ``|S| >= k``; ties -> lower id. ``unit`` sets the threshold from
+    ``P = ceil(price * 2**24)`` and the number of voting tokens ``B``: ``"token"`` -> ``P`` (units: one
+    token's whole top-k mass), ``"batch"`` -> ``P * B`` (a share of the batch's mass: a price on the mean
+    mass per token), ``"sqrt"`` -> ``ceil(P * sqrt(B))`` in fp64 (between the two: an expert shared by more
+    tokens must restore more mass, but less than in proportion). Integer sums: the result does not depend on the order of the
     tokens. Deterministic; ``S`` stays inside ``U``.
 
     Sync-free: :func:`mass_grow_steps` iterations, each adding its expert only while the rule still
@@ -388,9 +409,7 @@ def mass_greedy_grow(
         candidates = candidates | seed
         critical = critical | seed
     kk = min(top_k, num_experts)
-    price_fixed = math.ceil(price * _MASS_UNIT)
-    if per_token:
-        price_fixed = price_fixed * voters.sum()
+    price_fixed = batch_threshold(math.ceil(price * _MASS_UNIT), voters.sum(), unit)
     ids = torch.arange(num_experts, device=scores.device)
     size = critical.sum()
     early = host_reads_allowed(scores)

@@ -46,9 +46,11 @@ class LynxConfig:
       tau/alpha grid and this series), then fixed. ``None`` gives the paper's rule (tau, grow by
       score). ``>= 0``.
     - ``price_unit``: the unit of ``mass_price``: ``"token"`` (tokens' worth of top-k mass: an expert
-      joins while it restores at least ``mass_price`` tokens' mass) or ``"batch"`` (a share of the step's
-      total mass: at least ``mass_price * B`` tokens' worth, B = decode tokens of the step; a constant
-      price on the mean mass per token, the Lagrangian of mean accuracy against experts loaded).
+      joins while it restores at least ``mass_price`` tokens' mass), ``"batch"`` (a share of the step's
+      total mass: at least ``mass_price * B`` tokens' worth, B = voting decode tokens of the step; a
+      constant price on the mean mass per token) or ``"sqrt"`` (at least ``mass_price * sqrt(B)`` tokens'
+      worth: between the two; an absolute price over-prunes small batches, a per-token one large ones,
+      ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
     - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``xshare_budget`` / ``xshare_fraction`` / ``xshare_warmup``: the XShare baseline (policy
       ``"xshare"``, arXiv 2602.07265): experts per step (an int ``>= 1``, or ``None``: ``ceil(fraction * N)``,
@@ -71,7 +73,7 @@ class LynxConfig:
     mass_price: float | None = field(default=0.5, metadata={
         "help": "routing-mass growth price in tokens' worth of mass (None: the paper's rule)"})
     price_unit: str = field(default="token", metadata={
-        "help": "mass_price unit: token (tokens' worth of mass) or batch (share of the batch's mass)"})
+        "help": "mass_price unit: token (tokens' worth of mass), batch (x B decode tokens) or sqrt (x sqrt(B))"})
     k0: int = field(default=1, metadata={"help": "OEA: experts each token keeps"})
     xshare_budget: int | None = field(default=None, metadata={"help": "XShare: experts per step (None: fraction)"})
     xshare_fraction: float = field(default=0.5, metadata={"help": "XShare: budget as a fraction of N"})
@@ -106,7 +108,7 @@ class LynxConfig:
             if not (0.0 <= self.mass_price < math.inf):
                 raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {self.mass_price!r}")
         _integer("k0", self.k0, minimum=1)
-        _choice("price_unit", self.price_unit, ("token", "batch"))
+        _choice("price_unit", self.price_unit, ("token", "batch", "sqrt"))
         if self.xshare_budget is not None:
             _integer("xshare_budget", self.xshare_budget, minimum=1)
         _number("xshare_fraction", self.xshare_fraction)

@@ -344,10 +344,11 @@ def _check_masked(scores, k, vote=None, seed=None, taus=(0.0, 1.0, math.inf), k0
         got = mass_greedy_grow(scores, idx, start, k, price, vote=vote, seed=seed)
         assert torch.equal(got, want), f"mass greedy price={price}: {_ids(got)} vs {_ids(want)}"
         default = want if default is None else default
-        # price per voting token (price_unit="batch"): B counted in the kernel from the vote mask
-        want = _ref_greedy(scores, idx, start, k, price / 4, vote=vote, seed=seed, per_token=True)
-        got = mass_greedy_grow(scores, idx, start, k, price / 4, vote=vote, seed=seed, per_token=True)
-        assert torch.equal(got, want), f"mass greedy per-token price={price / 4}: {_ids(got)} vs {_ids(want)}"
+        # thresholds from the number of voting tokens B, counted in the kernel from the vote mask
+        for unit, scaled in (("batch", price / 4), ("sqrt", price / 2)):
+            want = _ref_greedy(scores, idx, start, k, scaled, vote=vote, seed=seed, unit=unit)
+            got = mass_greedy_grow(scores, idx, start, k, scaled, vote=vote, seed=seed, unit=unit)
+            assert torch.equal(got, want), f"mass greedy {unit} price={scaled}: {_ids(got)} vs {_ids(want)}"
     for k0 in k0s:
         if k0 <= num_experts:
             want = ref.oea_critical_set(scores, k0, vote=vote, seed=seed)

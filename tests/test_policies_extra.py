@@ -114,11 +114,31 @@ def test_batch_price_unit_scales_the_price_with_the_voting_tokens():
     gain = 3 * 0.2331  # three tokens gain .233 each for e1
     for vote, voters in ((None, 3), (torch.tensor([True, True, False]), 2)):
         for price in (0.2, 0.24):
-            got = bool(rt.mass_greedy_grow(s, own, start, 2, price, vote=vote, per_token=True)[1])
+            got = bool(rt.mass_greedy_grow(s, own, start, 2, price, vote=vote, unit="batch")[1])
             assert got == (voters * 0.2331 >= voters * price)  # per token: .2331 vs the price
             absolute = bool(rt.mass_greedy_grow(s, own, start, 2, price * 3, vote=vote)[1])
             assert absolute == (voters * 0.2331 >= price * 3)
     assert gain > 0.6
+
+
+def test_sqrt_price_unit_scales_the_price_with_the_square_root_of_the_voting_tokens():
+    """price_unit="sqrt": the threshold is mass_price x sqrt(B). Four identical tokens each gain
+    w1 - w(k-th in S) for e1 (hand-worked below); e1 joins iff 4 x gain >= price x sqrt(4) = 2 price."""
+    row = torch.tensor([3.0, 2.0, 1.6, 0.0])
+    s = torch.stack([row] * 4)
+    own = torch.tensor([[0, 1]] * 4)
+    start = torch.tensor([True, False, False, True])
+    p = torch.softmax(row, 0)
+    top = p[0] + p[1]
+    per_token = float((p[1] - p[3]) / top)  # e1 displaces e3 (k = 2: S = {0, 3}): gain w1 - w3
+    for price in (1.9 * per_token, 2.1 * per_token):  # 4 tokens x gain vs 2 x price: joins iff price <= 2 gain
+        got = bool(rt.mass_greedy_grow(s, own, start, 2, price, unit="sqrt")[1])
+        assert got == (price <= 2 * per_token), (price, per_token)
+        # the same price with the two other units: token (threshold price) and batch (4 x price)
+        assert bool(rt.mass_greedy_grow(s, own, start, 2, price, unit="token")[1])
+        assert not bool(rt.mass_greedy_grow(s, own, start, 2, price, unit="batch")[1])
+    assert rt.batch_threshold(3, torch.tensor(4), "sqrt").item() == 6 == rt.batch_threshold(3, 4, "sqrt")
+    assert rt.batch_threshold(3, 2, "sqrt") == 5  # ceil(3 x 1.414...) = 5
 
 
 @pytest.mark.parametrize("seed", range(40))

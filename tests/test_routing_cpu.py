@@ -61,16 +61,16 @@ def test_oea_twin(step, k0):
 
 
 @SETTINGS
-@given(steps(), st.sampled_from([0.0, 0.2, 0.5, 1.5]), st.booleans())
-def test_mass_greedy_twin(step, price, per_token):
+@given(steps(), st.sampled_from([0.0, 0.2, 0.5, 1.5]), st.sampled_from(["token", "batch", "sqrt"]))
+def test_mass_greedy_twin(step, price, unit):
     scores, idx, k, vote, seed = step
     start = torch.zeros(scores.shape[1], dtype=torch.bool)
     start[idx[0, 0]] = True
     with rt.strict_sync_free():
-        want = rt.mass_greedy_grow(scores, idx, start, k, price, vote, seed, per_token=per_token)
-    assert torch.equal(rc.mass_greedy_grow(scores, idx, start, k, price, vote, seed, per_token=per_token), want)
+        want = rt.mass_greedy_grow(scores, idx, start, k, price, vote, seed, unit=unit)
+    assert torch.equal(rc.mass_greedy_grow(scores, idx, start, k, price, vote, seed, unit=unit), want)
     # and the CPU early exit of the torch version gives the same
-    assert torch.equal(rt.mass_greedy_grow(scores, idx, start, k, price, vote, seed, per_token=per_token), want)
+    assert torch.equal(rt.mass_greedy_grow(scores, idx, start, k, price, vote, seed, unit=unit), want)
 
 
 @SETTINGS

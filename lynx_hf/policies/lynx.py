@@ -24,7 +24,7 @@ class LynxParams:
     tau: float
     mass_price: float | None
     mass_floor: float
-    per_token: bool
+    price_unit: str
 
 
 def bin_parameters(cfg, num_experts: int, top_k: int) -> tuple[float, int]:
@@ -44,7 +44,7 @@ class LynxPolicy(Policy):
     def resolve(self, cfg, num_experts, top_k):
         alpha, beta = bin_parameters(cfg, num_experts, top_k)
         return LynxParams(alpha, beta, float(cfg.tau), cfg.mass_price, float(cfg.mass_floor),
-                          cfg.price_unit == "batch")
+                          cfg.price_unit)
 
     def critical_set(self, p: LynxParams, ops, step: StepTensors):
         s, idx, k = step.scores, step.topk_idx, step.top_k
@@ -53,7 +53,7 @@ class LynxPolicy(Policy):
         else:  # cover only (no consensus, grow to 1), then grow by routing mass
             critical = ops.lynx_critical_set(s, idx, 1, p.alpha, p.beta, math.inf, vote=step.vote, seed=step.seed)
             critical = ops.mass_greedy_grow(s, idx, critical, k, p.mass_price, vote=step.vote, seed=step.seed,
-                                            per_token=p.per_token)
+                                            unit=p.price_unit)
         if p.mass_floor > 0:
             critical = critical | ops.mass_floor_set(idx, step.topk_weights, s.shape[-1], p.mass_floor, vote=step.vote)
         return critical
