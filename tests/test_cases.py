@@ -99,8 +99,12 @@ def test_C4_accelerate_device_map_with_disk_offload(tmp_path):
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     assert lynx_hf.stats(model).summary()["decode_steps"] == 3
     assert torch.equal(out, ref)
-    lynx_hf.patch(model, policy="lynx")
-    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)  # offloaded layer remaps
+    lynx_hf.patch(model, policy="xshare", xshare_budget=1, xshare_warmup=0)  # every step shares k experts
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    per_layer = {layer["layer"]: layer for layer in lynx_hf.stats(model).summary()["per_layer"]}
+    offloaded = per_layer["model.layers.2.mlp"]  # the disk-offloaded layer remaps: k experts per step
+    assert offloaded["decode_steps"] == 3 and offloaded["remapped_fraction"] > 0
+    assert offloaded["unique_experts_after"] == offloaded["top_k"] < offloaded["unique_experts_before"]
     lynx_hf.unpatch(model)
     after = {n: (m.__dict__.get("forward"), m.__dict__.get("_old_forward"), m._hf_hook)
              for n, m in model.named_modules() if hasattr(m, "_hf_hook")}
@@ -147,25 +151,35 @@ def test_C10_deepseek_inconsistent_group_routing_rejected_at_patch_time():
                                        ("deepseek_v2", {}), ("deepseek_v2", {"topk_method": "greedy"}), ("llama4", {})])
 def test_remapped_weights_follow_the_family_rule(family, kw, monkeypatch):
     """Where the remap keeps a token's expert set, the recomputed weights equal the model's own
-    (same rule, same dtype); every row uses k distinct experts the model's routing allows."""
+    (same rule, same dtype); every row uses k distinct experts the model's routing allows, and its weights
+    are the family's formula (DESIGN.md table) on its new set; some rows are remapped, some are not."""
     model = tm.build(family, **kw)
     seen = []
     real_route = BlockRouting.route
 
+    seen_logits = []
+
     def spy(self, step, router_logits, topk_weights, topk_idx):
         new_w, new_idx = real_route(self, step, router_logits, topk_weights, topk_idx)
         seen.append((self.spec.selection_scores(self.router, router_logits), topk_idx, topk_weights, new_idx, new_w))
+        seen_logits.append(router_logits)
         return new_w, new_idx
 
     monkeypatch.setattr(BlockRouting, "route", spy)
     ids, mask = tm.prompts(16, 6)
-    with lynx_hf.patched(model, policy="lynx"):
+    # a config that remaps on these tiny batches: the paper's rule without consensus (S = cover + grow to k);
+    # Llama-4 has k = 1 (every cover keeps the token's top-1): XShare with a one-expert budget there
+    config = (dict(policy="xshare", xshare_budget=1, xshare_warmup=0) if family == "llama4"
+              else dict(policy="lynx", mass_price=None, tau=1000.0))
+    with lynx_hf.patched(model, **config):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     assert seen
-    unchanged_rows = 0
-    for scores, idx, w, new_idx, new_w in seen:
+    unchanged_rows = changed_rows = 0
+    for (scores, idx, w, new_idx, new_w), logits in zip(seen, seen_logits):
         assert new_w.dtype == w.dtype and new_idx.shape == idx.shape
         assert bool(torch.isfinite(scores.gather(1, new_idx)).all())  # never a forbidden expert
+        assert bool((new_idx.sort(dim=-1).values.diff(dim=-1) != 0).all())  # k distinct
+        torch.testing.assert_close(new_w.float(), _family_formula(family, kw, logits, new_idx), rtol=1e-5, atol=1e-6)
         for t in range(idx.shape[0]):
             if set(idx[t].tolist()) == set(new_idx[t].tolist()):
                 unchanged_rows += 1
@@ -173,7 +187,22 @@ def test_remapped_weights_follow_the_family_rule(family, kw, monkeypatch):
                 ours = dict(zip(new_idx[t].tolist(), new_w[t].float().tolist()))
                 for e in own:
                     assert ours[e] == pytest.approx(own[e], rel=1e-5, abs=1e-7)
-    assert unchanged_rows > 0
+            else:
+                changed_rows += 1
+    assert unchanged_rows > 0 and changed_rows > 0
+
+
+def _family_formula(family, kw, logits, idx):
+    """DESIGN.md "Family rules", written out: the weights of experts ``idx`` from the router logits."""
+    x = logits.float()
+    if family == "mixtral":
+        return torch.softmax(x.gather(1, idx), -1)
+    if family == "llama4":
+        return torch.sigmoid(x.gather(1, idx))
+    w = torch.softmax(x, -1).gather(1, idx)
+    if family == "qwen2_moe" and kw.get("norm_topk_prob"):
+        w = w / w.sum(-1, keepdim=True)
+    return w * 1.5 if family == "deepseek_v2" else w  # tiny_models: routed_scaling_factor=1.5
 
 
 def test_nan_router_logits_fall_back_to_model_routing():

@@ -93,4 +93,41 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FAIL" not in res.stdout and res.stdout.count("PASS") >= 4
     report = json.loads((tmp_path / "harness_qwen2moe-tiny.json").read_text())
-    assert report  # written
+    assert {"teacher_forced", "generation", "lm_eval", "checks"} <= set(report)
+    assert len(report["checks"]) >= 4 and all(report["checks"].values()), report["checks"]
+
+
+# a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words)
+NON_DEFAULT = {"policy": "oea", "phase": "never", "alpha": "2.5", "beta": "3", "tau": "2.0", "mass_floor": "0.25",
+               "mass_price": "None", "price_unit": "batch", "k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
+               "xshare_warmup": "2", "q_max": "2", "verify": "false", "backend": "torch", "telemetry": "false"}
+NON_DEFAULT_CONFIG = dict(policy="oea", phase="never", alpha=2.5, beta=3, tau=2.0, mass_floor=0.25, mass_price=None,
+                          price_unit="batch", k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
+                          verify=False, backend="torch", telemetry=False)
+
+
+def test_every_option_reaches_the_config(checkpoint, monkeypatch):
+    """Each LynxConfig field has a `generate` option, and its value reaches the config `generate` patches
+    with (in-process, the real command path; `--mass-price None` selects the paper's rule)."""
+    from dataclasses import fields
+
+    import lynx_hf
+    from lynx_hf import cli
+
+    names = {f.name for f in fields(lynx_hf.LynxConfig)}
+    assert set(NON_DEFAULT) == set(NON_DEFAULT_CONFIG) == names  # a new field needs a value here
+    want = lynx_hf.LynxConfig(**NON_DEFAULT_CONFIG)
+    assert all(getattr(want, n) != getattr(lynx_hf.LynxConfig(), n) for n in names)  # every value non-default
+    path, prompts = checkpoint
+    seen = []
+    real_patch = lynx_hf.patch
+    monkeypatch.setattr(lynx_hf, "patch",
+                        lambda model, config=None, **kw: seen.append(config) or real_patch(model, config, **kw))
+    options = [x for name, value in NON_DEFAULT.items() for x in (f"--{name.replace('_', '-')}", value)]
+    argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "2",
+            "--quiet", *options]
+    assert cli.main(argv) == 0
+    assert seen == [want]
+    seen.clear()
+    assert cli.main(argv[:9] + ["--mass-price", "0.75", "--tau", "3"]) == 0  # the others keep their defaults
+    assert seen == [lynx_hf.LynxConfig(mass_price=0.75, tau=3.0)]

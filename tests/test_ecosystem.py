@@ -23,7 +23,8 @@ def test_text_generation_pipeline_on_patched_model(family):
     assert out == ref
     with lynx_hf.patched(model, policy="lynx"):
         out = pipeline("text-generation", model=model, tokenizer=tok)(texts, **kw)
-    assert len(out) == 4
+        assert lynx_hf.stats(model).summary()["decode_steps"] == 3  # the pipeline's decode steps reach LYNX
+    assert len(out) == 4 and all(len(o) == 1 and isinstance(o[0]["generated_text"], str) for o in out)
 
 
 def test_dtype_cast_after_patch():

@@ -59,8 +59,7 @@ def test_teacher_forced_none_is_exact_and_lynx_touches_fewer_experts(name):
     assert res["none"]["bit_identical"]
     assert res["none"]["ce"] == res["unpatched"]["ce"] and res["none"]["acc"] == res["unpatched"]["acc"]
     assert res["none"]["delta_ce_rel"] == 0.0 and res["none"]["kl"] == 0.0
-    none_before = res["none"]["unique_experts_before"]
-    assert res["none"]["unique_experts_after"] == none_before
+    none_before = res["none"]["unique_experts_before"]  # (after == before for none holds by construction)
     assert top_k < none_before <= num_experts
     for policy in ("lynx", "oea"):
         r = res[policy]
@@ -70,7 +69,7 @@ def test_teacher_forced_none_is_exact_and_lynx_touches_fewer_experts(name):
         for layer, base in zip(r["per_layer"], res["none"]["per_layer"]):
             assert layer["unique_experts_after"] <= layer["unique_experts_before"]
             assert top_k <= layer["unique_experts_after"] <= num_experts
-        assert math.isfinite(r["ce"]) and 0 < r["routing_mass_kept"] <= 1
+        assert math.isfinite(r["ce"]) and r["routing_mass_kept"] < 1.0  # some routing mass was given up
         assert not r["bit_identical"]  # the remap acted (telemetry agrees: fewer experts)
     assert res["lynx"]["unique_experts_after"] < none_before
     assert not lynx_hf.is_patched(model)
@@ -115,7 +114,7 @@ def test_router_statistics():
         gaps = layer["gap_rank0_to_rank"]
         assert all(gaps[str(r)]["q50"] <= gaps[str(r + 1)]["q50"] for r in range(1, top_k - 1))
         assert layer["below_vote_cutoff_by_rank"][0] == 0.0
-        assert layer["load_max_over_mean"] >= 1.0 and 0 < layer["load_entropy_norm"] <= 1
+        assert layer["load_max_over_mean"] > 1.0 and 0 < layer["load_entropy_norm"] < 1  # not perfectly balanced
 
 
 def test_generation_agreement_policy_none_identical():
@@ -124,7 +123,10 @@ def test_generation_agreement_policy_none_identical():
                                   [("none", LynxConfig(policy="none")), ("lynx", LynxConfig())], max_new_tokens=6)
     res = {r["name"]: r for r in out["results"]}
     assert res["none"]["token_agreement"] == 1.0 and res["none"]["exact_match"] == 1.0
-    assert 0.0 <= res["lynx"]["token_agreement"] <= 1.0
+    # the agreement figures are consistent with the texts (exact match 1 iff every continuation is the same)
+    same = [a == b for a, b in zip(out["texts"]["lynx"], out["texts"]["unpatched"])]
+    assert res["lynx"]["exact_match"] == sum(same) / len(same)
+    assert (res["lynx"]["token_agreement"] == 1.0) == all(same)
     assert res["lynx"]["unique_experts_after"] <= res["lynx"]["unique_experts_before"]
     assert out["texts"]["none"] == out["texts"]["unpatched"]
 

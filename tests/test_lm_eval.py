@@ -62,8 +62,12 @@ def test_generate_until_task_end_to_end_on_patched_model(model_and_tok):
     model, tok = model_and_tok
     out = ev.run_lm_eval(model, tok, [GEN_TASK], batch_size=8, config=LynxConfig(policy="lynx"), limit=16)
     metrics = out["results"][GEN_TASK]
-    assert 0.0 <= metrics["exact_match,none"] <= 1.0 and 0.0 <= metrics["prefix_match,none"] <= 1.0
-    assert len(out["samples"][GEN_TASK]) == 16
+    samples = out["samples"][GEN_TASK]
+    assert len(samples) == 16
+    # the metric recomputed by hand from each sample's generation and target (eval/tasks/lynx_utils.py's rule)
+    preds = [s["filtered_resps"][0].split("\n")[0].rstrip() for s in samples]
+    exact = [float(p == s["doc"]["target"].rstrip()) for p, s in zip(preds, samples)]
+    assert metrics["exact_match,none"] == pytest.approx(sum(exact) / len(exact))
     stats = out["stats"]  # generate_until decodes in batches: the patch acted
     assert stats["decode_steps"] > 0 and stats["unique_experts_after"] < stats["unique_experts_before"]
     assert not lynx_hf.is_patched(model)
@@ -118,3 +122,62 @@ def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_pa
         timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert LL_TASK in res.stdout and "acc" in res.stdout
+
+
+# a non-default value for every LynxConfig field, as model_args spell it (backend is lynx_backend there)
+MODEL_ARGS = {"policy": "oea", "phase": "never", "alpha": "2.5", "beta": "3", "tau": "2.0", "mass_floor": "0.25",
+              "mass_price": "None", "price_unit": "batch", "k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
+              "xshare_warmup": "2", "q_max": "2", "verify": "false", "lynx_backend": "torch", "telemetry": "false"}
+WANT = LynxConfig(policy="oea", phase="never", alpha=2.5, beta=3, tau=2.0, mass_floor=0.25, mass_price=None,
+                  price_unit="batch", k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
+                  verify=False, backend="torch", telemetry=False)
+
+
+def _lynx_lm(args: str):
+    """The registered ``lynx`` model built the way ``simple_evaluate`` builds it from a model_args string."""
+    import lynx_hf.lm_eval as lynx_lm_eval
+
+    return lynx_lm_eval.LynxLM.create_from_arg_string(f"pretrained={FIXTURE},{args}", {"batch_size": 8})
+
+
+def test_model_args_reach_the_patched_config():
+    """Every LynxConfig field given in model_args reaches the config the loaded model is patched with."""
+    from dataclasses import fields
+
+    names = {f.name for f in fields(LynxConfig)}
+    assert set(MODEL_ARGS) - {"lynx_backend"} | {"backend"} == names  # a new field needs a value here
+    assert all(getattr(WANT, n) != getattr(LynxConfig(), n) for n in names)  # every value differs from the default
+    lm = _lynx_lm(",".join(f"{k}={v}" for k, v in MODEL_ARGS.items()))
+    assert lynx_hf.is_patched(lm.model)
+    assert lynx_hf.config_of(lm.model) == WANT
+
+
+def test_model_args_mass_price_none_runs_the_papers_rule(model_and_tok):
+    """model_args ``mass_price=None``: the lm-eval model decodes with the paper's rule: its telemetry and outputs
+    equal those of the same model patched directly with ``LynxConfig(mass_price=None)`` and differ from the
+    default (mass price 0.5) run: the comparison can tell the two rules apart."""
+    _, tok = model_and_tok
+    lm = _lynx_lm("policy=lynx,mass_price=None")
+    assert lynx_hf.config_of(lm.model) == LynxConfig(mass_price=None)
+    tok.padding_side = "left"
+    batch = tok(ev.prompts_from_file(count=16), return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, output_scores=True,
+               return_dict_in_generate=True)
+
+    def run():
+        lynx_hf.reset_stats(lm.model)
+        with torch.inference_mode():
+            out = lm.model.generate(**batch, **gen)
+        return out, lynx_hf.stats(lm.model).summary()
+
+    via_args, stats_args = run()
+    lynx_hf.unpatch(lm.model)
+    runs = {}
+    for name, cfg in (("paper", LynxConfig(mass_price=None)), ("default", LynxConfig())):
+        with lynx_hf.patched(lm.model, cfg):
+            runs[name] = run()
+    paper, stats_paper = runs["paper"]
+    default, stats_default = runs["default"]
+    assert stats_args["decode_steps"] == 5 and stats_args["per_layer"] == stats_paper["per_layer"]
+    assert all(torch.equal(a, b) for a, b in zip(via_args.scores, paper.scores))
+    assert stats_default["per_layer"] != stats_paper["per_layer"]

@@ -1,0 +1,367 @@
+"""Mutation probe (issue 17; not run in CI): does the test suite catch deliberate behaviour changes?
+
+Copies the working tree (tracked and untracked-but-not-ignored files) to a temporary folder, applies one
+named *behaviour mutant* at a time (a textual patch of the package), runs the tests relevant to that mutant
+against the copy and records which tests fail (= kill the mutant). Every mutant must be killed by at least
+one test. A patch that no longer applies (its text is not found exactly once) is reported loudly as
+``DOES NOT APPLY`` and makes the script exit non-zero: it is never skipped silently. Keep the patches current
+as the code changes.
+
+The copy is imported instead of the installed (editable) package: the tests run with the copy as working
+directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/kernels`` / ``lynx_hf/patches`` are symlinks to its
+own ``kernels/`` / ``patches/`` (the installed layout), so the editable finder (which maps ``lynx_hf.kernels``
+to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
+
+Usage::
+
+    nice -n 10 python eval/mutants.py                  # every mutant, table to eval/results/mutants.md
+    python eval/mutants.py --list                      # names and descriptions
+    nice -n 10 python eval/mutants.py --only gain_is_w consensus_gt   # some mutants (table not written)
+
+CPU heavy (the relevant tests per mutant, one pytest process at a time, one intra-op thread): run it on an
+otherwise quiet machine, under ``nice``. Exit status: 0 iff every mutant applied and was killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS = REPO / "eval" / "results" / "mutants.md"
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    what: str
+    edits: tuple[tuple[str, str, str], ...]  # (path relative to the repo, exact old text, new text)
+    tests: tuple[str, ...]  # pytest node ids (function level: every parametrization runs)
+
+
+PP = "tests/test_policy_properties.py::"
+EQ = "tests/test_equivalence.py::"
+CORE = "tests/test_routing_core.py::"
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant(
+        "remap_noop",
+        "LYNX critical set := the batch's whole union (the remap changes nothing)",
+        (("lynx_hf/policies/lynx.py", "from ..kernels.routing_torch import default_lynx_bins\n",
+          "from ..kernels.routing_torch import default_lynx_bins, union_mask\n"),
+         ("lynx_hf/policies/lynx.py", "        return critical\n\n\nregister(LynxPolicy())",
+          "        return union_mask(idx, s.shape[-1], step.vote) | (False if step.seed is None else step.seed)"
+          "\n\n\nregister(LynxPolicy())")),
+        (PP + "test_policy_critical_set_is_smaller_than_the_union_hand_worked",
+         PP + "test_critical_set_and_remap_equal_the_independent_reference",
+         EQ + "test_lynx_reduces_unique_experts_at_batch_16"),
+    ),
+    Mutant(
+        "gain_is_w",
+        "routing-mass greedy: gain = W instead of W - the token's k-th weight in S (torch, numba and Triton twins)",
+        (("kernels/routing_torch.py", "gain = (big_w - kth[:, None]).clamp_min(0).sum(dim=0)", "gain = big_w.sum(dim=0)"),
+         ("kernels/routing_cpu.py", "d = w[t, e] - kth[t]", "d = w[t, e]"),
+         ("kernels/routing.py", "gain += tl.sum(tl.maximum(w - kth[:, None], 0), axis=0)",
+          "gain += tl.sum(tl.maximum(w, 0), axis=0)")),
+        (PP + "test_policy_mass_price_gain_is_measured_against_the_kth_expert_in_the_set",
+         PP + "test_policy_default_matches_greedy_by_hand",
+         PP + "test_critical_set_and_remap_equal_the_independent_reference",
+         "tests/test_policies_extra.py::test_greedy_gain_is_measured_against_the_kth_expert_in_the_set"),
+    ),
+    Mutant(
+        "prefill_through_policy",
+        "the router hook treats prefill forwards as decode (the policy runs on prefill)",
+        (("lynx_hf/routing.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
+          "        if step.kind == PREFILL:\n            step = Step(\"decode\")\n        logits, weights, idx"),),
+        (EQ + "test_prefill_is_bit_identical_under_a_config_that_changes_decode_forwards",
+         EQ + "test_forward_without_cache_is_bit_identical"),
+    ),
+    Mutant(
+        "none_close_not_identical",
+        "policy none (and identity steps) return weights x (1 + 2**-20): close (~1e-6) but not bit-identical",
+        (("lynx_hf/routing.py", "                self._record(step, idx, weights, idx, None)\n            return weights, idx\n",
+          "                self._record(step, idx, weights, idx, None)\n"
+          "            return (weights * (1 + 2 ** -20)).to(weights.dtype), idx.clone()\n"),),
+        (EQ + "test_generate_modes_run_patched_and_match_with_policy_none",
+         EQ + "test_policy_none_decode_is_bit_identical"),
+    ),
+    Mutant(
+        "lm_eval_never_patches",
+        "the lm-eval `lynx` model loads the model but never patches it",
+        (("lynx_hf/lm_eval.py", "        patch(self.model, self.lynx_config)\n", "        pass  # mutant: never patched\n"),),
+        ("tests/test_lm_eval.py::test_model_args_reach_the_patched_config",
+         "tests/test_lm_eval.py::test_model_args_mass_price_none_runs_the_papers_rule"),
+    ),
+    Mutant(
+        "ties_higher_id",
+        "remap breaks score ties to the higher expert id (torch and numba twins)",
+        (("kernels/routing_torch.py",
+          "order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # by score, ties lower id",
+          "order = s.shape[-1] - 1 - torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices"),
+         ("kernels/routing_cpu.py", "(tier[e] == tier[best] and s[t, e] > s[t, best])",
+          "(tier[e] == tier[best] and s[t, e] >= s[t, best])")),
+        (PP + "test_C12_all_zero_logits_pick_lowest_ids",
+         PP + "test_C12_rows_inf_except_two_experts",
+         PP + "test_critical_set_and_remap_equal_the_independent_reference"),
+    ),
+    Mutant(
+        "consensus_gt",
+        "LYNX consensus score >= tau becomes score > tau (torch, numba and Triton twins)",
+        (("kernels/routing_torch.py", "critical = critical | (candidates & (score >= tau))",
+          "critical = critical | (candidates & (score > tau))"),
+         ("kernels/routing_cpu.py", "if cand[e] and score[e] >= tau:", "if cand[e] and score[e] > tau:"),
+         ("kernels/routing.py", "crit = tl.where(cand_b & (score >= tau), 1, crit)",
+          "crit = tl.where(cand_b & (score > tau), 1, crit)")),
+        (PP + "test_consensus_admits_a_score_equal_to_tau",
+         PP + "test_policy_critical_set_is_smaller_than_the_union_hand_worked",
+         PP + "test_hand_worked_lynx_example"),
+    ),
+    Mutant(
+        "unpatch_leaves_router_hook",
+        "unpatch leaves the forward hook on each router",
+        (("lynx_hf/routing.py", "            del hooks[key]\n", "            pass  # mutant: hook left behind\n"),),
+        ("tests/test_api.py::test_unpatch_restores_exactly",
+         "tests/test_adapters_extra.py::test_unpatch_restores_exactly"),
+    ),
+    Mutant(
+        "unpatch_leaves_block_attribute",
+        "unpatch leaves the `_lynx_block` instance attribute on Llama-4 blocks",
+        (("lynx_hf/routing.py", "        block.__dict__.pop(BLOCK_ATTR, None)\n", "        pass  # mutant\n"),),
+        ("tests/test_api.py::test_unpatch_restores_exactly",),
+    ),
+    Mutant(
+        "unpatch_leaves_instance_forward",
+        "unpatch leaves the swapped instance `forward` on Llama-4 blocks",
+        (("lynx_hf/routing.py", "                del block.__dict__[where]\n", "                pass  # mutant\n"),),
+        ("tests/test_api.py::test_unpatch_restores_exactly",
+         "tests/test_api.py::test_patch_twice_only_swaps_config"),
+    ),
+    Mutant(
+        "telemetry_counts_prefill_forwards",
+        "telemetry records prefill forwards as decode steps",
+        (("lynx_hf/routing.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
+          "        if step.kind == PREFILL:\n            logits, weights, idx = self.spec.unpack(output)\n"
+          "            self._record(step, idx, weights, idx, None)\n            return None\n"
+          "        logits, weights, idx"),),
+        (CORE + "test_telemetry_counts_only_live_decode_tokens",
+         EQ + "test_forward_without_cache_is_bit_identical"),
+    ),
+    Mutant(
+        "telemetry_counts_prefill_rows",
+        "telemetry counts the prefill tokens of a mixed step as decode tokens",
+        (("lynx_hf/routing.py", "\n    counted = decode & live\n", "\n    counted = live\n"),),
+        (CORE + "test_telemetry_counts_only_live_decode_tokens",),
+    ),
+    Mutant(
+        "numba_bin_off_by_one",
+        "numba twin: the lowest voting bin -beta no longer votes (off by one)",
+        (("kernels/routing_cpu.py", "if -beta <= b <= 0:", "if -beta < b <= 0:"),),
+        (PP + "test_bin_minus_beta_still_votes",
+         PP + "test_critical_set_and_remap_equal_the_independent_reference",
+         "tests/test_routing_cpu.py"),
+    ),
+    Mutant(
+        "finished_rows_vote",
+        "finished rows (after EOS) vote in the critical set",
+        (("lynx_hf/routing.py", "    vote = remapped & live\n", "    vote = remapped\n"),),
+        (CORE + "test_finished_rows_are_remapped_into_the_set_but_do_not_vote",),
+    ),
+    Mutant(
+        "prefill_seed_ignored",
+        "a mixed step's prefill experts no longer seed the critical set",
+        (("lynx_hf/routing.py", "    seed = union_mask(idx64, num_experts, keep)\n", "    seed = None\n"),),
+        (CORE + "test_prefill_rows_keep_their_routing_and_seed_the_critical_set",),
+    ),
+)
+
+
+# -- the copy ----------------------------------------------------------------------------------------------
+def make_copy(dest: Path) -> Path:
+    """The working tree (tracked + untracked, not ignored) under ``dest/repo``, installed layout via symlinks."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    root = dest / "repo"
+    for rel in filter(None, files):
+        src = REPO / rel
+        if not src.is_file():  # deleted in the working tree
+            continue
+        target = root / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, target)
+    for sub in ("kernels", "patches"):
+        (root / "lynx_hf" / sub).symlink_to(Path("..") / sub, target_is_directory=True)
+    return root
+
+
+def env_for(root: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env.update(PYTHONPATH=str(root), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               HF_DATASETS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def check_imports(root: Path) -> None:
+    """Abort unless every lynx_hf module the tests import resolves inside the copy."""
+    probe = ("import lynx_hf, lynx_hf.kernels.routing_torch, lynx_hf.kernels.routing_cpu, lynx_hf.patches, "
+             "lynx_hf.routing, lynx_hf.lm_eval\n"
+             "import sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() "
+             "if n.startswith('lynx_hf') and getattr(m, '__file__', None)))")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env_for(root), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"import probe failed in the copy:\n{out.stderr[-3000:]}")
+    paths = out.stdout.split()
+    outside = [p for p in paths if not Path(p).is_relative_to(root)]
+    if not paths or outside:
+        raise SystemExit(f"the copy is not what the tests import: {outside or 'no lynx_hf module'}")
+
+
+def apply(root: Path, mutant: Mutant) -> tuple[dict, list[str]]:
+    """Apply every edit of ``mutant``; returns (original texts, problems). Nothing is written if any edit fails."""
+    texts, problems = {}, []
+    for rel, old, new in mutant.edits:
+        path = root / rel
+        text = texts.get(rel, path.read_text())
+        count = text.count(old)
+        if count != 1:
+            problems.append(f"{rel}: expected text found {count} times: {old[:80]!r}")
+            continue
+        texts[rel] = text.replace(old, new)
+    if problems:
+        return {}, problems
+    originals = {}
+    for rel, text in texts.items():
+        path = root / rel
+        originals[rel] = path.read_text()
+        _write(path, text)
+    return originals, []
+
+
+def _write(path: Path, text: str) -> None:
+    path.write_text(text)
+    stamp = time.time() + 2  # a new mtime even within the same second (numba's cache index keys on it)
+    os.utime(path, (stamp, stamp))
+
+
+def restore(root: Path, originals: dict) -> None:
+    for rel, text in originals.items():
+        _write(root / rel, text)
+
+
+def run_tests(root: Path, tests, timeout: int, tag: str) -> dict:
+    """Run ``tests`` in the copy; ``{function node id: "passed" | "failed" | "error" | "skipped"}``."""
+    report = root.parent / f"junit-{tag}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--hypothesis-seed=0",
+           f"--junitxml={report}", "-o", "junit_family=xunit1", *tests]
+    try:
+        proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=timeout)
+        tail = proc.stdout[-1500:]
+    except subprocess.TimeoutExpired:
+        return {"(timeout)": "error"}
+    if not report.is_file():
+        return {"(pytest did not run: " + tail.strip().splitlines()[-1] + ")": "error"}
+    outcome: dict = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        path = case.get("file") or case.get("classname", "").replace(".", "/") + ".py"
+        node = f"{path}::{case.get('name', '').split('[')[0]}"
+        state = ("failed" if case.find("failure") is not None else "error" if case.find("error") is not None
+                 else "skipped" if case.find("skipped") is not None else "passed")
+        rank = {"passed": 0, "skipped": 1, "error": 2, "failed": 3}
+        if rank[state] >= rank.get(outcome.get(node, "passed"), 0):
+            outcome[node] = state
+    report.unlink()
+    return outcome
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutants only (table not written)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=int, default=1200, help="seconds per pytest run")
+    parser.add_argument("--out", default=str(RESULTS), help="markdown table (written for a full run)")
+    parser.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
+    parser.add_argument("--check", action="store_true", help="only check that every mutant applies (no tests)")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:34} {m.what}")
+        return 0
+    chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.name in args.only]
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"unknown mutant(s) {sorted(unknown)}; see --list")
+    tmp = Path(tempfile.mkdtemp(prefix="lynx_mutants_"))
+    rows, failures = [], 0
+    try:
+        root = make_copy(tmp)
+        check_imports(root)
+        print(f"copy: {root}", flush=True)
+        if args.check:
+            for m in chosen:
+                originals, problems = apply(root, m)
+                restore(root, originals)
+                failures += bool(problems)
+                print(f"{'!!! DOES NOT APPLY' if problems else 'applies'}: {m.name}"
+                      + "".join(f"\n    {p}" for p in problems), flush=True)
+            return 1 if failures else 0
+        # 1. every listed test must pass on the unmutated copy, else a "kill" means nothing
+        all_tests = sorted({t for m in chosen for t in m.tests})
+        t0 = time.perf_counter()
+        baseline = run_tests(root, all_tests, args.timeout * 2, "baseline")
+        broken = {n: s for n, s in baseline.items() if s not in ("passed", "skipped")}
+        print(f"baseline: {len(baseline)} test functions, {len(broken)} not passing "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        if broken or not baseline:
+            print("BASELINE NOT GREEN (fix the tests first):", broken or "no tests ran", flush=True)
+            return 2
+        for m in chosen:
+            t0 = time.perf_counter()
+            originals, problems = apply(root, m)
+            if problems:
+                failures += 1
+                print(f"!!! {m.name}: DOES NOT APPLY\n    " + "\n    ".join(problems), flush=True)
+                rows.append((m, "**DOES NOT APPLY**: " + "; ".join(problems), None))
+                continue
+            try:
+                outcome = run_tests(root, m.tests, args.timeout, m.name)
+            finally:
+                restore(root, originals)
+            killers = sorted(n for n, s in outcome.items() if s in ("failed", "error"))
+            survived = not killers
+            failures += survived
+            seconds = time.perf_counter() - t0
+            print(f"{'SURVIVED' if survived else 'killed  '} {m.name} ({seconds:.0f} s): "
+                  f"{', '.join(killers) or '-'}", flush=True)
+            rows.append((m, killers, seconds))
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    table = ["| mutant | behaviour change | killed by (failing tests) | s |", "|---|---|---|---|"]
+    for m, killers, seconds in rows:
+        cell = killers if isinstance(killers, str) else ("**SURVIVED**" if not killers else
+                                                         "<br>".join(f"`{k}`" for k in killers))
+        table.append(f"| `{m.name}` | {m.what} | {cell} | {'' if seconds is None else f'{seconds:.0f}'} |")
+    text = "\n".join(table)
+    print("\n" + text)
+    if not args.only:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(
+            "# Mutation probe (`python eval/mutants.py`)\n\n"
+            "Each mutant is a deliberate behaviour change applied to a copy of the package; the listed tests fail "
+            "on it. Tests listed per mutant in eval/mutants.py; all of them pass on the unmutated copy.\n\n"
+            + text + "\n")
+        print(f"wrote {args.out}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
