@@ -345,7 +345,7 @@ def test_mass_price_hand_worked():
     s[1, 2], s[1, 1] = 0.0, math.log(0.25)
     idx = own_topk(s, 2)
     for price, expected in ((0.5, [0, 1, 2]), (0.6, [0, 2])):
-        new = P.remap(LynxConfig(mass_price=price, tau=1e9), s, idx)
+        new = P.remap(LynxConfig(mass_price=price, price_unit="token", tau=1e9), s, idx)
         assert sorted(set(new.flatten().tolist())) == expected
 
 
@@ -375,12 +375,13 @@ def _hand_worked_batch():
     return s, own_topk(s, 2)
 
 
-@pytest.mark.parametrize("cfg", [LynxConfig(**PAPER), LynxConfig()], ids=["paper", "default"])
+@pytest.mark.parametrize("cfg", [LynxConfig(**PAPER), LynxConfig(mass_price=0.5, price_unit="token"),
+                                 LynxConfig(mass_price=0.25)], ids=["paper", "token 0.5", "default unit sqrt 0.25"])
 def test_policy_critical_set_is_smaller_than_the_union_hand_worked(cfg):
     """Through the policy (the decode path's ops): S = {0, 1, 3}, strictly inside U = {0, 1, 2, 3}; every
-    token's remapped experts lie in S. Paper rule: cover {1}, consensus (score >= 1) e0, e1, e3. Default
-    (mass price 0.5): cover {1}; relative weights t0 (e0 .525, e1 .475), t1 (e1 .731, e2 .269), t2 (e3 .574,
-    e1 .426): e3 joins first (.574, |S| < k), then e0 (.525 >= .5), then e2 would restore only .269."""
+    token's remapped experts lie in S. Paper rule: cover {1}, consensus (score >= 1) e0, e1, e3. Mass
+    price 0.5 / token, or 0.25 x sqrt(3) = .433 with the default unit: cover {1}; relative weights t0 (e0 .525, e1 .475), t1 (e1 .731, e2 .269), t2 (e3 .574,
+    e1 .426): e3 joins first (.574, |S| < k), then e0 (.525 >= .5 / .433), then e2 would restore only .269."""
     s, idx = _hand_worked_batch()
     crit = P.critical_set(cfg, s, idx, 2)
     assert crit.nonzero().flatten().tolist() == [0, 1, 3]
@@ -397,8 +398,8 @@ def test_policy_mass_price_gain_is_measured_against_the_kth_expert_in_the_set():
     s = torch.stack([row, row])
     own = own_topk(s, 2)
     seed = torch.tensor([False, False, False, True])
-    assert P.critical_set(LynxConfig(mass_price=0.5), s, own, 2, seed=seed).nonzero().flatten().tolist() == [0, 3]
-    assert P.critical_set(LynxConfig(mass_price=0.45), s, own, 2, seed=seed).nonzero().flatten().tolist() == [0, 1, 3]
+    assert P.critical_set(LynxConfig(mass_price=0.5, price_unit="token"), s, own, 2, seed=seed).nonzero().flatten().tolist() == [0, 3]
+    assert P.critical_set(LynxConfig(mass_price=0.45, price_unit="token"), s, own, 2, seed=seed).nonzero().flatten().tolist() == [0, 1, 3]
     from test_policies_extra import greedy_by_hand  # the independent plain-Python greedy
 
     for price, want in ((0.5, {0, 3}), (0.45, {0, 1, 3})):
@@ -417,8 +418,10 @@ def test_policy_default_matches_greedy_by_hand(seed):
     own = own_topk(s, k)
     alpha, beta = R.default_lynx_bins(n, k)
     cover = lynx_by_hand(s, own.tolist(), 1, alpha, beta, None)
-    want = greedy_by_hand(s, own.tolist(), sorted(cover), k, math.ceil(0.5 * 2**24))
-    assert set(P.critical_set(LynxConfig(), s, own, k).nonzero().flatten().tolist()) == want
+    cfg = LynxConfig()  # the default: mass_price 0.125 per sqrt(B) voting tokens (B = t here)
+    assert (cfg.mass_price, cfg.price_unit) == (0.125, "sqrt")
+    want = greedy_by_hand(s, own.tolist(), sorted(cover), k, math.ceil(math.sqrt(t) * float(math.ceil(0.125 * 2**24))))
+    assert set(P.critical_set(cfg, s, own, k).nonzero().flatten().tolist()) == want
 
 
 def test_bin_minus_beta_still_votes():
