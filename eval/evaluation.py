@@ -145,6 +145,13 @@ def router_logits_per_layer(model, windows: torch.Tensor, chunk: int = 16) -> li
 QUANTILES = (0.1, 0.25, 0.5, 0.75, 0.9)
 
 
+def moe_block_names(model) -> list[str]:
+    """Module names of the model's MoE blocks (the ones ``lynx_hf.patch`` would patch), in order."""
+    from lynx_hf.patches import find_spec
+
+    return [name for name, module in model.named_modules() if find_spec(module) is not None]
+
+
 def router_statistics(model, windows: torch.Tensor, batch_sizes: Iterable[int] = (1, 8, 16, 32, 64),
                       skip: int = 8) -> dict:
     """What the routers do on held-out windows ``[n, L]`` (full-sequence forwards, unpatched).
@@ -161,6 +168,9 @@ def router_statistics(model, windows: torch.Tensor, batch_sizes: Iterable[int] =
     num_experts, top_k = moe_shape(model)
     per_layer = router_logits_per_layer(model, windows)
     n, length = windows.shape
+    blocks = moe_block_names(model)
+    if len(blocks) != len(per_layer):  # names are labels only
+        blocks = [str(i) for i in range(len(per_layer))]
     layers = []
     for index, logits in enumerate(per_layer):
         flat = logits[:, skip:].reshape(-1, num_experts)
@@ -195,6 +205,7 @@ def router_statistics(model, windows: torch.Tensor, batch_sizes: Iterable[int] =
                               "batches": int(groups * (length - skip))}
         layers.append({
             "layer": index,
+            "block": blocks[index],
             "gap_rank0_to_rank": gaps,
             "prob_by_rank": [float(v) for v in topk_probs.mean(0)],
             "topk_mass": float(topk_probs.sum(-1).mean()),
@@ -240,6 +251,12 @@ def _alpha_mult(cfg: LynxConfig, num_experts: int, top_k: int) -> float | None:
 
     default_alpha, _ = default_lynx_bins(num_experts, top_k)
     return 1.0 if cfg.alpha is None else cfg.alpha / default_alpha
+
+
+def _xshare_budget(cfg: LynxConfig, num_experts: int) -> int:
+    """XShare's experts per step for this config (``xshare_budget``, or ``ceil(xshare_fraction * N)``)."""
+    budget = cfg.xshare_budget if cfg.xshare_budget is not None else math.ceil(cfg.xshare_fraction * num_experts)
+    return min(max(int(budget), 1), num_experts)
 
 
 @torch.inference_mode()
@@ -305,7 +322,11 @@ def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, 
             "alpha": cfg.alpha, "alpha_mult": _alpha_mult(cfg, num_experts, top_k),
             "beta": cfg.beta, "mass_floor": getattr(cfg, "mass_floor", 0.0) if cfg.policy == "lynx" else None,
             "mass_price": cfg.mass_price if cfg.policy == "lynx" else None,
+            "price_unit": cfg.price_unit if cfg.policy == "lynx" and cfg.mass_price is not None else None,
             "k0": cfg.k0 if cfg.policy == "oea" else None,
+            "xshare_fraction": cfg.xshare_fraction if cfg.policy == "xshare" and cfg.xshare_budget is None else None,
+            "xshare_budget": _xshare_budget(cfg, num_experts) if cfg.policy == "xshare" else None,
+            "xshare_warmup": cfg.xshare_warmup if cfg.policy == "xshare" else None,
             "ce": ce, "acc": float(torch.cat(correct).float().mean()),
             "delta_ce_rel": ce / ref_ce - 1.0,
             "delta_ce_rel_se": float(diff.std(unbiased=True) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0,

@@ -3,8 +3,10 @@
     python eval/harness.py --model eval/fixtures/qwen2moe-tiny
     python eval/harness.py --model eval/fixtures/mixtral-tiny --tau 1 --skip-lm-eval
 
-Policies: unpatched (reference), none, LYNX (--tau/--alpha/--beta/--mass-floor; LynxConfig defaults
-otherwise) and OEA for each --k0 (default k-1 .. 1). The library code is eval/evaluation.py.
+Policies: unpatched (reference), none, LYNX (--tau/--alpha/--beta/--mass-floor/--mass-price/--price-unit;
+LynxConfig defaults otherwise), OEA for each --k0 (default k-1 .. 1), and XShare when --xshare-budget,
+--xshare-fraction or --xshare-match (budget = the sweep default's unique experts at this fixture and
+--batch-size, rounded) is given. The library code is eval/evaluation.py.
 
 1. teacher-forced decode: --sequences held-out windows in batches of --batch-size, a prefill of
    --prefill tokens then one token per step through the DynamicCache (every scored token comes from a
@@ -39,19 +41,48 @@ GEN_TASK = "lynx_code_line_completion"
 LL_TASK = "lynx_code_next_line_mc"
 
 
-def build_policies(args, top_k: int) -> list:
+def build_policies(args, top_k: int, xshare_budget: int | None = None) -> list:
+    """none, LYNX (LynxConfig defaults unless a LYNX option is given; parsed like the CLI), OEA for each
+    k0, and XShare when a budget is given (``--xshare-budget`` / ``--xshare-fraction`` / ``--xshare-match``)."""
     lynx = {k: v for k, v in (("tau", args.tau), ("alpha", args.alpha), ("beta", args.beta),
-                              ("mass_floor", args.mass_floor)) if v is not None}
-    out = [("none", LynxConfig(policy="none")), ("lynx", LynxConfig(policy="lynx", **lynx))]
+                              ("mass_floor", args.mass_floor), ("mass_price", args.mass_price),
+                              ("price_unit", args.price_unit)) if v is not None}
+    out = [("none", LynxConfig(policy="none")),
+           ("lynx", LynxConfig.from_options({"policy": "lynx", **lynx}))]
     k0s = [int(k) for k in args.k0.split(",")] if args.k0 else list(range(top_k - 1, 0, -1))
     out += [(f"oea k0={k0}", LynxConfig(policy="oea", k0=k0)) for k0 in k0s if 1 <= k0 < top_k]
+    if xshare_budget is not None:
+        out.append((f"xshare E={xshare_budget} w={args.xshare_warmup}",
+                    LynxConfig(policy="xshare", xshare_budget=xshare_budget, xshare_warmup=args.xshare_warmup)))
+    elif args.xshare_fraction is not None:
+        out.append((f"xshare f={args.xshare_fraction:g} w={args.xshare_warmup}",
+                    LynxConfig(policy="xshare", xshare_fraction=args.xshare_fraction, xshare_warmup=args.xshare_warmup)))
     return out
+
+
+def matching_xshare_budget(sweep_json: str, model: str, batch_size: int) -> tuple[int, dict]:
+    """XShare's budget matched to the sweep's default at this fixture and batch size: the default's mean
+    unique experts per layer per decode step, rounded to the nearest int (>= 1). Returns (budget, the
+    sweep's row of the default)."""
+    report = json.loads(Path(sweep_json).read_text())
+    d = report.get("default") or {}
+    row = next((a for a in d.get("applied", []) if a["model"] == model and a["batch_size"] == batch_size), None)
+    if row is None:
+        raise SystemExit(f"{sweep_json}: no default measured for {model} at B = {batch_size}")
+    return max(1, round(row["unique_experts_after"])), {**row, "default": d.get("name")}
 
 
 def markdown(report: dict) -> str:
     tf = report["teacher_forced"]
     lines = [f"# Accuracy harness: {report['model']}", "",
-             f"LYNX config: `{report['lynx_config']}`", "",
+             f"Command: `{report.get('command', '')}`", "",
+             f"LYNX config: `{report['lynx_config']}`", ""]
+    if report.get("xshare"):
+        x = report["xshare"]
+        lines += [f"XShare: `{x['name']}`" + (f" (budget matched to the sweep's default `{x['match']['default']}` at "
+                                               f"B = {x['match']['batch_size']}: {x['match']['unique_experts_after']:.2f} "
+                                               f"unique experts per layer per step, rounded)" if x.get("match") else ""), ""]
+    lines += [
              f"## Teacher-forced decode (B = {tf['batch_size']}, {tf['sequences']} sequences x "
              f"({tf['prefill']} prefill + {tf['window_length'] - tf['prefill'] - 1} decode steps) = "
              f"{tf['scored_tokens']} scored tokens)", "",
@@ -114,6 +145,13 @@ def main(argv=None) -> int:
     p.add_argument("--alpha", type=float, default=None)
     p.add_argument("--beta", type=int, default=None)
     p.add_argument("--mass-floor", type=float, default=None)
+    p.add_argument("--mass-price", default=None, help="LYNX mass_price (a number, or None for the paper's rule)")
+    p.add_argument("--price-unit", default=None, choices=("token", "batch", "sqrt"), help="LYNX price_unit")
+    p.add_argument("--xshare-budget", type=int, default=None, help="add XShare with this many experts per step")
+    p.add_argument("--xshare-fraction", type=float, default=None, help="add XShare with budget ceil(fraction x N)")
+    p.add_argument("--xshare-match", default=None, metavar="SWEEP_JSON",
+                   help="add XShare with the budget of the sweep's default at this fixture and --batch-size (rounded)")
+    p.add_argument("--xshare-warmup", type=int, default=1, help="XShare warm-up (each token's top experts kept first)")
     p.add_argument("--k0", default=None, help="OEA k0 list, e.g. 2,1 (default k-1..1)")
     p.add_argument("--gen-prompts", type=int, default=16)
     p.add_argument("--gen-tokens", type=int, default=32)
@@ -128,10 +166,17 @@ def main(argv=None) -> int:
     t_all = time.perf_counter()
     model, tok = ev.load_model(args.model)
     num_experts, top_k = ev.moe_shape(model)
-    pols = build_policies(args, top_k)
+    match = None
+    xbudget = args.xshare_budget
+    if args.xshare_match:
+        xbudget, match = matching_xshare_budget(args.xshare_match, name, args.batch_size)
+    pols = build_policies(args, top_k, xbudget)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    report = {"model": name, "num_experts": num_experts, "top_k": top_k,
+    report = {"model": name, "num_experts": num_experts, "top_k": top_k, "command": " ".join(sys.argv),
               "lynx_config": dict(pols)["lynx"].to_dict(), "checks": {}}
+    xs = [(n_, c) for n_, c in pols if c.policy == "xshare"]
+    if xs:
+        report["xshare"] = {"name": xs[0][0], "config": xs[0][1].to_dict(), "match": match}
 
     log(f"== teacher-forced decode ({name}, B={args.batch_size})")
     windows = ev.heldout_windows(tok, args.prefill + args.decode + 1, args.sequences)

@@ -29,6 +29,10 @@ import torch  # noqa: E402
 import evaluation as ev  # noqa: E402  (eval/evaluation.py)
 
 
+def _name(layer: dict) -> str:
+    return layer.get("block") or str(layer["layer"])
+
+
 def markdown(report: dict, name: str) -> str:
     k = report["top_k"]
     out = [f"# Router report: {name}", "",
@@ -42,23 +46,23 @@ def markdown(report: dict, name: str) -> str:
     for layer in report["layers"]:
         cells = [f"{g['q50']:.2f} [{g['q10']:.2f}, {g['q90']:.2f}]" for g in layer["gap_rank0_to_rank"].values()]
         below = ", ".join(f"{v:.2f}" for v in layer["below_vote_cutoff_by_rank"][1:])
-        out.append(f"| {layer['layer']} | " + " | ".join(cells) + f" | {below} |")
+        out.append(f"| {_name(layer)} | " + " | ".join(cells) + f" | {below} |")
     out += ["", "## Routing weight by rank", "",
             "| layer | mean p by rank (softmax over N) | top-k mass | share of top-k weight by rank |", "|---|---|---|---|"]
     for layer in report["layers"]:
-        out.append(f"| {layer['layer']} | " + ", ".join(f"{v:.3f}" for v in layer["prob_by_rank"]) +
+        out.append(f"| {_name(layer)} | " + ", ".join(f"{v:.3f}" for v in layer["prob_by_rank"]) +
                    f" | {layer['topk_mass']:.3f} | " + ", ".join(f"{v:.3f}" for v in layer["topk_share_by_rank"]) + " |")
     out += ["", "## Expert load (all top-k assignments)", "", "| layer | max/mean | min/mean | entropy / ln N |",
             "|---|---|---|---|"]
     for layer in report["layers"]:
-        out.append(f"| {layer['layer']} | {layer['load_max_over_mean']:.2f} | {layer['load_min_over_mean']:.2f} | "
+        out.append(f"| {_name(layer)} | {layer['load_max_over_mean']:.2f} | {layer['load_min_over_mean']:.2f} | "
                    f"{layer['load_entropy_norm']:.3f} |")
     sizes = list(report["layers"][0]["unique_experts_per_batch"])
     out += ["", "## Unique experts per position-aligned decode batch of B tokens: mean [q10, q90]", "",
             "| layer | " + " | ".join(f"B={b}" for b in sizes) + " |", "|" + "---|" * (len(sizes) + 1)]
     for layer in report["layers"]:
         u = layer["unique_experts_per_batch"]
-        out.append(f"| {layer['layer']} | " + " | ".join(f"{u[b]['mean']:.2f} [{u[b]['q10']:.0f}, {u[b]['q90']:.0f}]"
+        out.append(f"| {_name(layer)} | " + " | ".join(f"{u[b]['mean']:.2f} [{u[b]['q10']:.0f}, {u[b]['q90']:.0f}]"
                                                          for b in sizes) + " |")
     u = report["layers"][0]["unique_experts_per_batch"]
     out.append("| independent uniform | " + " | ".join(f"{u[b]['independent_uniform']:.2f}" for b in sizes) + " |")
