@@ -17,8 +17,9 @@ Sections
    the mean top-1 router probability is 0.42 (the trained fixture's routers: mean top-1 p 0.34-0.50,
    rank k-1 p < 0.1 for > 90 % of tokens, DESIGN.md), "uniform" = U[0, 1) logits (near-flat routing:
    the worst case). Per cell: median time, ratio to HF grouped_mm, T before/after (unique experts),
-   the ideal ratio T_after/T_before, and the routing overhead = median time of lynx_hf.policies.remap
-   on the same logits / median lynx layer time.
+   the ideal ratio T_after/T_before, and the routing overhead = median time of the block's whole
+   decode-step routing post-process (BlockRouting.route: selection scores, policy, remap, weight
+   rule, per-token merge, telemetry) on the same router output / median lynx layer time.
 2. T sweep: Qwen2-57B shape, B = 16, the HF block (grouped_mm) with a router forced to touch exactly
    T experts, T = k..N; least-squares line time = a + b*T, R^2. Also the sparse torch path.
 3. TPOT: Qwen2-57B-A14B config truncated to 2 decoder layers (small vocab), bf16, random weights,
@@ -189,11 +190,17 @@ def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
     return {n: statistics.median(v) for n, v in times.items()}
 
 
-def time_remap(cfg, scores, topk_idx, logits, rule, reps: int) -> float:
+def time_route(holder, cfg, logits, weights, topk_idx, reps: int) -> float:
+    """Median time of the whole decode-step routing post-process of one block, as the router hook runs
+    it: selection scores, policy, remap, weight rule, per-token merge and telemetry (BlockRouting.route)."""
+    from lynx_hf.step import Step
+
+    lynx_hf.patch(holder, cfg)
+    state = lynx_hf.patcher._state(holder).blocks[0]
     ts = []
     for _ in range(reps + 1):
         t0 = _now()
-        policies.remap(cfg, scores, topk_idx, logits, *rule)
+        state.route(Step("decode"), logits, weights, topk_idx)
         ts.append(_now() - t0)
     return statistics.median(ts[1:])
 
@@ -262,7 +269,7 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                     x = torch.randn(batch, 1, cfg.hidden_size, generator=gen).to(torch.bfloat16)
                     target = make_logits(source, batch, num_experts, scale, gen)
                     inject_router(block, x.view(batch, -1), target)
-                    logits, _, idx_hf = block.gate(x.view(batch, -1))
+                    logits, w_hf, idx_hf = block.gate(x.view(batch, -1))
                     scores = logits.float()
                     t_before = unique_count(idx_hf)
                     t_after = {}
@@ -281,7 +288,8 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                     assert torch.equal(fns["none"](), ref), "patched policy none differs from HF grouped_mm"
                     med = interleaved(fns, args.rounds, warmup=1 if first else 0)
                     first = False
-                    remap_s = time_remap(configs["lynx"], scores, idx_hf, logits, rule, reps=args.remap_reps)
+                    remap_s = time_route(holder, lynx_hf.LynxConfig(policy="lynx", phase="decode"), logits, w_hf, idx_hf,
+                                         reps=args.remap_reps)
                     base = med["hf_grouped_mm"]
                     for variant, sec in med.items():
                         pol = variant.split("+")[0]
@@ -448,9 +456,11 @@ def bench_tpot(args, kwargs: dict, log) -> list:
 
     with torch.inference_mode():
         warm, args.tpot_new_tokens = args.tpot_new_tokens, 2
-        run("hf")  # warmup (2 new tokens)
+        for v in variants:  # warmup (2 new tokens each): first-call costs (numba's on-disk cache load, allocator)
+            run(v)
         args.tpot_new_tokens = warm
-        stamps["hf"].clear()
+        for v in variants:
+            stamps[v].clear()
         for r in range(args.tpot_rounds):
             for i in range(len(variants)):
                 run(variants[(r + i) % len(variants)])
@@ -489,7 +499,7 @@ def layer_markdown(rows: list, header: str) -> str:
            "(HF's default experts implementation). T = unique experts the step touches; ideal = T_after/T_before; "
            "ideal (bytes) = weight bytes the step reads after/before, counting the router and shared experts "
            "that every step reads (the best a memory-bound layer can do); "
-           "overhead = lynx_hf.policies.remap time / lynx layer time.", ""]
+           "overhead = the block's whole routing post-process (BlockRouting.route: scores, policy, remap, weights, merge, telemetry) / lynx layer time.", ""]
     cells = {}
     for r in rows:
         cells.setdefault((r["shape"], r["source"], r["B"]), {})[r["variant"]] = r

@@ -2,13 +2,13 @@
 ``torch.compile(fullgraph=True)`` (inductor), unpatched vs LYNX (default config), interleaved rounds in one
 process, medians and ratios to eager unpatched.
 
-    python eval/bench_compile.py                      # fixture A (fp32) and the 2-layer Qwen2-57B-A14B config (bf16)
+    python eval/bench_compile.py                      # fixture A (bf16, its stored dtype) and the 2-layer Qwen2-57B-A14B config (bf16)
     python eval/bench_compile.py --models fixture     # only fixture A
 
 Models: fixture A (eval/fixtures/qwen2moe-tiny) and Qwen2-57B-A14B's config cut to 2 decoder layers with
 random weights (eval/bench.py: build_tpot_model; router weights scaled to the fixtures' confidence).
 For each: prefill B prompts into a StaticCache, then time the forward of one decode token per row
-(the same inputs every call: the cache writes the same slot). Variants: eager unpatched, eager LYNX,
+(the same inputs every call; the cache is rewound to the prompt before each, so every call writes the same slot). Variants: eager unpatched, eager LYNX,
 compiled unpatched, compiled LYNX (each compiled once, fullgraph, static shapes; compile time printed
 but not counted). Also checks compiled LYNX == eager LYNX logits (atol 1e-3 bf16 / 1e-4 fp32) and
 that the compiled step still remaps (lynx_hf.stats). Run it alone on the machine: it times.
@@ -54,6 +54,15 @@ def _twin(model):
     return copy.deepcopy(model, memo)
 
 
+def _rewind(inputs) -> None:
+    """Put the StaticCache back to the prompt's length (its layers count their own position), so every timed
+    call decodes the same token at the same slot: identical work and comparable logits across variants."""
+    held = inputs["attention_mask"].shape[1] - 1
+    for layer in inputs["past_key_values"].layers:
+        if getattr(layer, "cumulative_length", None) is not None and torch.is_tensor(layer.cumulative_length):
+            layer.cumulative_length.fill_(held)
+
+
 def bench(name, model, inputs, rounds: int, log) -> list[dict]:
     plain, lynx = model, _twin(model)
     lynx_hf.patch(lynx, policy="lynx")
@@ -62,12 +71,17 @@ def bench(name, model, inputs, rounds: int, log) -> list[dict]:
         fn = torch.compile(m.__call__, fullgraph=True, dynamic=False)
         t0 = time.perf_counter()
         with torch.inference_mode():
+            _rewind(inputs)
             fn(**inputs)
         log(f"  {name}: {label} compiled in {time.perf_counter() - t0:.1f} s")
         variants[label] = fn
     with torch.inference_mode():
-        outs = {label: fn(**inputs).logits for label, fn in variants.items()}  # warm-up and correctness
+        outs = {}
+        for label, fn in variants.items():  # warm-up and correctness
+            _rewind(inputs)
+            outs[label] = fn(**inputs).logits.clone()
         lynx_hf.reset_stats(lynx)
+        _rewind(inputs)
         variants["compiled lynx"](**inputs)
         stats = lynx_hf.stats(lynx).summary()
         tol = 1e-3 if outs["eager lynx"].dtype == torch.bfloat16 else 1e-4
@@ -79,6 +93,7 @@ def bench(name, model, inputs, rounds: int, log) -> list[dict]:
         for r in range(rounds):
             for i in range(len(labels)):
                 label = labels[(r + i) % len(labels)]
+                _rewind(inputs)
                 t0 = time.perf_counter()
                 variants[label](**inputs)
                 times[label].append(time.perf_counter() - t0)
@@ -114,7 +129,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     if "fixture" in args.models:
         model = AutoModelForCausalLM.from_pretrained(ROOT / "eval" / "fixtures" / "qwen2moe-tiny").eval()
-        rows += bench("fixture A (fp32)", model, _decode_inputs(model, args.batch, args.prompt, 4096), args.rounds, log)
+        rows += bench("fixture A (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 4096), args.rounds, log)
         del model
     if "qwen2-57b-2l" in args.models:
         from bench import SHAPES, build_tpot_model
