@@ -122,17 +122,22 @@ def print_layer_table(summary: dict, layers: list) -> None:
           f"{num(summary.get('ratio'), '>8.3f')}{num(summary.get('routing_mass_kept'), '>11.3f')}")
 
 
-def cmd_vllm_stats(args) -> int:
-    """Print the telemetry file a vLLM worker writes (``lynx_hf.vllm``, ``stats_path``): one table per rank."""
+def _read_json(path: Path, what: str):
+    """The JSON value in ``path``; :class:`CliError` if the file is missing or not JSON."""
     import json
 
-    path = Path(args.stats_json)
     if not path.is_file():
-        raise CliError(f"no stats file at {path}")
+        raise CliError(f"no {what} at {path}")
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CliError(f"{path} is not JSON: {exc}") from exc
+
+
+def cmd_vllm_stats(args) -> int:
+    """Print the telemetry file a vLLM worker writes (``lynx_hf.vllm``, ``stats_path``): one table per rank."""
+    path = Path(args.stats_json)
+    data = _read_json(path, "stats file")
     workers = data if isinstance(data, list) else [data]
     if not workers or not all(isinstance(w, dict) and "layers" in w and "summary" in w for w in workers):
         raise CliError(f"{path} is not a lynx_hf.vllm stats file (expected 'layers' and 'summary'; "
@@ -174,15 +179,7 @@ def plot_stats(summary: dict, out: Path, title: str | None = None) -> Path:
 
 
 def cmd_plot(args) -> int:
-    import json
-
-    path = Path(args.stats_json)
-    if not path.is_file():
-        raise CliError(f"no stats JSON at {path}")
-    try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CliError(f"{path} is not JSON: {exc}") from exc
+    summary = _read_json(Path(args.stats_json), "stats JSON")
     out = plot_stats(summary, Path(args.out), args.title)
     print(f"wrote {out}")
     return 0
