@@ -232,9 +232,6 @@ def weights_ready(experts, hidden: torch.Tensor, names=("gate_up_proj", "down_pr
     return True
 
 
-kernel_applies = weights_ready  # the name the first redesign used
-
-
 def implementations(experts, name: str):
     """``(own, grouped)``: the forward function of implementation ``name`` for ``experts``' class and its
     ``grouped_mm`` (``None`` if the interface has none). Resolved at patch time (not traced)."""
