@@ -73,6 +73,9 @@ def routing_ops(backend: str) -> types.SimpleNamespace:
             name="torch", lynx_critical_set=pick("lynx_critical_set"), oea_critical_set=pick("oea_critical_set"),
             mass_greedy_grow=pick("mass_greedy_grow"), mass_floor_set=rt.mass_floor_set, remap=remap,
             xshare_critical_set=pick("xshare_critical_set"),
+            # the default policy's whole decode step in one numba call (CPU eager only: callers check
+            # routing_torch.host_reads_allowed); None without numba
+            lynx_mass_decode=rc.lynx_mass_decode if rc.AVAILABLE else None,
         )
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")

@@ -238,6 +238,23 @@ def remap_topk(scores, critical, top_k, check=True):
 
 
 @_jit
+def _insert_desc(top, m, kk, v):
+    """Insert ``v`` into the descending list ``top[:m]`` kept to ``kk`` entries; returns the new length."""
+    if m < kk:
+        top[m] = v
+        m += 1
+    elif v > top[kk - 1]:
+        top[kk - 1] = v
+    else:
+        return m
+    j = m - 1
+    while j > 0 and top[j] > top[j - 1]:
+        top[j], top[j - 1] = top[j - 1], top[j]
+        j -= 1
+    return m
+
+
+@_jit
 def _mass_greedy(w, cand, critical, top_k, price_fixed):
     t_count, n = w.shape
     kk = min(top_k, n)
@@ -245,44 +262,34 @@ def _mass_greedy(w, cand, critical, top_k, price_fixed):
     for e in range(n):
         if critical[e]:
             size += 1
-    kth = np.zeros(t_count, dtype=np.int64)
-    top = np.empty(kk, dtype=np.int64)
+    # each token's kk largest W inside S, descending (kept up to date as S grows: one insertion per step)
+    top = np.zeros((t_count, kk), dtype=np.int64)
+    filled = np.zeros(t_count, dtype=np.int64)
+    for t in range(t_count):
+        for e in range(n):
+            if critical[e]:
+                filled[t] = _insert_desc(top[t], filled[t], kk, w[t, e])
+    gain = np.empty(n, dtype=np.int64)
     while True:
+        gain[:] = 0
         for t in range(t_count):  # the kk-th largest W of the token inside S (0 if fewer than kk)
-            m = 0
+            kth = top[t, kk - 1] if filled[t] >= kk and top[t, kk - 1] > 0 else 0
             for e in range(n):
-                if critical[e]:
-                    v = w[t, e]
-                    if m < kk:
-                        top[m] = v
-                        m += 1
-                        j = m - 1
-                        while j > 0 and top[j] > top[j - 1]:
-                            top[j], top[j - 1] = top[j - 1], top[j]
-                            j -= 1
-                    elif v > top[kk - 1]:
-                        top[kk - 1] = v
-                        j = kk - 1
-                        while j > 0 and top[j] > top[j - 1]:
-                            top[j], top[j - 1] = top[j - 1], top[j]
-                            j -= 1
-            kth[t] = top[kk - 1] if m >= kk and top[kk - 1] > 0 else 0
+                d = w[t, e] - kth
+                if d > 0:
+                    gain[e] += d
         best = -1
         best_gain = -1
         for e in range(n):
-            if cand[e] and not critical[e]:
-                g = 0
-                for t in range(t_count):
-                    d = w[t, e] - kth[t]
-                    if d > 0:
-                        g += d
-                if g > best_gain:
-                    best_gain = g
-                    best = e
+            if cand[e] and not critical[e] and gain[e] > best_gain:
+                best_gain = gain[e]
+                best = e
         if best < 0 or not (best_gain >= price_fixed or size < top_k):
             return critical
         critical[best] = True
         size += 1
+        for t in range(t_count):
+            filled[t] = _insert_desc(top[t], filled[t], kk, w[t, best])
 
 
 def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=None, unit="token"):
@@ -382,3 +389,70 @@ def decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, ve
                   zeros if prefill_rows is None else _np(prefill_rows), zeros if finished_rows is None else _np(finished_rows),
                   int(num_experts), bool(verify), bool(fallback) if fallback is not None else False)
     return torch.from_numpy(row)
+
+
+@_jit
+def _lynx_mass_decode(s, lg, rel, den, idx, w, voters, top_k, alpha, beta, powers, price_fixed, mass_unit, count,
+                      verify):
+    """One decode step of the default policy in one loop nest: LYNX cover, routing-mass growth, remap,
+    telemetry row; ``voters [T]`` bool: the live rows (finished rows are remapped but neither vote nor count).
+    Returns ``(ok, new_idx, row)``; ``ok`` False when a router logit is not finite or a score is NaN or
+    ``+inf`` (the caller then takes the general path with its fallback)."""
+    t_count, n = s.shape
+    for t in range(t_count):
+        for e in range(n):
+            if not math.isfinite(lg[t, e]) or math.isnan(s[t, e]) or s[t, e] == math.inf:
+                return False, idx, np.zeros(11, dtype=np.float64)
+    seeded = np.zeros(n, dtype=np.bool_)
+    critical = _lynx_critical(s, idx, 1, alpha, beta, 0.0, powers, voters, seeded, False)
+    big_w = np.empty((t_count, n), dtype=np.int64)  # routing_torch.relative_weights in 2**-24 fixed point
+    for t in range(t_count):
+        for e in range(n):
+            v = np.float32(rel[t, e] / den[t]) if voters[t] and math.isfinite(s[t, e]) else np.float32(0.0)
+            big_w[t, e] = np.int64(np.rint(np.float32(v * mass_unit)))
+    cand = _union(idx, voters, n)
+    critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)
+    new_idx = _remap(s, critical, top_k)
+    if count:
+        row = _counts(idx, new_idx, w, voters, np.zeros(t_count, dtype=np.bool_), ~voters, n, verify, False)
+    else:
+        row = np.zeros(11, dtype=np.float64)
+    return True, new_idx, row
+
+
+def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *, alpha, beta, price, unit,
+                     telemetry=False, verify=False):
+    """The default policy's whole decode step on CPU in eager mode, for a step whose every token decodes
+    (``Step.decode`` is ``None``): LYNX cover (``lynx_critical_set`` with k 1, no consensus), :func:`mass_greedy_grow`,
+    :func:`remap_topk`, the family's weight rule and (``telemetry``) the step's telemetry row -- the same
+    integers as those functions one by one (tests/test_fused_route.py), with one compiled call instead of a
+    dozen torch ops and host conversions (issue 12: the routing overhead at small batches on CPU).
+
+    ``scores [T, N]`` fp32 selection scores, ``logits [T, N]`` router logits (any float dtype),
+    ``topk_weights`` / ``topk_idx [T, k]`` the model's routing, ``rule`` the block's ``WeightRule``, ``live [T]``
+    bool or ``None`` (every row): rows of finished requests are remapped into the set but neither vote nor count.
+    Returns ``None`` when a row is not finite or no row is live (the caller's general path handles those), else
+    ``(weights [T, k] in topk_weights.dtype, idx [T, k] in topk_idx.dtype, row fp64 [11] or None)``.
+    """
+    num_tokens, num_experts = scores.shape
+    top_k = topk_idx.shape[-1]
+    s = scores if scores.dtype == torch.float32 else scores.float()
+    logits32 = logits if logits.dtype == torch.float32 else logits.float()
+    rel = torch.exp(s - s.max(dim=-1, keepdim=True).values)  # relative_weights' torch arithmetic
+    idx64 = topk_idx if topk_idx.dtype == torch.int64 else topk_idx.long()
+    den = rel.gather(1, idx64).sum(dim=-1)
+    voters = np.ones(num_tokens, dtype=np.bool_) if live is None else _np(live, torch.bool)
+    num_voters = int(voters.sum()) if live is not None else num_tokens
+    if num_voters == 0:
+        return None
+    price_fixed = rt.batch_threshold(math.ceil(price * rt._MASS_UNIT), num_voters, unit)
+    w = _np(topk_weights, torch.float32) if telemetry else np.zeros((0, 0), dtype=np.float32)
+    ok, new_idx, row = _lynx_mass_decode(_np(s), _np(logits32), _np(rel), _np(den), _np(idx64), w, voters,
+                                         int(top_k), np.float32(alpha), int(beta), _powers(num_voters, int(beta)),
+                                         int(price_fixed), np.float32(rt._MASS_UNIT), bool(telemetry), bool(verify))
+    if not ok:
+        return None
+    new_idx = torch.from_numpy(new_idx)
+    weights = rt.routing_weights(logits32, new_idx, rule.rule, rule.renormalize, rule.scale)
+    return (weights.to(topk_weights.dtype), new_idx.to(topk_idx.dtype),
+            torch.from_numpy(row) if telemetry else None)

@@ -42,6 +42,8 @@ class RoutePlan:
     # the sparse Triton expert kernel runs only when chosen explicitly (``backend="triton"``); ``"auto"`` on
     # CUDA uses transformers' ``grouped_mm`` until a GPU run measures which is faster per shape [issue 12 item 5]
     expert_kernel: bool = False
+    # the policy's one-call CPU decode step (Policy.fused_decode), or None [issue 12: routing overhead on CPU]
+    fused: object = None
 
 
 class BlockRouting:
@@ -197,6 +199,15 @@ class BlockRouting:
                 self._record(step, idx, weights, idx, None)
             return weights, idx
         scores = self.spec.selection_scores(self.router, logits)
+        if plan.fused is not None and step.decode is None and host_reads_allowed(logits):
+            # CPU eager, every token decodes: the policy's one-call path (None: a non-finite row, see below)
+            out = plan.fused(scores, logits, weights, idx, self.rule, step.live, telemetry=cfg.telemetry,
+                             verify=step.kind == VERIFY)
+            if out is not None:
+                new_weights, new_idx, row = out
+                if row is not None:
+                    self.telemetry.add(row)
+                return new_weights, new_idx
         new_weights, new_idx, finite = remap(plan, self.rule, step, scores, logits, weights, idx)
         if cfg.telemetry:
             self._record(step, idx, weights, new_idx, finite)
@@ -233,8 +244,11 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> Rou
     device = torch.device(device)
     policy = policies.get(config.policy)
     backend = resolve_backend(config.backend, device) if device.type != "meta" else "torch"
-    return RoutePlan(device, backend, policy, policy.resolve(config, num_experts, top_k), routing_ops(backend),
-                     expert_kernel=backend == "triton" and config.backend == "triton")
+    params = policy.resolve(config, num_experts, top_k)
+    ops = routing_ops(backend)
+    return RoutePlan(device, backend, policy, params, ops,
+                     expert_kernel=backend == "triton" and config.backend == "triton",
+                     fused=policy.fused_decode(params, ops) if policy.remaps else None)
 
 
 def remap(plan: RoutePlan, rule, step: Step, scores, logits, weights, idx):

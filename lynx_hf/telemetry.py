@@ -48,6 +48,12 @@ class BlockTelemetry:
         return acc
 
     @torch.no_grad()
+    def add(self, row: torch.Tensor) -> None:
+        """Add one step's precomputed row (fp64 ``[11]``, slot order of this module; e.g. from
+        ``kernels.routing_cpu.lynx_mass_decode``) to the accumulators."""
+        self._buf(row.device).add_(row)
+
+    @torch.no_grad()
     def record(
         self,
         num_experts: int,

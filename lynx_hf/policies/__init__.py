@@ -57,6 +57,13 @@ class Policy:
     def critical_set(self, params, ops, step: StepTensors) -> torch.Tensor:
         raise NotImplementedError
 
+    def fused_decode(self, params, ops):
+        """A callable doing this policy's whole decode step in one call (critical set, remap, weight rule,
+        telemetry row), used by the core on CPU in eager mode for steps where every token decodes; ``None``
+        (the default) when the policy has none for ``params`` / ``ops``. Signature and return value:
+        :func:`lynx_hf.kernels.routing_cpu.lynx_mass_decode` without its keyword parameters."""
+        return None
+
 
 REGISTRY: dict[str, Policy] = {}
 

@@ -10,6 +10,7 @@ project's two extensions (``LynxConfig`` documents each field):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -57,6 +58,15 @@ class LynxPolicy(Policy):
         if p.mass_floor > 0:
             critical = critical | ops.mass_floor_set(idx, step.topk_weights, s.shape[-1], p.mass_floor, vote=step.vote)
         return critical
+
+    def fused_decode(self, p: LynxParams, ops):
+        """The default rule (cover, then routing-mass growth; no ``mass_floor``) as one compiled call on CPU
+        (``ops.lynx_mass_decode``, the torch backend with numba): same integers as :meth:`critical_set`
+        followed by the remap [issue 12: routing overhead at small batches]."""
+        fn = getattr(ops, "lynx_mass_decode", None)
+        if fn is None or p.mass_price is None or p.mass_floor > 0 or not math.isfinite(p.alpha):
+            return None
+        return functools.partial(fn, alpha=p.alpha, beta=p.beta, price=p.mass_price, unit=p.price_unit)
 
 
 register(LynxPolicy())
