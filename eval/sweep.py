@@ -78,7 +78,7 @@ ALPHA_MULTS = [0.5, 1.0, 2.0]
 PRICE_REF_B = 16  # batch price p <-> token price PRICE_REF_B * p (identical at B = PRICE_REF_B)
 PRICE_UNITS = ("token", "batch", "sqrt")  # the routing-mass greedy's price units (LynxConfig.price_unit)
 UNIT_SCALE = {"token": 1.0, "batch": float(PRICE_REF_B), "sqrt": math.sqrt(PRICE_REF_B)}  # grid = token grid / scale
-TOKEN_PRICES = [0.03125, 0.0625, 0.125, 0.25, 0.375, 0.5, 0.75, 1.0, 1.5, 2.0]
+TOKEN_PRICES = [0.03125, 0.0625, 0.125, 0.25, 0.375, 0.4375, 0.5, 0.75, 1.0, 1.5, 2.0]  # 0.4375 added after the retrained A crossed 1 % between 0.375 and 0.5
 XSHARE_FRACTIONS = [0.125, 0.1875, 0.25, 0.375, 0.5, 0.625, 0.75]
 XSHARE_WARMUPS = [1, 0]
 # at the other batch sizes (before the fill-in adds the default's series and the chosen points): the

@@ -41,7 +41,7 @@ class LynxConfig:
       greedily by routing mass: an expert of the batch's union joins while the routing mass it
       restores, summed over the batch's tokens (units: one token's whole top-k mass), is at least
       ``mass_price``. This replaces the consensus and grow-by-score steps (``tau`` is then unused).
-      Default 0.125 with ``price_unit="sqrt"`` (0.5 tokens' mass at B = 16): chosen by the Pareto sweep
+      Default 0.109375 (7/64) with ``price_unit="sqrt"`` (0.4375 tokens' mass at B = 16): chosen by the Pareto sweep
       (``eval/sweep.py``, rule: on fixture A at B = 16 the fewest unique experts with next-token
       cross-entropy up <= 1 % relative, over the paper's tau/alpha grid and this series; the unit by
       dCE <= 1 % at every B on fixtures A, B, C, ``eval/results/sweep.md``), then fixed. ``None`` gives the paper's rule (tau, grow by
@@ -71,7 +71,7 @@ class LynxConfig:
     beta: int | None = field(default=None, metadata={"help": "LYNX voting bins below bin 0 (None: from k/N)"})
     tau: float = field(default=1.0, metadata={"help": "LYNX consensus threshold (paper rule, mass_price=None)"})
     mass_floor: float = field(default=0.0, metadata={"help": "share of each token's top-k weight it always keeps"})
-    mass_price: float | None = field(default=0.125, metadata={
+    mass_price: float | None = field(default=0.109375, metadata={
         "help": "routing-mass growth price in tokens' worth of mass (None: the paper's rule)"})
     price_unit: str = field(default="sqrt", metadata={
         "help": "mass_price unit: token (tokens' worth of mass), batch (x B decode tokens) or sqrt (x sqrt(B))"})

@@ -418,9 +418,9 @@ def test_policy_default_matches_greedy_by_hand(seed):
     own = own_topk(s, k)
     alpha, beta = R.default_lynx_bins(n, k)
     cover = lynx_by_hand(s, own.tolist(), 1, alpha, beta, None)
-    cfg = LynxConfig()  # the default: mass_price 0.125 per sqrt(B) voting tokens (B = t here)
-    assert (cfg.mass_price, cfg.price_unit) == (0.125, "sqrt")
-    want = greedy_by_hand(s, own.tolist(), sorted(cover), k, math.ceil(math.sqrt(t) * float(math.ceil(0.125 * 2**24))))
+    cfg = LynxConfig()  # the default: mass_price 7/64 per sqrt(B) voting tokens (B = t here)
+    assert (cfg.mass_price, cfg.price_unit) == (0.109375, "sqrt")
+    want = greedy_by_hand(s, own.tolist(), sorted(cover), k, math.ceil(math.sqrt(t) * float(math.ceil(0.109375 * 2**24))))
     assert set(P.critical_set(cfg, s, own, k).nonzero().flatten().tolist()) == want
 
 
