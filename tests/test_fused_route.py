@@ -24,22 +24,15 @@ from lynx_hf.kernels import routing_torch as rt
 from lynx_hf.telemetry import BlockTelemetry
 
 import tiny_models
-
-_VALUES = st.one_of(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),
-                    st.floats(-6, 6, allow_nan=False, width=32), st.just(-math.inf))
+from test_routing_cpu import routing_scores
 
 
 @st.composite
 def steps(draw):
-    t = draw(st.integers(2, 16))
-    n = draw(st.integers(3, 40))
-    k = draw(st.integers(1, min(n - 1, 6)))
-    s = draw(arrays(np.float32, (t, n), elements=_VALUES))
-    s[:, :k] = np.where(np.isfinite(s[:, :k]), s[:, :k], 0.0)  # every row keeps >= k allowed experts
-    scores = torch.from_numpy(s)
+    scores, idx, k = draw(routing_scores(tokens=(2, 16), experts=(3, 40), max_k=6, k_below_n=True))
+    t = scores.shape[0]
     # router logits: the scores where allowed, any finite value where the model forbids the expert
     logits = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, -3.0))
-    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     weights = torch.softmax(logits, dim=-1).gather(1, idx).to(draw(st.sampled_from([torch.float32, torch.bfloat16])))
     live = draw(st.one_of(st.none(), arrays(np.bool_, (t,)).filter(lambda a: a.any()).map(torch.from_numpy)))
     return scores, logits, weights, idx, k, live

@@ -24,14 +24,23 @@ _VALUES = st.one_of(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),
 
 
 @st.composite
-def steps(draw):
-    t = draw(st.integers(1, 12))
-    n = draw(st.integers(2, 24))
-    k = draw(st.integers(1, min(n, 5)))
+def routing_scores(draw, tokens=(1, 12), experts=(2, 24), max_k=5, k_below_n=False):
+    """``(scores [T, N] fp32, own top-k idx [T, k] int64, k)``: values from ``_VALUES`` (ties, -inf), every row
+    with at least k allowed experts; ``k_below_n`` keeps k < N (also used by tests/test_fused_route.py)."""
+    t = draw(st.integers(*tokens))
+    n = draw(st.integers(*experts))
+    k = draw(st.integers(1, min(n - 1 if k_below_n else n, max_k)))
     s = draw(arrays(np.float32, (t, n), elements=_VALUES))
     s[:, :k] = np.where(np.isfinite(s[:, :k]), s[:, :k], 0.0)  # every row keeps >= k allowed experts
     scores = torch.from_numpy(s)
     idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return scores, idx, k
+
+
+@st.composite
+def steps(draw):
+    scores, idx, k = draw(routing_scores())
+    t, n = scores.shape
     vote = draw(st.one_of(st.none(), arrays(np.bool_, (t,)).map(torch.from_numpy)))
     seed = draw(st.one_of(st.none(), arrays(np.bool_, (n,)).map(torch.from_numpy)))
     return scores, idx, k, vote, seed
