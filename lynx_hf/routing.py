@@ -248,7 +248,7 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> Rou
     ops = routing_ops(backend)
     return RoutePlan(device, backend, policy, params, ops,
                      expert_kernel=backend == "triton" and config.backend == "triton",
-                     fused=policy.fused_decode(params, ops) if policy.remaps else None)
+                     fused=policy.fused_decode(params, ops))
 
 
 def remap(plan: RoutePlan, rule, step: Step, scores, logits, weights, idx):

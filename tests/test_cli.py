@@ -97,7 +97,8 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
     assert len(report["checks"]) >= 4 and all(report["checks"].values()), report["checks"]
 
 
-# a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words)
+# a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words);
+# also lm-eval's model_args (tests/test_lm_eval.py)
 NON_DEFAULT = {"policy": "oea", "phase": "never", "alpha": "2.5", "beta": "3", "tau": "2.0", "mass_floor": "0.25",
                "mass_price": "None", "price_unit": "batch", "k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
                "xshare_warmup": "2", "q_max": "2", "verify": "false", "backend": "torch", "telemetry": "false"}

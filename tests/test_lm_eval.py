@@ -19,6 +19,7 @@ import torch
 import lynx_hf
 from lynx_hf import LynxConfig
 import evaluation as ev  # eval/evaluation.py (conftest puts eval/ on sys.path)
+from test_cli import NON_DEFAULT, NON_DEFAULT_CONFIG
 
 FIXTURE = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR)) / "qwen2moe-tiny"
 GEN_TASK, LL_TASK = "lynx_code_line_completion", "lynx_code_next_line_mc"
@@ -124,13 +125,9 @@ def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_pa
     assert LL_TASK in res.stdout and "acc" in res.stdout
 
 
-# a non-default value for every LynxConfig field, as model_args spell it (backend is lynx_backend there)
-MODEL_ARGS = {"policy": "oea", "phase": "never", "alpha": "2.5", "beta": "3", "tau": "2.0", "mass_floor": "0.25",
-              "mass_price": "None", "price_unit": "batch", "k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
-              "xshare_warmup": "2", "q_max": "2", "verify": "false", "lynx_backend": "torch", "telemetry": "false"}
-WANT = LynxConfig(policy="oea", phase="never", alpha=2.5, beta=3, tau=2.0, mass_floor=0.25, mass_price=None,
-                  price_unit="batch", k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
-                  verify=False, backend="torch", telemetry=False)
+# a non-default value for every LynxConfig field (tests/test_cli.py), as model_args spell it (backend is lynx_backend)
+MODEL_ARGS = {("lynx_backend" if k == "backend" else k): v for k, v in NON_DEFAULT.items()}
+WANT = LynxConfig(**NON_DEFAULT_CONFIG)
 
 
 def _lynx_lm(args: str):
