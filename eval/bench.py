@@ -3,14 +3,16 @@ unique experts, end-to-end TPOT. Random bf16 weights; every comparison runs in O
 interleaved (round-robin over variants, rotating the start each round), reported as medians and
 ratios. Timings on a shared machine are noisy: read ratios, not absolute times.
 
-    python eval/bench.py            # full run (writes eval/results/bench_*)
-    python eval/bench.py --quick    # smoke run on 1/16-scaled shapes, < 1 minute (writes bench_quick_*)
+    python -m lynx_hf.eval.bench            # full run (writes bench_* to --out)
+    python -m lynx_hf.eval.bench --quick    # smoke run: one 1/16-scaled shape, B = 16, one round (writes bench_quick_*)
+
+``lynx-hf bench`` runs this module. --out defaults to eval/results in the source checkout, else ./lynx_hf_results.
 
 Sections
 1. layer: one MoE block per shape (Qwen2-57B-A14B, DeepSeek-V2-Lite, Mixtral-8x7B), B in {1,4,16,32,64}.
    Variants: HF block with experts implementation "eager" and "grouped_mm" (HF's default for a
    model on this machine), the lynx_hf-patched block (LynxConfig(phase="decode")) with policy none,
-   lynx, oea on the block's own experts (grouped_mm), and lynx with eval/sparse_torch.py's
+   lynx, oea on the block's own experts (grouped_mm), and lynx with lynx_hf.eval.sparse_torch's
    sparse_experts_torch as the experts path ("lynx+sparse"). Router logits are injected by setting
    the router weight W so that router(hidden) = L (least squares, exact for B <= H up to bf16
    rounding). Sources of L: "real" = i.i.d. normal logits scaled by a temperature calibrated so that
@@ -40,8 +42,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -50,10 +50,12 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 import lynx_hf  # noqa: E402
 from lynx_hf import policies  # noqa: E402
 from lynx_hf.patches import find_spec  # noqa: E402
-from sparse_torch import sparse_experts_torch  # noqa: E402  (eval/sparse_torch.py)
+
+from . import RESULTS_DIR as RESULTS  # noqa: E402
+from . import command  # noqa: E402
+from .sparse_torch import sparse_experts_torch  # noqa: E402
 
 hf_logging.set_verbosity_error()
-RESULTS = ROOT / "eval" / "results"
 TOP1_TARGET = 0.42
 
 # name: (family, HF config kwargs) at real sizes (H, moe I, N, k, shared)
@@ -68,6 +70,7 @@ SHAPES = {
                                      num_experts_per_tok=2)),
 }
 SIZE_KEYS = ("hidden_size", "moe_intermediate_size", "shared_expert_intermediate_size", "intermediate_size")
+QUICK_SHAPE = "deepseek-v2-lite"  # the smallest block (H 2048, 64 experts of I 1408)
 
 
 # --------------------------------------------------------------------------------------------- build
@@ -193,7 +196,7 @@ def interleaved(fns: dict, rounds: int, warmup: int = 1) -> dict:
 def time_route(holder, cfg, logits, weights, topk_idx, reps: int) -> float:
     """Median time of the whole decode-step routing post-process of one block, as the router hook runs
     it: selection scores, policy, remap, weight rule, per-token merge and telemetry (BlockRouting.route)."""
-    from lynx_hf.step import Step
+    from lynx_hf.core import Step
 
     lynx_hf.patch(holder, cfg)
     state = lynx_hf.patcher._state(holder).blocks[0]
@@ -307,7 +310,7 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                         + f"  remap={remap_s * 1e3:.2f}ms ({100 * remap_s / med['lynx']:.2f}% of lynx layer)")
         lynx_hf.unpatch(holder)
         assert type(block.experts).forward is experts_forward
-        del holder, block
+        holder = block = None  # free the weights (the timing closures hold the cells)
         gc.collect()
 
 
@@ -370,7 +373,7 @@ def bench_t_sweep(args, shape: tuple, log) -> dict:
         fits[variant] = {"T": xs, "ms": ys, "slope_ms_per_expert": slope, "intercept_ms": intercept, "r2": r2}
         log(f"  T-fit {variant}: time = {intercept:.2f} ms + {slope:.3f} ms x T  (R^2 = {r2:.4f}); "
             + " ".join(f"T{t}:{y:.1f}" for t, y in zip(xs, ys)))
-    del block
+    block = None  # free the weights (the timing closures hold the cell)
     gc.collect()
     return fits
 
@@ -474,7 +477,7 @@ def bench_tpot(args, kwargs: dict, log) -> list:
                      "same_tokens_as_hf": bool(torch.equal(outputs[v], outputs["hf"]))})
         log(f"  TPOT {v:5s}: {tpot * 1e3:8.1f} ms  ratio {tpot / base:.3f}  T {rows[-1]['T_before']} -> "
             f"{rows[-1]['T_after']}")
-    del model
+    model = None  # free the weights (the run closure holds the cell)
     gc.collect()
     return rows
 
@@ -521,8 +524,13 @@ def layer_markdown(rows: list, header: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def plot_sweep(fits: dict, path: Path, title: str) -> None:
-    import matplotlib
+def plot_sweep(fits: dict, path: Path, title: str, log=print) -> None:
+    """The T-sweep PNG; skipped with a note when matplotlib (the ``eval`` extra) is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        log(f"  (no {path.name}: matplotlib is not installed; pip install 'lynx-hf[eval]')")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -556,10 +564,13 @@ def scaled_shapes(factor: int) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="1/16-scaled shapes, few batches/rounds, short generate (< 1 min)")
-    p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 4, 16, 32, 64])
-    p.add_argument("--sources", nargs="+", default=["real", "uniform"], choices=["real", "uniform"])
+    p.add_argument("--quick", action="store_true",
+                   help=f"smoke run in well under a minute: the smallest shape ({QUICK_SHAPE}) scaled by 1/16, B = 16, "
+                        "real routing, one round, a coarse T sweep, a 3-token generate; prints the ratios")
+    p.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES), help="default: all (--quick: the smallest)")
+    p.add_argument("--batches", nargs="+", type=int, default=None, help="default: 1 4 16 32 64 (--quick: 16)")
+    p.add_argument("--sources", nargs="+", default=None, choices=["real", "uniform"],
+                   help="default: real uniform (--quick: real)")
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per layer cell (median)")
     p.add_argument("--remap-reps", type=int, default=20)
     p.add_argument("--eager-everywhere", action="store_true", help="also time HF eager on uniform routing")
@@ -574,10 +585,15 @@ def parse_args(argv=None):
     p.add_argument("--tpot-rounds", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], choices=["layer", "sweep", "tpot"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--out", type=Path, default=RESULTS,
+                   help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = p.parse_args(argv)
+    quick = {"shapes": [QUICK_SHAPE], "batches": [16], "sources": ["real"]}
+    full = {"shapes": list(SHAPES), "batches": [1, 4, 16, 32, 64], "sources": ["real", "uniform"]}
+    for key, value in (quick if args.quick else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if args.quick:
-        args.batches = [1, 16]
         args.rounds = 1
         args.remap_reps = 3
         args.sweep_step = 24
@@ -606,7 +622,7 @@ def main(argv=None) -> int:
         print(msg, flush=True)
         lines.append(msg)
 
-    cmd = "python eval/bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = command("bench", argv)
     log(f"# lynx_hf decode benchmark ({'quick, 1/16-scaled shapes' if args.quick else 'real shapes'})")
     log(f"command: `{cmd.strip()}`; torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, CPU; "
         f"interleaved rounds={args.rounds}")
@@ -621,7 +637,8 @@ def main(argv=None) -> int:
         name = "qwen2-57b-a14b" if "qwen2-57b-a14b" in shapes else next(iter(shapes))
         log(f"\n## latency vs unique experts: {name}, B={args.sweep_batch}")
         fits = bench_t_sweep(args, shapes[name], log)
-        plot_sweep(fits, args.out / f"{prefix}latency_vs_T.png", f"{name} MoE block, B={args.sweep_batch}, bf16 CPU")
+        plot_sweep(fits, args.out / f"{prefix}latency_vs_T.png", f"{name} MoE block, B={args.sweep_batch}, bf16 CPU",
+                   log)
         write_csv(args.out / f"{prefix}latency_vs_T.csv",
                   [{"variant": v, "T": t, "median_ms": round(ms, 3)} for v, f in fits.items()
                    for t, ms in zip(f["T"], f["ms"])])

@@ -2,17 +2,17 @@
 ``torch.compile(fullgraph=True)`` (inductor), unpatched vs LYNX (default config), interleaved rounds in one
 process, medians and ratios to eager unpatched.
 
-    python eval/bench_compile.py                      # fixture A (bf16, its stored dtype) and the 2-layer Qwen2-57B-A14B config (bf16)
-    python eval/bench_compile.py --models fixture     # only fixture A
+    python -m lynx_hf.eval.bench_compile                   # fixture A (bf16, its stored dtype) and the 2-layer Qwen2-57B-A14B config (bf16)
+    python -m lynx_hf.eval.bench_compile --models fixture  # only fixture A
 
 Models: fixture A (eval/fixtures/qwen2moe-tiny) and Qwen2-57B-A14B's config cut to 2 decoder layers with
-random weights (eval/bench.py: build_tpot_model; router weights scaled to the fixtures' confidence).
+random weights (lynx_hf.eval.bench.build_tpot_model; router weights scaled to the fixtures' confidence).
 For each: prefill B prompts into a StaticCache, then time the forward of one decode token per row
 (the same inputs every call; the cache is rewound to the prompt before each, so every call writes the same slot). Variants: eager unpatched, eager LYNX,
 compiled unpatched, compiled LYNX (each compiled once, fullgraph, static shapes; compile time printed
 but not counted). Also checks compiled LYNX == eager LYNX logits (atol 1e-3 bf16 / 1e-4 fp32) and
 that the compiled step still remaps (lynx_hf.stats). Run it alone on the machine: it times.
-Writes eval/results/bench_compile.md.
+Writes bench_compile.md to --out (default: eval/results in the source checkout, else ./lynx_hf_results).
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, StaticCache  # noqa: E402
 
 import lynx_hf  # noqa: E402
+
+from . import DEFAULT_FIXTURE, RESULTS_DIR, command  # noqa: E402
 
 
 def _decode_inputs(model, batch: int, prompt: int, vocab: int, seed: int = 0):
@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(ROOT / "eval" / "results"))
+    ap.add_argument("--out", default=str(RESULTS_DIR),
+                    help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lines = []
@@ -128,18 +129,18 @@ def main(argv=None) -> int:
     rows = []
     t_start = time.perf_counter()
     if "fixture" in args.models:
-        model = AutoModelForCausalLM.from_pretrained(ROOT / "eval" / "fixtures" / "qwen2moe-tiny").eval()
+        model = AutoModelForCausalLM.from_pretrained(DEFAULT_FIXTURE).eval()
         rows += bench("fixture A (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 4096), args.rounds, log)
         del model
     if "qwen2-57b-2l" in args.models:
-        from bench import SHAPES, build_tpot_model
+        from .bench import SHAPES, build_tpot_model
 
         model = build_tpot_model(SHAPES["qwen2-57b-a14b"][1], layers=2, vocab=512)
         rows += bench("Qwen2-57B-A14B, 2 layers (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 512),
                       args.rounds, log)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    md = ["# Compiled decode on CPU", "", f"command: `python eval/bench_compile.py {' '.join(argv or sys.argv[1:])}`".rstrip(),
+    md = ["# Compiled decode on CPU", "", f"command: `{command('bench_compile', argv)}`",
           "", f"One decode step (B = {args.batch}, StaticCache, prompt {args.prompt}), median of {args.rounds} "
           "interleaved rounds, ratio to eager unpatched; torch.compile(fullgraph=True, dynamic=False), inductor on "
           f"{args.threads} CPU threads; compile time excluded. Total run {time.perf_counter() - t_start:.0f} s.", "",

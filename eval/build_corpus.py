@@ -16,7 +16,7 @@ Outputs:
   eval/data/valid_code.jsonl      committed held-out code
   eval/data/prompts.txt           16 short held-out prompts, one per line
 
-Usage:  apt-get install -y python3.11-doc && python eval/build_corpus.py
+Usage:  apt-get install -y python3.11-doc && python -m lynx_hf.eval.build_corpus   (in a source checkout)
 
 The committed tokenizer (eval/fixtures/*/tokenizer.json) was built from the Debian 3.11.2-6+deb12u9 packages
 (python3.11-doc, libpython3.11-stdlib, libpython3.11-minimal); other package versions change a few files and
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import numpy as np
 
+from . import DATA_DIR as DATA
+from . import DEFAULT_FIXTURE, require_checkout
+from . import WORK_DIR as WORK
+
 EOS = "<|endoftext|>"
 DOCS_ROOT = Path("/usr/share/doc/python3.11-doc/html/_sources")
 CODE_ROOT = Path("/usr/lib/python3.11")
 CODE_EXCLUDE_PARTS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idle_test"}
-
-REPO = Path(__file__).resolve().parents[1]
-WORK = REPO / "eval" / "work"
-DATA = REPO / "eval" / "data"
 
 
 def is_valid(key: str) -> bool:
@@ -127,6 +127,7 @@ def main() -> None:
     ap.add_argument("--docs-root", type=Path, default=DOCS_ROOT)
     ap.add_argument("--code-root", type=Path, default=CODE_ROOT)
     args = ap.parse_args()
+    require_checkout("build_corpus")  # rewrites the committed eval/data
 
     WORK.mkdir(parents=True, exist_ok=True)
     DATA.mkdir(parents=True, exist_ok=True)
@@ -143,9 +144,9 @@ def main() -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
     eos_id = tok.convert_tokens_to_ids(EOS)
     assert eos_id == 0, eos_id
-    committed = REPO / "eval" / "fixtures" / "qwen2moe-tiny" / "tokenizer.json"
+    committed = DEFAULT_FIXTURE / "tokenizer.json"
     if committed.is_file() and committed.read_bytes() != (WORK / "tokenizer" / "tokenizer.json").read_bytes():
-        print(f"WARNING: the rebuilt tokenizer differs from {committed.relative_to(REPO)}: the fixtures need the "
+        print(f"WARNING: the rebuilt tokenizer differs from {committed}: the fixtures need the "
               "committed one (sources differ: see the docstring on Debian package versions)")
 
     ids: list[int] = []
@@ -155,12 +156,12 @@ def main() -> None:
         ids.extend(e.ids)
         ids.append(eos_id)
         s = stats["train"][dom]
-        s[0] += 1; s[1] += len(t); s[2] += len(e.ids) + 1
+        s[0], s[1], s[2] = s[0] + 1, s[1] + len(t), s[2] + len(e.ids) + 1
     arr = np.asarray(ids, dtype=np.uint16)
     np.save(WORK / "train_tokens.npy", arr)
     for dom, _, t in valid:
         s = stats["valid"][dom]
-        s[0] += 1; s[1] += len(t); s[2] += len(tok(t)["input_ids"]) + 1
+        s[0], s[1], s[2] = s[0] + 1, s[1] + len(t), s[2] + len(tok(t)["input_ids"]) + 1
 
     # Committed validation subset: valid files in hash order, each truncated at a line boundary.
     prompts: dict[str, list[str]] = {"docs": [], "code": []}

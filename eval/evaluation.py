@@ -33,11 +33,8 @@ from tqdm.auto import tqdm
 
 from lynx_hf import LynxConfig, patcher
 
-REPO = Path(__file__).resolve().parent.parent
-DATA_DIR = REPO / "eval" / "data"
-TASKS_DIR = REPO / "eval" / "tasks"
-FIXTURES_DIR = REPO / "eval" / "fixtures"
-RESULTS_DIR = REPO / "eval" / "results"
+from . import DATA_DIR, FIXTURES_DIR, RESULTS_DIR, TASKS_DIR  # noqa: F401  (re-exported for the scripts and tests)
+
 HELDOUT_FILES = (DATA_DIR / "valid_docs.jsonl", DATA_DIR / "valid_code.jsonl")
 
 #: a policy to evaluate: (name, config); config ``None`` = the unpatched model.
@@ -320,10 +317,10 @@ def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, 
         entry = {
             "name": name, "policy": cfg.policy, "tau": cfg.tau if cfg.policy == "lynx" else None,
             "alpha": cfg.alpha, "alpha_mult": _alpha_mult(cfg, num_experts, top_k),
-            "beta": cfg.beta, "mass_floor": getattr(cfg, "mass_floor", 0.0) if cfg.policy == "lynx" else None,
+            "beta": cfg.beta,
             "mass_price": cfg.mass_price if cfg.policy == "lynx" else None,
             "price_unit": cfg.price_unit if cfg.policy == "lynx" and cfg.mass_price is not None else None,
-            "k0": cfg.k0 if cfg.policy == "oea" else None,
+            "k0": cfg.oea_k0 if cfg.policy == "oea" else None,
             "xshare_fraction": cfg.xshare_fraction if cfg.policy == "xshare" and cfg.xshare_budget is None else None,
             "xshare_budget": _xshare_budget(cfg, num_experts) if cfg.policy == "xshare" else None,
             "xshare_warmup": cfg.xshare_warmup if cfg.policy == "xshare" else None,

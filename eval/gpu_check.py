@@ -14,14 +14,14 @@ Sections (run in this order; each is skipped with a printed note when the time b
    traced by ``torch.compile(fullgraph=True)`` equal eager.
 2. ``sync`` — ``torch.cuda.set_sync_debug_mode("error")`` over patched decode steps of the 2-layer
    Qwen2-57B-A14B config (random weights, built from its config, never the hub) with policies lynx
-   default, paper rule (``mass_price=None``), oea, mass_floor; backends triton (what ``auto`` gives on
-   CUDA) and torch. Scope: the whole decode forward if the *unpatched* forward passes the same mode;
+   default, paper rule (``mass_price=None``), oea; the Triton routing ops + sparse expert kernel (what ``auto``
+   gives on CUDA) and the torch routing ops. Scope: the whole decode forward if the *unpatched* forward passes the same mode;
    else (HF's own code syncs) the ``"warn"`` mode with each sync attributed to the Python frame that
    issued it: none may come from lynx_hf's files.
 3. ``tpot`` — TPOT of ``model.generate`` for the 2-layer Qwen2-57B-A14B and DeepSeek-V2-Lite configs
    (bf16, vocab 4096), B = 1, 4, 16, 64: HF default (unpatched) vs LYNX default with transformers'
-   ``grouped_mm`` experts (``backend="torch"``) vs LYNX default with the Triton routing + sparse expert
-   kernel (``backend="triton"``), interleaved rounds; unique experts per layer-step before / after.
+   ``grouped_mm`` experts (``routing_backend="torch"``) vs LYNX default with the Triton routing + sparse expert
+   kernel (``routing_backend="triton", expert_path="triton"``), interleaved rounds; unique experts per layer-step before / after.
    Prints, per shape, the expert path ``auto`` should take (the faster LYNX variant).
 4. ``graphs`` — CUDA-graph capture of compiled static-cache decode with LYNX: ``model.generate(...,
    cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))``
@@ -29,9 +29,9 @@ Sections (run in this order; each is skipped with a printed note when the time b
 
 A summary table closes the run. Exit status 1 if any check fails.
 
-    python eval/gpu_check.py                 # on a CUDA machine (prints a note and exits 0 without CUDA)
-    python eval/gpu_check.py --dry-run       # CPU: each section on tiny shapes under the Triton interpreter
-    python eval/gpu_check.py --sections kernels,sync --budget 300
+    python -m lynx_hf.eval.gpu_check              # on a CUDA machine (prints a note and exits 0 without CUDA)
+    python -m lynx_hf.eval.gpu_check --dry-run    # CPU: each section on tiny shapes under the Triton interpreter
+    python -m lynx_hf.eval.gpu_check --sections kernels,sync --budget 300
 
 ``--dry-run`` tests this script, not performance: sync detection there is a dispatch-mode check of
 lynx_hf's own frames (CUDA's sync debug mode needs CUDA), the compile section uses dynamo with the eager
@@ -56,7 +56,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kernel_report import MODELS as KERNEL_MODELS  # noqa: E402  (eval/: name -> (H, I, N, k, rule, renorm, scale))
+from .kernel_report import MODELS as KERNEL_MODELS  # noqa: E402  (name -> (H, I, N, k, rule, renorm, scale))
+
 DRY_KERNEL_MODELS = {
     "tiny-qwen": (64, 32, 16, 4, "softmax_all", False, 1.0),
     "tiny-mixtral": (48, 32, 8, 2, "softmax_chosen", False, 1.0),
@@ -67,9 +68,11 @@ TPOT_BATCHES, DRY_TPOT_BATCHES = (1, 4, 16, 64), (1, 2)
 SYNC_POLICIES = {
     "lynx default": dict(policy="lynx"),
     "lynx paper rule": dict(policy="lynx", mass_price=None),
-    "oea k0=1": dict(policy="oea", k0=1),
-    "lynx mass_floor 0.5": dict(policy="lynx", mass_floor=0.5),
+    "oea k0=1": dict(policy="oea", oea_k0=1),
 }
+#: the routing ops and expert path of a variant (LynxConfig fields)
+TRITON = dict(routing_backend="triton", expert_path="triton")
+TORCH = dict(routing_backend="torch")
 SUMMARY: list[tuple[str, str, str, str]] = []  # (section, check, status, detail)
 
 
@@ -136,13 +139,10 @@ class HostReadDetector:
     lynx_hf's own files (``.item()``, ``nonzero``, ``is_nonzero``, ``masked_select``, ``unique``...)."""
 
     def __init__(self) -> None:
-        import lynx_hf
         from torch.utils._python_dispatch import TorchDispatchMode
 
         aten = torch.ops.aten
-        root = os.path.dirname(os.path.abspath(lynx_hf.__file__))
-        self._roots = tuple({root, os.path.join(os.path.dirname(root), "patches"),
-                             os.path.join(os.path.dirname(root), "kernels")})
+        self._roots = _our_roots()
         self._bad = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
                      aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
                      aten.bincount.default, aten.equal.default}
@@ -155,7 +155,7 @@ class HostReadDetector:
                     frame = sys._getframe(1)
                     while frame is not None:
                         name = os.path.abspath(frame.f_code.co_filename)
-                        if name.startswith(outer._roots):
+                        if _ours(name, outer._roots):
                             outer.violations.append(f"{func} at {name}:{frame.f_lineno}")
                             break
                         frame = frame.f_back
@@ -241,7 +241,8 @@ def prompts(batch: int, length: int, vocab: int, dev):
 
 # ------------------------------------------------------------------------------------------- section 1
 def section_kernels(args, dev, budget) -> None:
-    from lynx_hf.kernels import moe, moe_naive, routing, routing_torch as ref
+    from lynx_hf.kernels import moe, moe_naive, routing
+    from lynx_hf.kernels import routing_torch as ref
 
     S = "kernels"
     models = DRY_KERNEL_MODELS if args.dry_run else KERNEL_MODELS
@@ -341,11 +342,20 @@ def _decode_steps(model, dev, batch, steps, guard):
 
 
 def _our_roots() -> tuple[str, ...]:
-    import lynx_hf
+    """The folders of lynx_hf, lynx_hf.patches and lynx_hf.kernels (one folder in a wheel, three in the source
+    checkout); lynx_hf.eval's own frames (this script) are not the library's."""
+    import importlib.util
 
-    root = os.path.dirname(os.path.abspath(lynx_hf.__file__))
-    parent = os.path.dirname(root)
-    return tuple({root, os.path.join(parent, "patches"), os.path.join(parent, "kernels")})
+    return tuple({os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))
+                  for name in ("lynx_hf", "lynx_hf.patches", "lynx_hf.kernels")})
+
+
+_EVAL_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _ours(path: str, roots: tuple[str, ...]) -> bool:
+    """``path`` is a file of the library (in a wheel lynx_hf.eval lies inside lynx_hf's folder: not the library)."""
+    return path.startswith(roots) and not path.startswith(_EVAL_DIR + os.sep)
 
 
 class CudaSyncGuard:
@@ -374,7 +384,7 @@ class CudaSyncGuard:
             if name.startswith(self._torch) or name.endswith(("warnings.py", "gpu_check.py")):
                 continue
             where = f"{name}:{frame.lineno}"
-            (self.ours if name.startswith(self._roots) else self.others).append(where)
+            (self.ours if _ours(name, self._roots) else self.others).append(where)
             return None
         self.others.append("?")
         return None
@@ -441,9 +451,9 @@ def section_sync(args, dev, budget, models) -> None:
                 yield
 
         note(S, "scope", "dispatch-mode check of lynx_hf frames under strict_sync_free() (CPU dry run)")
-    for backend in ("triton", "torch"):
+    for backend, ops in (("triton", TRITON), ("torch", TORCH)):
         for label, kwargs in SYNC_POLICIES.items():
-            lynx_hf.patch(model, backend=backend, **kwargs)
+            lynx_hf.patch(model, **ops, **kwargs)
             try:
                 if dev.type == "cuda":
                     guard = CudaSyncGuard(mode)
@@ -481,14 +491,15 @@ class StepClock:
 
 
 def section_tpot(args, dev, budget, models) -> None:
-    import lynx_hf
     from transformers import LogitsProcessorList
+
+    import lynx_hf
 
     S = "tpot"
     batches = DRY_TPOT_BATCHES if args.dry_run else TPOT_BATCHES
     new_tokens = 3 if args.dry_run else args.new_tokens
     rounds = 1 if args.dry_run else args.rounds
-    variants = {"hf": None, "lynx grouped_mm": "torch", "lynx triton": "triton"}
+    variants = {"hf": None, "lynx grouped_mm": TORCH, "lynx triton": TRITON}
     table = []
     for name, config in model_configs(args.dry_run).items():
         if not budget.allows(45 if not args.dry_run else 10, f"{name} TPOT", S):
@@ -508,7 +519,7 @@ def section_tpot(args, dev, budget, models) -> None:
                 if variants[v] is None:
                     lynx_hf.unpatch(model)
                 else:
-                    lynx_hf.patch(model, policy="lynx", backend=variants[v])
+                    lynx_hf.patch(model, policy="lynx", **variants[v])
                     lynx_hf.reset_stats(model)
                 clock = StepClock(dev)
                 with torch.inference_mode():
@@ -554,8 +565,9 @@ def section_tpot(args, dev, budget, models) -> None:
 
 # ------------------------------------------------------------------------------------------- section 4
 def section_graphs(args, dev, budget, models) -> None:
-    import lynx_hf
     from transformers import CompileConfig
+
+    import lynx_hf
 
     S = "graphs"
     name, config = next(iter(model_configs(args.dry_run).items()))
@@ -573,7 +585,7 @@ def section_graphs(args, dev, budget, models) -> None:
         cc._compile_all_devices = True
     else:
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    lynx_hf.patch(model, policy="lynx", backend=backend)
+    lynx_hf.patch(model, policy="lynx", routing_backend=backend)
     try:
         with torch.inference_mode():
             eager = model.generate(**gen)
@@ -634,9 +646,10 @@ def main(argv=None) -> int:
         dev = torch.device("cuda")
         torch.backends.cuda.matmul.allow_tf32 = False
         print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    import lynx_hf  # noqa: F401  (the installed package)
     import transformers
     import triton
+
+    import lynx_hf  # noqa: F401  (the installed package)
 
     print(f"lynx_hf {getattr(lynx_hf, '__version__', '?')}, transformers {transformers.__version__}, "
           f"triton {triton.__version__}", flush=True)

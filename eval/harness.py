@@ -1,12 +1,12 @@
 """Accuracy harness on one local checkpoint: teacher-forced decode, generation agreement, lm-eval.
 
-    python eval/harness.py --model eval/fixtures/qwen2moe-tiny
-    python eval/harness.py --model eval/fixtures/mixtral-tiny --tau 1 --skip-lm-eval
+    python -m lynx_hf.eval.harness                       # fixture A (lynx-hf eval)
+    python -m lynx_hf.eval.harness --model eval/fixtures/mixtral-tiny --tau 1 --skip-lm-eval
 
-Policies: unpatched (reference), none, LYNX (--tau/--alpha/--beta/--mass-floor/--mass-price/--price-unit;
+Policies: unpatched (reference), none, LYNX (--tau/--alpha/--beta/--mass-price/--price-unit;
 LynxConfig defaults otherwise), OEA for each --k0 (default k-1 .. 1), and XShare when --xshare-budget,
 --xshare-fraction or --xshare-match (budget = the sweep default's unique experts at this fixture and
---batch-size, rounded) is given. The library code is eval/evaluation.py.
+--batch-size, rounded) is given. The library code is lynx_hf.eval.evaluation (eval/evaluation.py).
 
 1. teacher-forced decode: --sequences held-out windows in batches of --batch-size, a prefill of
    --prefill tokens then one token per step through the DynamicCache (every scored token comes from a
@@ -17,7 +17,8 @@ LynxConfig defaults otherwise), OEA for each --k0 (default k-1 .. 1), and XShare
 3. lm-eval (HFLM over the model object, fixed --lm-batch-size, local tasks in eval/tasks): per
    policy; check (CASES C17): the loglikelihood task's per-request results are bit-identical to
    unpatched for every policy.
-Writes eval/results/harness_<fixture>.json and .md; exit status 1 if a check fails.
+Writes harness_<fixture>.json and .md to --out (default: eval/results in the source checkout, else
+./lynx_hf_results); exit status 1 if a check fails.
 """
 
 from __future__ import annotations
@@ -35,7 +36,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
-import evaluation as ev  # noqa: E402  (eval/evaluation.py)
+
+from . import command  # noqa: E402
+from . import evaluation as ev  # noqa: E402
 
 GEN_TASK = "lynx_code_line_completion"
 LL_TASK = "lynx_code_next_line_mc"
@@ -45,12 +48,12 @@ def build_policies(args, top_k: int, xshare_budget: int | None = None) -> list:
     """none, LYNX (LynxConfig defaults unless a LYNX option is given; parsed like the CLI), OEA for each
     k0, and XShare when a budget is given (``--xshare-budget`` / ``--xshare-fraction`` / ``--xshare-match``)."""
     lynx = {k: v for k, v in (("tau", args.tau), ("alpha", args.alpha), ("beta", args.beta),
-                              ("mass_floor", args.mass_floor), ("mass_price", args.mass_price),
+                              ("mass_price", args.mass_price),
                               ("price_unit", args.price_unit)) if v is not None}
     out = [("none", LynxConfig(policy="none")),
            ("lynx", LynxConfig.from_options({"policy": "lynx", **lynx}))]
     k0s = [int(k) for k in args.k0.split(",")] if args.k0 else list(range(top_k - 1, 0, -1))
-    out += [(f"oea k0={k0}", LynxConfig(policy="oea", k0=k0)) for k0 in k0s if 1 <= k0 < top_k]
+    out += [(f"oea k0={k0}", LynxConfig(policy="oea", oea_k0=k0)) for k0 in k0s if 1 <= k0 < top_k]
     if xshare_budget is not None:
         out.append((f"xshare E={xshare_budget} w={args.xshare_warmup}",
                     LynxConfig(policy="xshare", xshare_budget=xshare_budget, xshare_warmup=args.xshare_warmup)))
@@ -136,7 +139,8 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="local checkpoint folder")
+    p.add_argument("--model", default=str(ev.FIXTURES_DIR / "qwen2moe-tiny"),
+                   help="local checkpoint folder (default: the packaged fixture A, qwen2moe-tiny)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--sequences", type=int, default=64)
     p.add_argument("--prefill", type=int, default=8)
@@ -144,7 +148,6 @@ def main(argv=None) -> int:
     p.add_argument("--tau", type=float, default=None)
     p.add_argument("--alpha", type=float, default=None)
     p.add_argument("--beta", type=int, default=None)
-    p.add_argument("--mass-floor", type=float, default=None)
     p.add_argument("--mass-price", default=None, help="LYNX mass_price (a number, or None for the paper's rule)")
     p.add_argument("--price-unit", default=None, choices=("token", "batch", "sqrt"), help="LYNX price_unit")
     p.add_argument("--xshare-budget", type=int, default=None, help="add XShare with this many experts per step")
@@ -159,7 +162,7 @@ def main(argv=None) -> int:
     p.add_argument("--lm-batch-size", type=int, default=16)
     p.add_argument("--lm-limit", type=int, default=None, help="items per lm-eval task (default all)")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ev.RESULTS_DIR))
+    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = Path(args.model).resolve().name
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
         xbudget, match = matching_xshare_budget(args.xshare_match, name, args.batch_size)
     pols = build_policies(args, top_k, xbudget)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    report = {"model": name, "num_experts": num_experts, "top_k": top_k, "command": " ".join(sys.argv),
+    report = {"model": name, "num_experts": num_experts, "top_k": top_k, "command": command("harness", argv),
               "lynx_config": dict(pols)["lynx"].to_dict(), "checks": {}}
     xs = [(n_, c) for n_, c in pols if c.policy == "xshare"]
     if xs:

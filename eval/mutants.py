@@ -8,15 +8,17 @@ one test. A patch that no longer applies (its text is not found exactly once) is
 as the code changes.
 
 The copy is imported instead of the installed (editable) package: the tests run with the copy as working
-directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/kernels`` / ``lynx_hf/patches`` are symlinks to its
-own ``kernels/`` / ``patches/`` (the installed layout), so the editable finder (which maps ``lynx_hf.kernels``
-to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
+directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/kernels`` / ``lynx_hf/patches`` / ``lynx_hf/eval`` are
+symlinks to its own ``kernels/`` / ``patches/`` / ``eval/`` (the installed layout), so the editable finder (which
+maps ``lynx_hf.kernels`` to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
 
 Usage::
 
-    nice -n 10 python eval/mutants.py                  # every mutant, table to eval/results/mutants.md
-    python eval/mutants.py --list                      # names and descriptions
-    nice -n 10 python eval/mutants.py --only gain_is_w consensus_gt   # some mutants (table not written)
+    nice -n 10 python -m lynx_hf.eval.mutants          # every mutant, table to eval/results/mutants.md
+    python -m lynx_hf.eval.mutants --list              # names and descriptions
+    nice -n 10 python -m lynx_hf.eval.mutants --only gain_is_w consensus_gt   # some mutants (table not written)
+
+Source checkout only (it copies the git working tree).
 
 CPU heavy (the relevant tests per mutant, one pytest process at a time, one intra-op thread): run it on an
 otherwise quiet machine, under ``nice``. Exit status: 0 iff every mutant applied and was killed.
@@ -35,8 +37,10 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "eval" / "results" / "mutants.md"
+from . import CHECKOUT as REPO
+from . import RESULTS_DIR, require_checkout
+
+RESULTS = RESULTS_DIR / "mutants.md"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,8 +59,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "remap_noop",
         "LYNX critical set := the batch's whole union (the remap changes nothing)",
-        (("lynx_hf/policies/lynx.py", "from ..kernels.routing_torch import default_lynx_bins\n",
-          "from ..kernels.routing_torch import default_lynx_bins, union_mask\n"),
+        (("lynx_hf/policies/lynx.py", "from ..kernels.routing_torch import PRICE_UNITS, default_lynx_bins\n",
+          "from ..kernels.routing_torch import PRICE_UNITS, default_lynx_bins, union_mask\n"),
          ("lynx_hf/policies/lynx.py", "        return critical\n\n    def fused_decode",
           "        return union_mask(idx, s.shape[-1], step.vote) | (False if step.seed is None else step.seed)"
           "\n\n    def fused_decode"),
@@ -89,7 +93,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "prefill_through_policy",
         "the router hook treats prefill forwards as decode (the policy runs on prefill)",
-        (("lynx_hf/routing.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
+        (("lynx_hf/block.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
           "        if step.kind == PREFILL:\n            step = Step(\"decode\")\n        logits, weights, idx"),),
         (EQ + "test_prefill_is_bit_identical_under_a_config_that_changes_decode_forwards",
          EQ + "test_forward_without_cache_is_bit_identical"),
@@ -97,9 +101,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "none_close_not_identical",
         "policy none (and identity steps) return weights x (1 + 2**-20): close (~1e-6) but not bit-identical",
-        (("lynx_hf/routing.py", "                self._record(step, idx, weights, idx, None)\n            return weights, idx\n",
-          "                self._record(step, idx, weights, idx, None)\n"
-          "            return (weights * (1 + 2 ** -20)).to(weights.dtype), idx.clone()\n"),),
+        (("lynx_hf/core.py", "        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)\n"
+          "    return weights, idx, None\n",
+          "        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)\n"
+          "    return (weights * (1 + 2 ** -20)).to(weights.dtype), idx.clone(), None\n"),),
         (EQ + "test_generate_modes_run_patched_and_match_with_policy_none",
          EQ + "test_policy_none_decode_is_bit_identical"),
     ),
@@ -137,29 +142,31 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "unpatch_leaves_router_hook",
         "unpatch leaves the forward hook on each router",
-        (("lynx_hf/routing.py", "            del hooks[key]\n", "            pass  # mutant: hook left behind\n"),),
+        (("lynx_hf/block.py", "            del hooks[key]\n", "            pass  # mutant: hook left behind\n"),),
         ("tests/test_api.py::test_unpatch_restores_exactly",
          "tests/test_adapters_extra.py::test_unpatch_restores_exactly"),
     ),
     Mutant(
         "unpatch_leaves_block_attribute",
         "unpatch leaves the `_lynx_block` instance attribute on Llama-4 blocks",
-        (("lynx_hf/routing.py", "        block.__dict__.pop(BLOCK_ATTR, None)\n", "        pass  # mutant\n"),),
+        (("lynx_hf/block.py", "        block.__dict__.pop(BLOCK_ATTR, None)\n", "        pass  # mutant\n"),),
         ("tests/test_api.py::test_unpatch_restores_exactly",),
     ),
     Mutant(
         "unpatch_leaves_instance_forward",
         "unpatch leaves the swapped instance `forward` on Llama-4 blocks",
-        (("lynx_hf/routing.py", "                del block.__dict__[where]\n", "                pass  # mutant\n"),),
+        (("lynx_hf/block.py", "                del block.__dict__[where]\n", "                pass  # mutant\n"),),
         ("tests/test_api.py::test_unpatch_restores_exactly",
          "tests/test_api.py::test_patch_twice_only_swaps_config"),
     ),
     Mutant(
         "telemetry_counts_prefill_forwards",
         "telemetry records prefill forwards as decode steps",
-        (("lynx_hf/routing.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
+        (("lynx_hf/block.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
           "        if step.kind == PREFILL:\n            logits, weights, idx = self.spec.unpack(output)\n"
-          "            self._record(step, idx, weights, idx, None)\n            return None\n"
+          "            from .core import record_step\n"
+          "            record_step(self.telemetry, self.num_experts, step, idx, weights, idx, None)\n"
+          "            return None\n"
           "        logits, weights, idx"),),
         (CORE + "test_telemetry_counts_only_live_decode_tokens",
          EQ + "test_forward_without_cache_is_bit_identical"),
@@ -167,7 +174,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "telemetry_counts_prefill_rows",
         "telemetry counts the prefill tokens of a mixed step as decode tokens",
-        (("lynx_hf/routing.py", "\n    counted = decode & live\n", "\n    counted = live\n"),),
+        (("lynx_hf/core.py", "\n    counted = decode & live\n", "\n    counted = live\n"),),
         (CORE + "test_telemetry_counts_only_live_decode_tokens",),
     ),
     Mutant(
@@ -181,13 +188,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "finished_rows_vote",
         "finished rows (after EOS) vote in the critical set",
-        (("lynx_hf/routing.py", "    vote = remapped & live\n", "    vote = remapped\n"),),
+        (("lynx_hf/core.py", "    vote = remapped & live\n", "    vote = remapped\n"),),
         (CORE + "test_finished_rows_are_remapped_into_the_set_but_do_not_vote",),
     ),
     Mutant(
         "prefill_seed_ignored",
         "a mixed step's prefill experts no longer seed the critical set",
-        (("lynx_hf/routing.py", "    seed = union_mask(idx64, num_experts, keep)\n", "    seed = None\n"),),
+        (("lynx_hf/core.py", "    seed = union_mask(idx64, num_experts, keep)\n", "    seed = None\n"),),
         (CORE + "test_prefill_rows_keep_their_routing_and_seed_the_critical_set",),
     ),
 )
@@ -206,7 +213,7 @@ def make_copy(dest: Path) -> Path:
         target = root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-    for sub in ("kernels", "patches"):
+    for sub in ("kernels", "patches", "eval"):
         (root / "lynx_hf" / sub).symlink_to(Path("..") / sub, target_is_directory=True)
     return root
 
@@ -221,7 +228,7 @@ def env_for(root: Path) -> dict:
 def check_imports(root: Path) -> None:
     """Abort unless every lynx_hf module the tests import resolves inside the copy."""
     probe = ("import lynx_hf, lynx_hf.kernels.routing_torch, lynx_hf.kernels.routing_cpu, lynx_hf.patches, "
-             "lynx_hf.routing, lynx_hf.lm_eval\n"
+             "lynx_hf.core, lynx_hf.block, lynx_hf.lm_eval, lynx_hf.eval.evaluation\n"
              "import sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() "
              "if n.startswith('lynx_hf') and getattr(m, '__file__', None)))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env_for(root), capture_output=True, text=True)
@@ -303,6 +310,7 @@ def main(argv=None) -> int:
         for m in MUTANTS:
             print(f"{m.name:34} {m.what}")
         return 0
+    require_checkout("mutants")
     chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
@@ -365,7 +373,7 @@ def main(argv=None) -> int:
     if not args.only:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
-            "# Mutation probe (`python eval/mutants.py`)\n\n"
+            "# Mutation probe (`python -m lynx_hf.eval.mutants`)\n\n"
             "Each mutant is a deliberate behaviour change applied to a copy of the package; the listed tests fail "
             "on it. Tests listed per mutant in eval/mutants.py; all of them pass on the unmutated copy.\n\n"
             + text + "\n")

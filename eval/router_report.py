@@ -1,7 +1,7 @@
 """Router report: what a trained MoE's routers do on held-out text (the phenomenon LYNX exploits).
 
-    python eval/router_report.py --model eval/fixtures/qwen2moe-tiny
-    python eval/router_report.py --model eval/fixtures/mixtral-tiny
+    python -m lynx_hf.eval.router_report                                      # fixture A (lynx-hf report)
+    python -m lynx_hf.eval.router_report --model eval/fixtures/mixtral-tiny
 
 Per MoE layer: quantiles of the logit gap between rank 0 and ranks 1..k-1, router probability and
 share of the top-k weight by rank, the share of assignments below LYNX's default voting cut-off
@@ -9,7 +9,8 @@ share of the top-k weight by rank, the share of assignments below LYNX's default
 position-aligned decode batch of B = 1, 8, 16, 32, 64 tokens touches (vs independent uniform routing).
 Measured with full-sequence forwards of the unpatched model over held-out windows (docs and code
 interleaved; the first --skip positions of each window are left out).
-Writes eval/results/router_report_<fixture>.json and .md.
+Writes router_report_<fixture>.json and .md to --out (default: eval/results in the source checkout, else
+./lynx_hf_results).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-import evaluation as ev  # noqa: E402  (eval/evaluation.py)
+from . import evaluation as ev  # noqa: E402
 
 
 def _name(layer: dict) -> str:
@@ -71,12 +72,13 @@ def markdown(report: dict, name: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", required=True, help="local checkpoint folder")
+    p.add_argument("--model", default=str(ev.FIXTURES_DIR / "qwen2moe-tiny"),
+                   help="local checkpoint folder (default: the packaged fixture A, qwen2moe-tiny)")
     p.add_argument("--windows", type=int, default=128, help="held-out windows (a multiple of 64)")
     p.add_argument("--length", type=int, default=128, help="tokens per window")
     p.add_argument("--skip", type=int, default=8, help="leading positions of each window left out")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder")
+    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     name = Path(args.model).resolve().name

@@ -2,8 +2,10 @@
 with LYNX default and OEA k0=1, at several numbers of concurrent requests. Runs in the vLLM environment
 (.venv-vllm, built by .ci/vllm_env.sh).
 
-    .venv-vllm/bin/python eval/serve_bench.py                 # full run (writes eval/results/serve_bench.{md,json})
-    .venv-vllm/bin/python eval/serve_bench.py --tiny          # dry run: 1/16-scaled shapes, 4 requests, 8 tokens
+    .venv-vllm/bin/python -m lynx_hf.eval.serve_bench          # full run (writes eval/results/serve_bench.{md,json})
+    .venv-vllm/bin/python -m lynx_hf.eval.serve_bench --tiny   # dry run: 1/16-scaled shapes, 4 requests, 8 tokens
+
+Outside the source checkout the default output stem is ./lynx_hf_results/serve_bench[_tiny].
 
 Models
 - ``fixture-a``: the committed trained fixture eval/fixtures/qwen2moe-tiny (N 32, k 4), real text prompts
@@ -40,14 +42,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "eval" / "results"
-FIXTURE_A = ROOT / "eval" / "fixtures" / "qwen2moe-tiny"
+from . import DATA_DIR, command
+from . import DEFAULT_FIXTURE as FIXTURE_A
+from . import RESULTS_DIR as RESULTS
 
 VARIANTS = {
     "unpatched": None,  # the plugin is installed (entry point) but off: vLLM's own code path
     "lynx": {"policy": "lynx"},  # LynxConfig() defaults
-    "oea": {"policy": "oea", "k0": 1},
+    "oea": {"policy": "oea", "oea_k0": 1},
     "none": {"policy": "none"},  # optional: the plugin's own cost (hook, telemetry) without a remap
 }
 DEFAULT_VARIANTS = ("unpatched", "lynx", "oea")
@@ -81,8 +83,7 @@ def real_shape_config(layers: int, vocab: int, scale: int) -> dict:
 def router_bound(num_experts: int, top_k: int, hidden: int) -> tuple[float, dict]:
     """Router weights U(-a, a) on unit-RMS inputs give logits of std a * sqrt(H / 3); a is chosen so that this
     std is eval/bench.py's calibrated temperature (mean top-1 router probability 0.42)."""
-    sys.path.insert(0, str(ROOT / "eval"))
-    from bench import calibrate_temperature  # eval/bench.py (same calibration as the HF TPOT benchmark)
+    from .bench import calibrate_temperature  # same calibration as the HF TPOT benchmark
 
     scale, stats = calibrate_temperature(num_experts, top_k)
     return scale * math.sqrt(3.0 / hidden), stats
@@ -168,8 +169,8 @@ def make_prompts(model: str, tokenizer_dir: Path, count: int, length: int, vocab
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-        docs = [json.loads(line)["text"] for line in (ROOT / "eval" / "data" / "valid_docs.jsonl").read_text().splitlines()]
-        docs += [json.loads(line)["text"] for line in (ROOT / "eval" / "data" / "valid_code.jsonl").read_text().splitlines()]
+        docs = [json.loads(line)["text"] for line in (DATA_DIR / "valid_docs.jsonl").read_text().splitlines()]
+        docs += [json.loads(line)["text"] for line in (DATA_DIR / "valid_code.jsonl").read_text().splitlines()]
         encoded = [tok.encode(doc).ids for doc in docs]
         out, seen = [], set()
         for w in range(64):  # window w of every document in turn (documents differ more than windows)
@@ -261,7 +262,7 @@ def run_engine(spec: dict, work: Path, env: dict, timeout: int) -> dict:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", "lynx_hf.eval.serve_bench", "--worker", str(spec_path), str(out_path)],
                           env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
@@ -332,7 +333,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine process")
     p.add_argument("--tiny", action="store_true", help="dry run: --scale 16, C 4, 8 tokens, 1 round, eager")
-    p.add_argument("--out", type=Path, default=None, help="output stem (default eval/results/serve_bench[_tiny])")
+    p.add_argument("--out", type=Path, default=None, help="output stem (default: serve_bench[_tiny] in eval/results in the source checkout, else in ./lynx_hf_results)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
@@ -357,7 +358,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     t_start = time.perf_counter()
-    cmd = "python eval/serve_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = command("serve_bench", argv)
     env = {k: v for k, v in os.environ.items() if k not in ("LYNX_VLLM_CONFIG", "TRITON_INTERPRET")}
     env.update({"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
     paths = {}

@@ -1,7 +1,7 @@
 """Serving report: LYNX in the generation modes a server runs (issue 14), none vs LYNX (default) vs OEA k0=1.
 
-    python eval/serving_report.py                      # fixture A, writes eval/results/serving.md / .json
-    python eval/serving_report.py --quick              # fewer tokens (a smoke run, not for the README)
+    python -m lynx_hf.eval.serving_report              # fixture A, writes eval/results/serving.md / .json
+    python -m lynx_hf.eval.serving_report --quick      # fewer tokens (a smoke run, not for the README)
 
 1. Continuous batching (``model.generate_batch``, transformers' paged-cache engine): 16 held-out prompts of
    mixed lengths (8..68 tokens), greedy, EOS on; once with the default token budget (all prompts prefilled
@@ -35,10 +35,11 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import GenerationConfig  # noqa: E402
 
-import evaluation as ev  # noqa: E402  (eval/evaluation.py)
 import lynx_hf  # noqa: E402
 
-POLICIES = {"none": dict(policy="none"), "lynx": dict(policy="lynx"), "oea k0=1": dict(policy="oea", k0=1)}
+from . import evaluation as ev  # noqa: E402
+
+POLICIES = {"none": dict(policy="none"), "lynx": dict(policy="lynx"), "oea k0=1": dict(policy="oea", oea_k0=1)}
 
 
 class Capture:
@@ -254,8 +255,8 @@ def markdown(report: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(ev.REPO / "eval" / "fixtures" / "qwen2moe-tiny"))
-    p.add_argument("--draft", default=str(ev.REPO / "eval" / "fixtures" / "mixtral-tiny"),
+    p.add_argument("--model", default=str(ev.FIXTURES_DIR / "qwen2moe-tiny"))
+    p.add_argument("--draft", default=str(ev.FIXTURES_DIR / "mixtral-tiny"),
                    help="draft model for assisted decoding (same tokenizer)")
     p.add_argument("--cb-new-tokens", type=int, default=32)
     p.add_argument("--budget", type=int, default=64, help="max_batch_tokens of the chunked continuous-batching run")
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="8 new tokens, 4 prompts (smoke run)")
-    p.add_argument("--out", default=str(ev.RESULTS_DIR))
+    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -277,7 +278,7 @@ def main(argv=None) -> int:
     v_new = 8 if args.quick else args.verify_new_tokens
     eos = model.generation_config.eos_token_id
     report = {"model": Path(args.model).name,
-              "command": "python eval/serving_report.py" + (" --quick" if args.quick else ""),
+              "command": "python -m lynx_hf.eval.serving_report" + (" --quick" if args.quick else ""),
               "args": {"threads": args.threads, "budget": args.budget, "cb_requests": len(cb_prompts),
                        "cb_lengths": f"{min(lengths)}..{max(lengths)}", "cb_new_tokens": cb_new,
                        "verify_prompts": verify_count, "verify_prompt_length": verify_len,

@@ -1,15 +1,15 @@
 """Pareto sweep on the fixtures: LYNX (the paper's rule, our routing-mass greedy in two price units) vs
 OEA and XShare, teacher-forced decode.
 
-    python eval/sweep.py                                   # fixtures A, B, C; B = 16 full grid + 8/32/64
-    python eval/sweep.py --models eval/fixtures/mixtral-tiny --name sweep_b          # one fixture
-    python eval/sweep.py --load eval/results/sweep_b.json eval/results/sweep_c.json  # reuse, add A, fill in
-    python eval/sweep.py --models eval/fixtures/mixtral-tiny --load eval/results/sweep_b.json \
+    python -m lynx_hf.eval.sweep                          # fixtures A, B, C; B = 16 full grid + 8/32/64
+    python -m lynx_hf.eval.sweep --models eval/fixtures/mixtral-tiny --name sweep_b          # one fixture
+    python -m lynx_hf.eval.sweep --load eval/results/sweep_b.json eval/results/sweep_c.json  # reuse, add A, fill in
+    python -m lynx_hf.eval.sweep --models eval/fixtures/mixtral-tiny --load eval/results/sweep_b.json \
         --fill-series paper --name sweep_b2      # add the full paper grid at every B (no default chosen)
 
 For every fixture and batch size B: the same held-out windows (``--sequences`` windows of
 ``--prefill + --decode + 1`` tokens, docs and code interleaved) are decoded one token per step through
-the KV cache (eval/evaluation.py: teacher_forced), unpatched first (the reference), then every policy.
+the KV cache (lynx_hf.eval.evaluation.teacher_forced), unpatched first (the reference), then every policy.
 Every policy scores the same ``sequences x decode`` tokens. x = unique experts per MoE layer per decode
 step (after the policy), y = dCE = relative change in next-token cross-entropy vs unpatched.
 
@@ -50,7 +50,8 @@ policy none; at each measured point of one side, the other side's frontier at th
 "tie" when they differ by less than the larger standard error of the two sides there): OEA vs the default's series,
 XShare vs the default's series, and OEA vs the paper's LYNX, on every fixture and B.
 
-Writes eval/results/<name>.json, <name>.md and <name>_pareto.png.
+Writes <name>.json, <name>.md and <name>_pareto.png to --out (default: eval/results in the source checkout,
+else ./lynx_hf_results). ``lynx-hf sweep`` runs this module.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
-import evaluation as ev  # noqa: E402  (eval/evaluation.py)
+
+from . import CHECKOUT, command  # noqa: E402
+from . import evaluation as ev  # noqa: E402
 
 DEFAULT_MODELS = [str(ev.FIXTURES_DIR / n) for n in ("qwen2moe-tiny", "mixtral-tiny", "deepseekv2-tiny")]
 FIXTURE_LETTER = {"qwen2moe-tiny": "A", "mixtral-tiny": "B", "deepseekv2-tiny": "C"}
@@ -117,16 +120,12 @@ def xshare_points(num_experts: int, top_k: int, fractions=XSHARE_FRACTIONS) -> l
 
 
 def catalog(num_experts: int, top_k: int, taus=TAUS, alpha_mults=ALPHA_MULTS, token_prices=TOKEN_PRICES,
-            xshare_fractions=XSHARE_FRACTIONS, xshare_warmups=XSHARE_WARMUPS, mass_floors=()) -> dict:
+            xshare_fractions=XSHARE_FRACTIONS, xshare_warmups=XSHARE_WARMUPS) -> dict:
     """``{name: (series, LynxConfig)}`` of every configuration the sweep may run on a layer shape."""
     out = {"none": ("none", LynxConfig(policy="none"))}
     for mult in alpha_mults:
         for tau in taus:
             out[paper_name(tau, mult)] = ("paper", ev.lynx_config(num_experts, top_k, tau, mult))
-    for floor in mass_floors:  # the per-token routing-mass floor extension, alpha 1x
-        for tau in taus:
-            out[f"lynx tau={_tau_name(tau)} a=1x m={floor:g}"] = (
-                "floor", ev.lynx_config(num_experts, top_k, tau, 1.0, mass_floor=floor))
     for price in token_prices:  # cover, then grow by routing mass (no consensus), alpha 1x
         out[price_name(price, "token")] = ("token", ev.lynx_config(num_experts, top_k, 1e6, 1.0, mass_price=price,
                                                                    price_unit="token"))
@@ -135,7 +134,7 @@ def catalog(num_experts: int, top_k: int, taus=TAUS, alpha_mults=ALPHA_MULTS, to
             out[price_name(uprice, unit)] = (unit, ev.lynx_config(num_experts, top_k, 1e6, 1.0, mass_price=uprice,
                                                                   price_unit=unit))
     for k0 in range(1, top_k):
-        out[f"oea k0={k0}"] = ("oea", LynxConfig(policy="oea", k0=k0))
+        out[f"oea k0={k0}"] = ("oea", LynxConfig(policy="oea", oea_k0=k0))
     for warmup in xshare_warmups:
         for f, budget in xshare_points(num_experts, top_k, xshare_fractions):
             out[f"xshare f={f:g} w={warmup}"] = ("xshare", LynxConfig(policy="xshare", xshare_fraction=f,
@@ -159,7 +158,7 @@ def series_of(r: dict) -> str | None:
     """The series of a result row (None for the unpatched reference)."""
     pol = r.get("policy")
     if pol == "lynx":
-        if r.get("mass_floor"):
+        if r.get("mass_floor"):  # runs recorded before LynxConfig.mass_floor was removed
             return "floor"
         if r.get("mass_price") is None:
             return "paper"
@@ -485,19 +484,28 @@ def plot(report: dict, path: Path) -> None:
 
 # -- main -------------------------------------------------------------------------------------------
 def code_version() -> dict:
-    """The commit and a hash of the library sources now (lynx_hf/, kernels/, patches/): runs merged with
-    --load are comparable only when these agree."""
+    """The commit (source checkout only) and a hash of the library sources now (lynx_hf, lynx_hf.kernels,
+    lynx_hf.patches, named by their checkout folders lynx_hf/, kernels/, patches/, so a wheel and the checkout
+    hash alike): runs merged with --load are comparable only when these agree."""
     import hashlib
+    import importlib.util
     import subprocess
 
     h = hashlib.sha256()
-    for folder in ("lynx_hf", "kernels", "patches"):
-        for f in sorted((ev.REPO / folder).rglob("*.py")):
-            h.update(str(f.relative_to(ev.REPO)).encode() + b"\0" + f.read_bytes())
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ev.REPO, capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = None
+    for folder, package in (("lynx_hf", "lynx_hf"), ("kernels", "lynx_hf.kernels"), ("patches", "lynx_hf.patches")):
+        root = Path(importlib.util.find_spec(package).origin).parent
+        for f in sorted(root.rglob("*.py")):
+            rel = f.relative_to(root)
+            if folder == "lynx_hf" and rel.parts[0] in ("kernels", "patches", "eval"):  # the installed layout
+                continue
+            h.update(f"{folder}/{rel.as_posix()}".encode() + b"\0" + f.read_bytes())
+    commit = None
+    if CHECKOUT is not None:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=CHECKOUT, capture_output=True,
+                                    text=True).stdout.strip() or None
+        except OSError:
+            pass
     return {"commit": commit, "sources_sha256": h.hexdigest()[:16]}
 
 
@@ -521,7 +529,6 @@ def main(argv=None) -> int:
     p.add_argument("--token-prices", default=",".join(f"{x:g}" for x in TOKEN_PRICES),
                    help=f"token-price grid; the batch-price grid is this / {PRICE_REF_B}")
     p.add_argument("--xshare-fractions", default=",".join(f"{x:g}" for x in XSHARE_FRACTIONS))
-    p.add_argument("--mass-floors", default="", help="extra LYNX series (alpha 1x) with LynxConfig.mass_floor")
     p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=64, help="decode steps (scored tokens) per sequence")
@@ -530,7 +537,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-fill", action="store_true", help="skip the fill-in of the default's series and chosen points")
     p.add_argument("--fill-series", default="", help="comma-separated series (paper, token, batch, oea, xshare) whose "
                    "full grid is filled in at every (fixture, B) whether or not a default is chosen in this run")
-    p.add_argument("--out", default=str(ev.RESULTS_DIR))
+    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source "
+                   "checkout, else ./lynx_hf_results)")
     p.add_argument("--name", default="sweep", help="output file stem")
     p.add_argument("--replot", default=None, help="only redraw the PNG of this sweep JSON, then exit")
     p.add_argument("--load", nargs="*", default=[], help="earlier sweep JSON files: reuse their runs (same settings) "
@@ -544,7 +552,6 @@ def main(argv=None) -> int:
     taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",")]
     mults = [float(m) for m in args.alpha_mults.split(",")]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    floors = [float(m) for m in args.mass_floors.split(",") if m.strip()]
     tprices = [float(m) for m in args.token_prices.split(",") if m.strip()]
     fractions = [float(m) for m in args.xshare_fractions.split(",") if m.strip()]
     budget = args.ce_budget
@@ -570,7 +577,7 @@ def main(argv=None) -> int:
                 "sqrt_prices": [x / UNIT_SCALE["sqrt"] for x in tprices],
                 "xshare_fractions": fractions, "batch_sizes": sizes, "ce_budget": budget, "threads": args.threads,
                 "torch": torch.__version__}
-    report = {"settings": settings, "rule": rule, "series_note": series_note, "runs": [], "command": " ".join(sys.argv)}
+    report = {"settings": settings, "rule": rule, "series_note": series_note, "runs": [], "command": command("sweep", argv)}
     t_all = time.perf_counter()
     compute = 0.0
     for earlier in args.load:
@@ -597,7 +604,7 @@ def main(argv=None) -> int:
 
     def cat_of(name, shape=None):
         n, k = shape if shape is not None else ev.moe_shape(load(name)[0])
-        return catalog(n, k, taus, mults, tprices, fractions, XSHARE_WARMUPS, floors)
+        return catalog(n, k, taus, mults, tprices, fractions, XSHARE_WARMUPS)
 
     # 1. the grids
     for name in paths:

@@ -1,6 +1,8 @@
-"""Kernel backend selection: the torch routing ops or their Triton twins (DESIGN.md "Kernels").
+"""Kernel backend selection: the torch routing ops, their numba CPU twins or their Triton twins
+(``docs/design.md`` "Kernels").
 
-Cheap to import: Triton is imported only when the Triton backend is resolved.
+Cheap to import: Triton is imported only when the Triton backend is resolved, numba only when the CPU
+twins are asked for.
 """
 
 from __future__ import annotations
@@ -11,11 +13,14 @@ import types
 
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+#: ``LynxConfig.routing_backend`` values: which routing ops run
+ROUTING_BACKENDS = ("auto", "torch", "triton")
+#: ``LynxConfig.expert_path`` values: what computes the routed experts in decode
+EXPERT_PATHS = ("auto", "model", "triton")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """Return ``"torch"`` or ``"triton"`` for tensors on ``device``.
+    """Return ``"torch"`` or ``"triton"`` for routing ops on tensors on ``device``.
 
     - ``"auto"``: Triton on CUDA tensors, torch otherwise (on CPU the interpreter is a test tool,
       not a speed path);
@@ -25,8 +30,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
     Raises ``ValueError`` for an unknown backend name.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {BACKENDS}")
+    if backend not in ROUTING_BACKENDS:
+        raise ValueError(f"unknown kernel backend {backend!r}; expected one of {ROUTING_BACKENDS}")
     dev = torch.device(device)
     if backend == "torch":
         return "torch"
@@ -42,52 +47,59 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def routing_ops(backend: str) -> types.SimpleNamespace:
+def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
     """The routing ops of ``backend`` (``"torch"`` or ``"triton"``) under one set of names:
 
-    ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``xshare_critical_set``,
-    ``mass_floor_set`` (signatures of :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale) ->
-    (idx [T, k] int64, weights [T, k] fp32)``. Both return the same integers. The torch namespace runs
-    the numba twins of :mod:`.routing_cpu` on CPU tensors in eager mode (torch's per-op overhead
-    dominates at decode sizes there) and the torch ops everywhere else. The Triton namespace also
-    carries ``sparse_moe`` (:mod:`.moe`); resolving it imports every Triton module the decode path
-    launches, so the choice is made once (at patch time), not at the first decode step.
+    ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``xshare_critical_set`` (signatures of
+    :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale) ->
+    (idx [T, k] int64, weights [T, k] fp32)``. Every namespace returns the same integers.
+
+    ``host``: the caller's tensors are CPU tensors in eager mode (``routing_torch.host_reads_allowed``, asked
+    once per call by the caller): the torch backend then returns the numba twins of :mod:`.routing_cpu`
+    (torch's per-op overhead dominates at decode sizes there) and ``lynx_mass_decode``, the default policy's
+    whole decode step in one numba call; without numba, or with ``host`` False, the torch ops
+    (``lynx_mass_decode`` is then ``None``). The Triton namespace ignores ``host`` and also carries
+    ``sparse_moe`` (:mod:`.moe`); resolving it imports every Triton module the decode path launches, so the
+    choice is made once (at plan time), not at the first decode step.
     """
     from . import routing_torch as rt
 
     if backend == "torch":
-        from . import routing_cpu as rc
+        if host:
+            from . import routing_cpu as rc
 
-        def fast(t: torch.Tensor) -> bool:  # CPU, eager, not strict: the numba twins (same integers)
-            return rc.AVAILABLE and rt.host_reads_allowed(t)
+            if rc.AVAILABLE:
+                def remap_cpu(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
+                    idx = rc.remap_topk(scores, critical, top_k, check=False)
+                    return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
 
-        def pick(name):
-            torch_fn, cpu_fn = getattr(rt, name), getattr(rc, name)
-            return lambda scores, *args, **kwargs: (cpu_fn if fast(scores) else torch_fn)(scores, *args, **kwargs)
+                return types.SimpleNamespace(
+                    name="torch", lynx_critical_set=rc.lynx_critical_set, oea_critical_set=rc.oea_critical_set,
+                    mass_greedy_grow=rc.mass_greedy_grow, xshare_critical_set=rc.xshare_critical_set,
+                    remap=remap_cpu, lynx_mass_decode=rc.lynx_mass_decode,
+                )
+            return routing_ops("torch", False)
 
         def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
-            idx = (rc.remap_topk if fast(scores) else rt.remap_topk)(scores, critical, top_k, check=False)
+            idx = rt.remap_topk(scores, critical, top_k, check=False)
             return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
 
         return types.SimpleNamespace(
-            name="torch", lynx_critical_set=pick("lynx_critical_set"), oea_critical_set=pick("oea_critical_set"),
-            mass_greedy_grow=pick("mass_greedy_grow"), mass_floor_set=rt.mass_floor_set, remap=remap,
-            xshare_critical_set=pick("xshare_critical_set"),
-            # the default policy's whole decode step in one numba call (CPU eager only: callers check
-            # routing_torch.host_reads_allowed); None without numba
-            lynx_mass_decode=rc.lynx_mass_decode if rc.AVAILABLE else None,
+            name="torch", lynx_critical_set=rt.lynx_critical_set, oea_critical_set=rt.oea_critical_set,
+            mass_greedy_grow=rt.mass_greedy_grow, xshare_critical_set=rt.xshare_critical_set, remap=remap,
+            lynx_mass_decode=None,
         )
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     from . import moe as tm
     from . import routing as tr
 
-    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
+    def remap_triton(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
         return tr.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize, scale=scale,
                              check=False)
 
     return types.SimpleNamespace(
         name="triton", lynx_critical_set=tr.lynx_critical_set, oea_critical_set=tr.oea_critical_set,
-        mass_greedy_grow=tr.mass_greedy_grow, mass_floor_set=rt.mass_floor_set, remap=remap,
+        mass_greedy_grow=tr.mass_greedy_grow, remap=remap_triton,
         sparse_moe=tm.sparse_moe, xshare_critical_set=rt.xshare_critical_set,  # XShare: torch ops (a baseline)
     )

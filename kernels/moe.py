@@ -1,4 +1,4 @@
-"""Sparse decode expert kernel (Triton), vLLM style (DESIGN.md "Kernels").
+"""Sparse decode expert kernel (Triton), vLLM style (``docs/design.md`` "Kernels").
 
 Decode MoE is memory-bandwidth bound: its cost is the weights of the distinct experts the batch
 touches. :func:`sparse_moe` sorts the (token, slot) pairs by expert, pads each expert's group to a

@@ -1,7 +1,7 @@
 """Torch reference of the sparse decode expert computation and of the vLLM-style block alignment.
 
 These are the definitions the Triton kernels in :mod:`kernels.moe` are tested against
-(``../shared/DESIGN.md``, "Kernels"). They favour clarity over speed: a loop over the experts the
+(``docs/design.md``, "Kernels"). They favour clarity over speed: a loop over the experts the
 batch actually touches, fp32 accumulation, output cast back to the hidden dtype.
 
 Weight layouts (transformers 5.x fused expert parameters):

@@ -1,4 +1,4 @@
-"""Triton kernels of the LYNX / OEA routing steps (DESIGN.md "The LYNX policy", "Kernels").
+"""Triton kernels of the LYNX / OEA routing steps (``docs/design.md`` "The LYNX policy", "Kernels").
 
 Each launcher has the signature and the outputs of its torch reference in :mod:`.routing_torch`
 and returns exactly the same integers (tests compare them element for element), including the
@@ -47,6 +47,7 @@ import triton
 import triton.language as tl
 
 from .routing_torch import (
+    MASS_UNIT,
     PRICE_UNITS,
     WEIGHT_RULES,
     batch_base_powers,
@@ -55,7 +56,6 @@ from .routing_torch import (
 )
 
 _RULE_CODE = {None: 0, "softmax_all": 1, "softmax_chosen": 2, "sigmoid": 3}
-_MASS_UNIT = float(2**24)  # routing_torch's fixed-point unit of routing mass
 #: the interpreter (CPU tests) is chosen when triton is first imported; read once, like triton does.
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 #: elements of one [BLOCK_T, BLOCK_N] tile (registers of one program; checked for spills by the AOT test)
@@ -286,7 +286,7 @@ def lynx_critical_set(
     vote: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """LYNX critical set (arXiv 2411.08982, Sec. 4; DESIGN.md steps 1-4), one fused Triton program.
+    """LYNX critical set (arXiv 2411.08982, Sec. 4; ``docs/design.md`` steps 1-4), one fused Triton program.
 
     ``scores [T, N]`` fp32 selection scores (``-inf`` = forbidden), ``topk_idx [T, k]`` int32/int64
     (the model's own selection, ids in ``0..N-1``), ``vote [T]`` / ``seed [N]`` bool or ``None``,
@@ -513,14 +513,14 @@ def mass_greedy_grow(
     dev = scores.device
     # The reference's fixed-point weights, exactly as it computes them (torch ops, on the device).
     w = relative_weights(scores, topk_idx)
-    big_w = torch.round(w * _MASS_UNIT).long()
+    big_w = torch.round(w * MASS_UNIT).long()
     if vote is not None:
         big_w = torch.where(vote[:, None], big_w, torch.zeros_like(big_w))
     big_w = big_w.contiguous()
     kk = min(int(top_k), num_experts)
     # price in fixed point, clamped to a range that changes no comparison: gains are >= -1 (none) and
     # below 2**62 (sums of at most T weights of at most 2**24 each, for finite scores)
-    price_fixed = math.ceil(price * _MASS_UNIT) if math.isfinite(price) else (2**62 if price > 0 else -1)
+    price_fixed = math.ceil(price * MASS_UNIT) if math.isfinite(price) else (2**62 if price > 0 else -1)
     if unit not in PRICE_UNITS:
         raise ValueError(f"unit must be one of {PRICE_UNITS}, got {unit!r}")
     price_fixed = max(-1, min(price_fixed, 2**62 // max(num_tokens, 1) if unit != "token" else 2**62))

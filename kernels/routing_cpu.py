@@ -11,7 +11,7 @@ fixed-point integers, so the results are exactly :mod:`.routing_torch`'s; the re
 (``ceil((s - max s) * alpha)`` in fp32, fp64 sums of exact products in a fixed order) is IEEE-identical.
 Tests compare every function with its torch twin element for element (tests/test_routing_cpu.py).
 
-Used by :func:`.backend.routing_ops` for CPU tensors in eager mode (``routing_torch.host_reads_allowed``);
+Returned by :func:`.backend.routing_ops` with ``host=True`` (CPU tensors in eager mode, ``routing_torch.host_reads_allowed``);
 on accelerators, under ``torch.compile`` and inside ``routing_torch.strict_sync_free()`` the torch ops run.
 ``AVAILABLE`` is False when numba cannot be imported (the torch ops are used then). Compiled on first use
 (about a second per function) and cached on disk (numba ``cache=True``).
@@ -26,6 +26,20 @@ import numpy as np
 import torch
 
 from . import routing_torch as rt
+from .telemetry_slots import (
+    AFTER,
+    ASSIGNMENTS,
+    BEFORE,
+    FALLBACKS,
+    FINISHED_TOKENS,
+    MASS,
+    NUM_SLOTS,
+    PREFILL_TOKENS,
+    REMAPPED,
+    STEPS,
+    TOKENS,
+    VERIFY_TOKENS,
+)
 
 try:  # numba is a dependency; still, never let its absence break the package
     import numba
@@ -170,7 +184,7 @@ def _powers(batch_base: int, beta: int) -> np.ndarray:
 def _fixed_point_weights(scores, topk_idx, vote):
     """``round(relative_weights * 2**24)`` as int64, 0 for non-voting rows (routing_torch's arithmetic)."""
     w = rt.relative_weights(scores, topk_idx)
-    big_w = torch.round(w * rt._MASS_UNIT).long()
+    big_w = torch.round(w * rt.MASS_UNIT).long()
     return big_w if vote is None else torch.where(vote[:, None], big_w, 0)
 
 
@@ -303,7 +317,7 @@ def mass_greedy_grow(scores, topk_idx, critical, top_k, price, vote=None, seed=N
         seeded = _np(seed)
         cand |= seeded
         crit |= seeded
-    price_fixed = rt.batch_threshold(math.ceil(price * rt._MASS_UNIT), int(voters.sum()), unit)
+    price_fixed = rt.batch_threshold(math.ceil(price * rt.MASS_UNIT), int(voters.sum()), unit)
     return torch.from_numpy(_mass_greedy(_np(big_w), cand, crit, int(top_k), int(price_fixed)))
 
 
@@ -328,7 +342,7 @@ def xshare_critical_set(scores, topk_idx, top_k, budget, warmup, vote=None, seed
     s = scores if scores.dtype == torch.float32 else scores.float()
     probs = torch.softmax(torch.where(torch.isfinite(s), s, torch.full_like(s, -torch.inf)), dim=-1)
     probs = torch.where(torch.isfinite(probs), probs, torch.zeros_like(probs))
-    mass = torch.where(voters_t[:, None], torch.round(probs * rt._MASS_UNIT).long(), 0).sum(dim=0)
+    mass = torch.where(voters_t[:, None], torch.round(probs * rt.MASS_UNIT).long(), 0).sum(dim=0)
     seeded = np.zeros(num_experts, dtype=np.bool_) if seed is None else _np(seed)
     out = _xshare(_np(s), _np(topk_idx, torch.int64), _np(voters_t), _np(mass), seeded, int(top_k), int(budget),
                   int(warmup))
@@ -337,7 +351,7 @@ def xshare_critical_set(scores, topk_idx, top_k, budget, warmup, vote=None, seed
 
 @_jit
 def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
-    """The telemetry row of one step (lynx_hf.telemetry slots)."""
+    """The telemetry row of one step (slots of :mod:`.telemetry_slots`)."""
     t_count, k = orig.shape
     before = np.zeros(n, dtype=np.bool_)
     after = np.zeros(n, dtype=np.bool_)
@@ -363,24 +377,24 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
             else:
                 remapped += 1
         mass += kept_mass / max(total, 1e-30)
-    row = np.zeros(11, dtype=np.float64)
-    row[0] = 1.0 if tokens > 0 else 0.0
-    row[1] = before.sum()
-    row[2] = after.sum()
-    row[3] = remapped
-    row[4] = tokens * k
-    row[5] = mass
-    row[6] = tokens
-    row[7] = 1.0 if fallback else 0.0
-    row[8] = tokens if verify else 0
-    row[9] = prefill.sum() if tokens > 0 else 0.0  # [issue 14 helper edit] as telemetry.record: only in steps that decode
-    row[10] = finished.sum()
+    row = np.zeros(NUM_SLOTS, dtype=np.float64)
+    row[STEPS] = 1.0 if tokens > 0 else 0.0
+    row[BEFORE] = before.sum()
+    row[AFTER] = after.sum()
+    row[REMAPPED] = remapped
+    row[ASSIGNMENTS] = tokens * k
+    row[MASS] = mass
+    row[TOKENS] = tokens
+    row[FALLBACKS] = 1.0 if fallback else 0.0
+    row[VERIFY_TOKENS] = tokens if verify else 0
+    row[PREFILL_TOKENS] = prefill.sum() if tokens > 0 else 0.0  # as telemetry.record: only in steps that decode
+    row[FINISHED_TOKENS] = finished.sum()
     return row
 
 
 def decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify=False, prefill_rows=None,
                        finished_rows=None, fallback=None) -> torch.Tensor:
-    """The 11 telemetry sums of one step (``lynx_hf.telemetry`` slot order), fp64 ``[11]``; twin of
+    """The telemetry sums of one step, fp64 ``[NUM_SLOTS]`` (:mod:`.telemetry_slots` order); twin of
     ``BlockTelemetry.record``'s torch arithmetic (the mass kept is summed in fp64 here, fp32 there: equal
     to ~1e-7 relative)."""
     num_tokens = orig_idx.shape[0]
@@ -402,7 +416,7 @@ def _lynx_mass_decode(s, lg, rel, den, idx, w, voters, top_k, alpha, beta, power
     for t in range(t_count):
         for e in range(n):
             if not math.isfinite(lg[t, e]) or math.isnan(s[t, e]) or s[t, e] == math.inf:
-                return False, idx, np.zeros(11, dtype=np.float64)
+                return False, idx, np.zeros(NUM_SLOTS, dtype=np.float64)
     seeded = np.zeros(n, dtype=np.bool_)
     critical = _lynx_critical(s, idx, 1, alpha, beta, 0.0, powers, voters, seeded, False)
     big_w = np.empty((t_count, n), dtype=np.int64)  # routing_torch.relative_weights in 2**-24 fixed point
@@ -416,7 +430,7 @@ def _lynx_mass_decode(s, lg, rel, den, idx, w, voters, top_k, alpha, beta, power
     if count:
         row = _counts(idx, new_idx, w, voters, np.zeros(t_count, dtype=np.bool_), ~voters, n, verify, False)
     else:
-        row = np.zeros(11, dtype=np.float64)
+        row = np.zeros(NUM_SLOTS, dtype=np.float64)
     return True, new_idx, row
 
 
@@ -426,13 +440,13 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     (``Step.decode`` is ``None``): LYNX cover (``lynx_critical_set`` with k 1, no consensus), :func:`mass_greedy_grow`,
     :func:`remap_topk`, the family's weight rule and (``telemetry``) the step's telemetry row -- the same
     integers as those functions one by one (tests/test_fused_route.py), with one compiled call instead of a
-    dozen torch ops and host conversions (issue 12: the routing overhead at small batches on CPU).
+    dozen torch ops and host conversions (at small batches on CPU torch's per-op overhead dominates the routing).
 
     ``scores [T, N]`` fp32 selection scores, ``logits [T, N]`` router logits (any float dtype),
     ``topk_weights`` / ``topk_idx [T, k]`` the model's routing, ``rule`` the block's ``WeightRule``, ``live [T]``
     bool or ``None`` (every row): rows of finished requests are remapped into the set but neither vote nor count.
     Returns ``None`` when a row is not finite or no row is live (the caller's general path handles those), else
-    ``(weights [T, k] in topk_weights.dtype, idx [T, k] in topk_idx.dtype, row fp64 [11] or None)``.
+    ``(weights [T, k] in topk_weights.dtype, idx [T, k] in topk_idx.dtype, row fp64 [NUM_SLOTS] or None)``.
     """
     num_tokens, num_experts = scores.shape
     top_k = topk_idx.shape[-1]
@@ -445,14 +459,14 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     num_voters = int(voters.sum()) if live is not None else num_tokens
     if num_voters == 0:
         return None
-    price_fixed = rt.batch_threshold(math.ceil(price * rt._MASS_UNIT), num_voters, unit)
+    price_fixed = rt.batch_threshold(math.ceil(price * rt.MASS_UNIT), num_voters, unit)
     w = _np(topk_weights, torch.float32) if telemetry else np.zeros((0, 0), dtype=np.float32)
     ok, new_idx, row = _lynx_mass_decode(_np(s), _np(logits32), _np(rel), _np(den), _np(idx64), w, voters,
                                          int(top_k), np.float32(alpha), int(beta), _powers(num_voters, int(beta)),
-                                         int(price_fixed), np.float32(rt._MASS_UNIT), bool(telemetry), bool(verify))
+                                         int(price_fixed), np.float32(rt.MASS_UNIT), bool(telemetry), bool(verify))
     if not ok:
         return None
     new_idx = torch.from_numpy(new_idx)
-    weights = rt.routing_weights(logits32, new_idx, rule.rule, rule.renormalize, rule.scale)
+    weights = rt.routing_weights(logits32, new_idx, rule.kind, rule.renormalize, rule.scale)
     return (weights.to(topk_weights.dtype), new_idx.to(topk_idx.dtype),
             torch.from_numpy(row) if telemetry else None)

@@ -1,6 +1,6 @@
 """LYNX / OEA routing steps in torch: the canonical definition and the production path off CUDA.
 
-This module defines the routing math (``../shared/DESIGN.md``, "The LYNX policy"); the Triton kernels
+This module defines the routing math (``docs/design.md``, "The LYNX policy"); the Triton kernels
 in :mod:`kernels.routing` must return exactly the same integers. Nothing here knows about transformers
 or model families: inputs are router *selection scores* ``s[T, N]`` in fp32 (pre-softmax logits for
 softmax routers, pre-sigmoid logits for sigmoid routers, ``-inf`` where the model's own routing forbids
@@ -14,7 +14,7 @@ inside :func:`strict_sync_free`, which tests use to check the accelerator path o
 loop of :func:`mass_greedy_grow` stops at its first idle iteration by reading a CPU tensor (there
 is no device to synchronise with); the result is the same.
 
-Per-token masks (DESIGN.md "Per-token decode mask"):
+Per-token masks (``docs/design.md`` "Per-token decode mask"):
 
 - ``vote [T]`` bool: the tokens whose routing the policy decides (live decode tokens). Other rows do
   not vote, do not count in the batch base ``B`` and do not add candidates. ``None``: every row votes.
@@ -50,10 +50,12 @@ import torch
 #: bin value stored for forbidden (``-inf``) experts and non-voting rows; far below any real bin.
 FORBIDDEN_BIN = -(2**30)
 
-#: weight rules a remap can reproduce (DESIGN.md "Family rules"); the adapters pick one.
+#: weight rules a remap can reproduce (``docs/design.md`` "Family rules"); each family spec picks one.
 WEIGHT_RULES = ("softmax_all", "softmax_chosen", "sigmoid")
 
-_MASS_UNIT = float(2**24)  # fixed-point resolution of routing-mass gains
+#: fixed-point resolution of routing-mass gains (2**-24 of one token's top-k mass); shared by the numba and
+#: Triton twins
+MASS_UNIT = float(2**24)
 _STRICT = [0]  # > 0 inside strict_sync_free()
 
 
@@ -75,7 +77,7 @@ def host_reads_allowed(t: torch.Tensor) -> bool:
 
 
 def default_lynx_bins(num_experts: int, top_k: int) -> tuple[float, int]:
-    """Bin parameters derived only from ``k/N`` (DESIGN.md step 2; our choice, the paper is silent).
+    """Bin parameters derived only from ``k/N`` (``docs/design.md`` step 2; our choice, the paper is silent).
 
     Returns ``(alpha, beta)``: ``beta = ceil(log2(N/k)) + 1`` bins of width ``w = ln(N/k) / beta``,
     ``alpha = 1/w``; an expert votes iff its probability is at least ``k/N`` of the token's top-1.
@@ -104,7 +106,7 @@ def lynx_bins(scores: torch.Tensor, alpha: float) -> torch.Tensor:
     """Per-token affinity bins. ``scores [T, N]`` fp32 -> ``bins [T, N]`` int32, ``<= 0``.
 
     ``bin = ceil((s - max_e s) * alpha)`` in fp32; ``FORBIDDEN_BIN`` where ``s == -inf``.
-    Shift-invariant (CASES C13): only the gap to the row maximum is used.
+    Shift-invariant (``docs/cases.md`` C13): only the gap to the row maximum is used.
     """
     s = scores.float()
     gap = s - s.max(dim=-1, keepdim=True).values
@@ -162,6 +164,12 @@ def union_mask(topk_idx: torch.Tensor, num_experts: int, rows: torch.Tensor | No
         hits = rows.to(torch.int32)[:, None].expand(topk_idx.shape).reshape(-1)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device).index_add_(0, flat, hits)
     return counts > 0
+
+
+def union_size(topk_idx: torch.Tensor, num_experts: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Distinct experts of ``topk_idx [T, k]`` over the selected ``rows [T]`` bool (``None``: all rows): a 0-d
+    int64 tensor (no host read). Telemetry counts unique experts with it."""
+    return union_mask(topk_idx, num_experts, rows).sum()
 
 
 def _add_ranked(critical: torch.Tensor, key: torch.Tensor, eligible: torch.Tensor, count) -> torch.Tensor:
@@ -299,39 +307,6 @@ def routing_weights(
     return w
 
 
-def mass_floor_set(
-    topk_idx: torch.Tensor,
-    topk_weights: torch.Tensor,
-    num_experts: int,
-    floor: float,
-    vote: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Experts some voting token must keep so that it retains at least ``floor`` of its routing mass.
-
-    ``topk_idx [T, k]`` int, ``topk_weights [T, k]`` (the model's own weights, any float dtype) ->
-    ``[N]`` bool. For each token, its experts in decreasing weight order (ties -> lower slot) are kept
-    while the weight kept *before* them is below ``floor`` of the token's top-k weight sum; so a
-    confident token keeps its top-1 only, an unsure one keeps more. ``floor = 0`` keeps nothing,
-    ``floor = 1`` keeps every original expert. (A project extension of LYNX, DESIGN.md "Improve
-    them when the data says so"; the paper has no such floor.)
-    """
-    if not 0.0 <= floor <= 1.0:
-        raise ValueError(f"floor must be in [0, 1], got {floor}")
-    if floor == 0.0:
-        return torch.zeros(num_experts, dtype=torch.bool, device=topk_idx.device)
-    w = topk_weights.float()
-    order = torch.sort(w, dim=-1, descending=True, stable=True).indices
-    w_sorted = w.gather(1, order)
-    total = w_sorted.sum(dim=-1, keepdim=True).clamp_min(1e-30)
-    before = (torch.cumsum(w_sorted, dim=-1) - w_sorted) / total  # mass kept before each slot
-    keep = before < floor
-    if vote is not None:
-        keep = keep & vote[:, None]
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
-    counts.index_add_(0, topk_idx.gather(1, order).reshape(-1).long(), keep.reshape(-1).int())
-    return counts > 0
-
-
 def relative_weights(scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
     """``w[t, e] = exp(s - max s) / sum over the token's own top-k of exp(s - max s)``, fp32 ``[T, N]``.
 
@@ -403,13 +378,13 @@ def mass_greedy_grow(
     num_tokens, num_experts = scores.shape
     voters = _rows(vote, num_tokens, scores.device)
     w = relative_weights(scores, topk_idx)
-    big_w = torch.where(voters[:, None], torch.round(w * _MASS_UNIT).long(), torch.zeros_like(w, dtype=torch.long))
+    big_w = torch.where(voters[:, None], torch.round(w * MASS_UNIT).long(), torch.zeros_like(w, dtype=torch.long))
     candidates = union_mask(topk_idx, num_experts, voters)
     if seed is not None:
         candidates = candidates | seed
         critical = critical | seed
     kk = min(top_k, num_experts)
-    price_fixed = batch_threshold(math.ceil(price * _MASS_UNIT), voters.sum(), unit)
+    price_fixed = batch_threshold(math.ceil(price * MASS_UNIT), voters.sum(), unit)
     ids = torch.arange(num_experts, device=scores.device)
     size = critical.sum()
     early = host_reads_allowed(scores)
@@ -453,7 +428,7 @@ def xshare_critical_set(
     s = scores.float()
     probs = torch.softmax(torch.where(torch.isfinite(s), s, torch.full_like(s, -torch.inf)), dim=-1)
     probs = torch.where(torch.isfinite(probs), probs, torch.zeros_like(probs))  # all -inf rows
-    mass = torch.where(voters[:, None], torch.round(probs * _MASS_UNIT).long(), 0).sum(dim=0)
+    mass = torch.where(voters[:, None], torch.round(probs * MASS_UNIT).long(), 0).sum(dim=0)
     candidates = union_mask(topk_idx, num_experts, voters)
     critical = torch.zeros(num_experts, dtype=torch.bool, device=scores.device) if seed is None else seed.clone()
     if seed is not None:

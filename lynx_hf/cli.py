@@ -1,6 +1,8 @@
 """``lynx-hf`` command line (also ``python -m lynx_hf``).
 
-Subcommands: ``generate`` (patch + generate on a local checkpoint; default the committed fixture).
+Subcommands: ``generate`` (patch + generate on a local checkpoint; default the committed fixture A, package data
+of ``lynx_hf.eval``), ``plot``, ``vllm-stats``; ``eval | sweep | bench | report`` run the installed
+``lynx_hf.eval`` modules (``python -m lynx_hf.eval.harness | sweep | bench | router_report``).
 Errors are one clear line on stderr and exit status 2.
 """
 
@@ -11,9 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL = REPO / "eval" / "fixtures" / "qwen2moe-tiny"
-DEFAULT_PROMPTS = REPO / "eval" / "data" / "prompts.txt"
+from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval (no torch import)
+from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
 
 
 class CliError(Exception):
@@ -22,25 +23,34 @@ class CliError(Exception):
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
     """One ``--field`` option per :class:`LynxConfig` field (derived from the dataclass: a new field is a
-    new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false)."""
+    new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
+    Renamed fields keep their old option as a deprecated alias (``--k0``, ``--backend``: a ``FutureWarning``
+    names the new option; ``lynx_hf.config.RENAMED``)."""
     from dataclasses import fields
 
-    from .config import LynxConfig, field_types
+    from .config import RENAMED, LynxConfig, field_types
 
+    types = field_types()
     for f in fields(LynxConfig):
-        base, optional = field_types()[f.name]
+        base, optional = types[f.name]
         kind = base.__name__ + (" or None" if optional else "")
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=kind.upper().replace(" ", "_"),
                             help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {f.default!r})")
+    for old, new in RENAMED.items():
+        parser.add_argument(f"--{old.replace('_', '-')}", dest=f"deprecated_{old}", default=argparse.SUPPRESS,
+                            metavar="VALUE", help=f"deprecated: use {new}")
 
 
 def _config(args):
     from dataclasses import fields
 
     from . import LynxConfig
+    from .config import RENAMED
 
-    return LynxConfig.from_options({f.name: getattr(args, f.name) for f in fields(LynxConfig)
-                                    if getattr(args, f.name, None) is not None})
+    options = {f.name: getattr(args, f.name) for f in fields(LynxConfig) if getattr(args, f.name, None) is not None}
+    options.update({old: getattr(args, f"deprecated_{old}") for old in RENAMED
+                    if getattr(args, f"deprecated_{old}", None) is not None})  # mapped with a FutureWarning
+    return LynxConfig.from_options(options)
 
 
 def _load(model_path: Path, dtype: str):
@@ -185,26 +195,22 @@ def cmd_plot(args) -> int:
     return 0
 
 
+#: subcommand -> (module of lynx_hf.eval, help); outputs go to --out (default: eval/results in the source
+#: checkout, else ./lynx_hf_results under the working directory)
 _SCRIPTS = {
-    "eval": ("harness.py", "accuracy harness: teacher-forced decode, generation agreement, lm-eval (eval/harness.py)"),
-    "sweep": ("sweep.py", "Pareto sweep LYNX vs OEA on the fixtures (eval/sweep.py)"),
-    "bench": ("bench.py", "MoE-layer and end-to-end decode latency benchmark (eval/bench.py)"),
-    "report": ("router_report.py", "router statistics of a checkpoint (eval/router_report.py)"),
+    "eval": ("harness", "accuracy harness: teacher-forced decode, generation agreement, lm-eval"),
+    "sweep": ("sweep", "Pareto sweep LYNX vs OEA on the fixtures"),
+    "bench": ("bench", "MoE-layer and end-to-end decode latency benchmark (--quick: a smoke run)"),
+    "report": ("router_report", "router statistics of a checkpoint"),
 }
 
 
 def cmd_script(args) -> int:
-    """Forward to a script of the source checkout's eval/ folder (not installed with the package)."""
-    import importlib.util
+    """Run ``lynx_hf.eval.<module>.main(args)`` (installed with the package: no source checkout needed)."""
+    import importlib
 
-    script = REPO / "eval" / _SCRIPTS[args.command][0]
-    if not script.is_file():
-        raise CliError(f"{script} not found: `lynx-hf {args.command}` needs the source checkout (pip install -e .)")
-    sys.path.insert(0, str(script.parent))
     sys.argv[0] = f"lynx-hf {args.command}"  # the script's argparse prog
-    spec = importlib.util.spec_from_file_location(f"lynx_eval_{script.stem}", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = importlib.import_module(f"lynx_hf.eval.{_SCRIPTS[args.command][0]}")
     return int(module.main(args.args) or 0)
 
 
@@ -230,9 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("vllm-stats", help="print the telemetry file of the vLLM plugin (stats_path)")
     v.add_argument("stats_json", help="file written by a vLLM worker with lynx_hf.vllm (stats_path)")
     v.set_defaults(func=cmd_vllm_stats)
-    for name, (_, text) in _SCRIPTS.items():
-        s = sub.add_parser(name, help=text, add_help=False,
-                           description=f"{text}; all arguments are passed on (try `lynx-hf {name} --help`)")
+    for name, (module, text) in _SCRIPTS.items():
+        s = sub.add_parser(name, help=f"{text} (python -m lynx_hf.eval.{module})", add_help=False,
+                           description=f"{text}; all arguments are passed on (try `lynx-hf {name} --help`); results "
+                           "go to --out (default: eval/results in the source checkout, else ./lynx_hf_results)")
         s.add_argument("args", nargs=argparse.REMAINDER)
         s.set_defaults(func=cmd_script)
     return parser

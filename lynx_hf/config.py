@@ -1,18 +1,34 @@
-"""LynxConfig: the user-facing knobs of the policy, validated at construction."""
+"""LynxConfig: the user-facing knobs of the policy, validated at construction.
+
+Generic fields are checked here; each policy checks its own (``Policy.validate``, ``lynx_hf.policies``).
+Renamed fields are still accepted under their old name with a ``FutureWarning`` (:data:`RENAMED`); removed
+ones raise :class:`LynxConfigError` naming what replaces them (:data:`REMOVED`).
+"""
 
 from __future__ import annotations
 
-import math
+import functools
 import typing
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 
 from . import policies
 from .errors import LynxConfigError
+from .kernels.backend import EXPERT_PATHS, ROUTING_BACKENDS
+from .policies import check_bool, check_choice, check_int
 
-PHASES = ("auto", "decode", "never")
-BACKENDS = ("auto", "torch", "triton")
-#: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
-MAX_BETA = 64
+PHASES = ("auto", "decode")
+
+#: old name -> what it now is (accepted with a FutureWarning by ``LynxConfig(...)``, ``from_dict``,
+#: ``from_options`` (CLI, lm-eval ``model_args``, vLLM) and ``lynx_hf.patch(model, **overrides)``)
+RENAMED = {
+    "k0": "oea_k0",
+    "backend": "routing_backend (and expert_path='triton' for backend='triton')",
+}
+#: removed name -> the replacement named in the error
+REMOVED = {
+    "mass_floor": "use mass_price (LYNX routing-mass growth; mass_price=None gives the paper's rule)",
+}
 
 
 @dataclass(frozen=True)
@@ -25,34 +41,33 @@ class LynxConfig:
     - ``policy``: a registered policy (``lynx_hf.policies``): ``"lynx"`` (LYNX, arXiv 2411.08982
       Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237, a baseline), ``"xshare"`` (XShare, arXiv 2602.07265,
       a baseline) or ``"none"`` (the model's own routing; decode is bit-identical to unpatched).
-    - ``phase``: ``"auto"`` (decode detected from the KV-cache length, DESIGN.md "Phase detection"),
-      ``"decode"`` (every forward is treated as decode: decode emulation), ``"never"`` (never remap).
-    - ``alpha``: inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
+    - ``phase``: ``"auto"`` (decode detected from the KV-cache length, ``docs/design.md`` "Phase
+      detection") or ``"decode"`` (every forward is treated as decode: decode emulation). ``"never"`` was
+      removed: use ``policy="none"`` (telemetry, no remap) or :func:`lynx_hf.unpatch`.
+    - ``alpha``: LYNX, inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
       from k/N: ``beta / ln(N/k)``. Must be finite and > 0.
-    - ``beta``: number of bins below bin 0 that still vote. ``None`` derives ``ceil(log2(N/k)) + 1``.
+    - ``beta``: LYNX, number of bins below bin 0 that still vote. ``None`` derives ``ceil(log2(N/k)) + 1``.
       Must be an int in ``0..64``. Experts vote iff ``ceil(gap * alpha) >= -beta``.
-    - ``tau``: consensus threshold on the exponential batch score (units: one bin-0 vote), used by the
+    - ``tau``: LYNX consensus threshold on the exponential batch score (units: one bin-0 vote), used by the
       paper's rule (``mass_price=None``). ``>= 0``. Default 1.0 (every expert that is some token's
       bin-0 choice joins the critical set).
-    - ``mass_floor``: LYNX extension (ours, not in the paper): each token also keeps its own
-      highest-weight experts until they hold at least this share of its original top-k routing
-      weight; 0 (default) disables it, 1 keeps every original expert. In ``[0, 1]``.
     - ``mass_price``: LYNX extension (ours): when set, the critical set is LYNX's cover grown
       greedily by routing mass: an expert of the batch's union joins while the routing mass it
       restores, summed over the batch's tokens (units: one token's whole top-k mass), is at least
       ``mass_price``. This replaces the consensus and grow-by-score steps (``tau`` is then unused).
-      Default 0.109375 (7/64) with ``price_unit="sqrt"`` (0.4375 tokens' mass at B = 16): chosen by the Pareto sweep
-      (``eval/sweep.py``, rule: on fixture A at B = 16 the fewest unique experts with next-token
+      Default 0.109375 (7/64) with ``price_unit="sqrt"`` (0.4375 tokens' mass at B = 16): chosen by the Pareto
+      sweep (``eval/sweep.py``, rule: on fixture A at B = 16 the fewest unique experts with next-token
       cross-entropy up <= 1 % relative, over the paper's tau/alpha grid and this series; the unit by
-      dCE <= 1 % at every B on fixtures A, B, C, ``eval/results/sweep.md``), then fixed. ``None`` gives the paper's rule (tau, grow by
-      score). ``>= 0``.
-    - ``price_unit``: the unit of ``mass_price``: ``"token"`` (tokens' worth of top-k mass: an expert
+      dCE <= 1 % at every B on fixtures A, B, C, ``eval/results/sweep.md``), then fixed. ``None`` gives the
+      paper's rule (tau, grow by score). ``>= 0``.
+    - ``price_unit``: LYNX, the unit of ``mass_price``: ``"token"`` (tokens' worth of top-k mass: an expert
       joins while it restores at least ``mass_price`` tokens' mass), ``"batch"`` (a share of the step's
       total mass: at least ``mass_price * B`` tokens' worth, B = voting decode tokens of the step; a
       constant price on the mean mass per token) or ``"sqrt"`` (at least ``mass_price * sqrt(B)`` tokens'
       worth: between the two; an absolute price over-prunes small batches, a per-token one large ones,
       ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
-    - ``k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
+    - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time). Formerly
+      ``k0`` (still accepted, with a ``FutureWarning``).
     - ``xshare_budget`` / ``xshare_fraction`` / ``xshare_warmup``: the XShare baseline (policy
       ``"xshare"``, arXiv 2602.07265): experts per step (an int ``>= 1``, or ``None``: ``ceil(fraction * N)``,
       fraction in ``(0, 1]``), and each token's top-``warmup`` experts kept first (``>= 0``).
@@ -61,90 +76,140 @@ class LynxConfig:
       decoding request. ``>= 1``. (Inside ``generate`` decode steps are known exactly.)
     - ``verify``: remap the verification forwards of assisted / prompt-lookup decoding (every token
       of a verify forward is decode work). Default True.
-    - ``backend``: ``"auto"`` (Triton on CUDA tensors, torch on CPU), ``"torch"``, ``"triton"``.
+    - ``routing_backend``: which routing ops run: ``"auto"`` (Triton on CUDA tensors, torch on CPU),
+      ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
+    - ``expert_path``: what computes the routed experts in decode: ``"auto"`` (for now the model's own
+      experts implementation; transformers' ``grouped_mm`` on CUDA), ``"model"`` (the same, never a kernel of
+      ours) or ``"triton"`` (the sparse Triton decode kernel, ``lynx_hf.kernels.moe``; CUDA, or the
+      interpreter). ``backend=X`` (deprecated) means ``routing_backend=X`` and ``expert_path="triton"`` iff
+      ``X == "triton"`` (else ``"auto"``).
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
+
+    Raises :class:`LynxConfigError` for a bad value, a removed field (``mass_floor``) or ``phase="never"``.
     """
 
     policy: str = field(default="lynx", metadata={"help": "routing policy in decode (registered: lynx, oea, xshare, none)"})
-    phase: str = field(default="auto", metadata={"help": "auto: decode steps detected; decode: every forward; never"})
+    phase: str = field(default="auto", metadata={"help": "auto: decode steps detected; decode: every forward"})
     alpha: float | None = field(default=None, metadata={"help": "LYNX inverse bin width (None: from k/N)"})
     beta: int | None = field(default=None, metadata={"help": "LYNX voting bins below bin 0 (None: from k/N)"})
     tau: float = field(default=1.0, metadata={"help": "LYNX consensus threshold (paper rule, mass_price=None)"})
-    mass_floor: float = field(default=0.0, metadata={"help": "share of each token's top-k weight it always keeps"})
     mass_price: float | None = field(default=0.109375, metadata={
         "help": "routing-mass growth price in tokens' worth of mass (None: the paper's rule)"})
     price_unit: str = field(default="sqrt", metadata={
         "help": "mass_price unit: token (tokens' worth of mass), batch (x B decode tokens) or sqrt (x sqrt(B))"})
-    k0: int = field(default=1, metadata={"help": "OEA: experts each token keeps"})
+    oea_k0: int = field(default=1, metadata={"help": "OEA: experts each token keeps"})
     xshare_budget: int | None = field(default=None, metadata={"help": "XShare: experts per step (None: fraction)"})
     xshare_fraction: float = field(default=0.5, metadata={"help": "XShare: budget as a fraction of N"})
     xshare_warmup: int = field(default=1, metadata={"help": "XShare: each token's top experts kept first"})
     q_max: int = field(default=1, metadata={"help": "longest query treated as decode outside generate"})
     verify: bool = field(default=True, metadata={"help": "remap verification forwards (assisted / prompt lookup)"})
-    backend: str = field(default="auto", metadata={"help": "kernels: auto (Triton on CUDA), torch, triton"})
+    routing_backend: str = field(default="auto", metadata={"help": "routing ops: auto (Triton on CUDA), torch, triton"})
+    expert_path: str = field(default="auto", metadata={
+        "help": "decode experts: auto / model (the model's own implementation), triton (sparse Triton kernel)"})
     telemetry: bool = field(default=True, metadata={"help": "collect decode statistics (lynx_hf.stats)"})
-
     def __post_init__(self) -> None:
-        _choice("policy", self.policy, policies.names())
-        _choice("phase", self.phase, PHASES)
-        _choice("backend", self.backend, BACKENDS)
-        if self.alpha is not None:
-            _number("alpha", self.alpha)
-            if not (0 < self.alpha < math.inf):
-                raise LynxConfigError(f"LynxConfig.alpha must be finite and > 0 (or None), got {self.alpha!r}")
-        if self.beta is not None:
-            _integer("beta", self.beta, minimum=0)
-            if self.beta > MAX_BETA:
-                raise LynxConfigError(
-                    f"LynxConfig.beta must be <= {MAX_BETA} (B**-beta is below fp32 range long before), got {self.beta!r}"
-                )
-        _number("tau", self.tau)
-        if not (self.tau >= 0) or math.isinf(self.tau):
-            raise LynxConfigError(f"LynxConfig.tau must be finite and >= 0, got {self.tau!r}")
-        _number("mass_floor", self.mass_floor)
-        if not 0.0 <= self.mass_floor <= 1.0:
-            raise LynxConfigError(f"LynxConfig.mass_floor must be in [0, 1], got {self.mass_floor!r}")
-        if self.mass_price is not None:
-            _number("mass_price", self.mass_price)
-            if not (0.0 <= self.mass_price < math.inf):
-                raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {self.mass_price!r}")
-        _integer("k0", self.k0, minimum=1)
-        _choice("price_unit", self.price_unit, ("token", "batch", "sqrt"))
-        if self.xshare_budget is not None:
-            _integer("xshare_budget", self.xshare_budget, minimum=1)
-        _number("xshare_fraction", self.xshare_fraction)
-        if not 0.0 < self.xshare_fraction <= 1.0:
-            raise LynxConfigError(f"LynxConfig.xshare_fraction must be in (0, 1], got {self.xshare_fraction!r}")
-        _integer("xshare_warmup", self.xshare_warmup, minimum=0)
-        _integer("q_max", self.q_max, minimum=1)
+        if self.phase == "never":
+            raise LynxConfigError('LynxConfig.phase="never" was removed: use policy="none" (the model\'s own '
+                                  'routing, telemetry kept) or lynx_hf.unpatch(model)')
+        check_choice("policy", self.policy, policies.names())
+        check_choice("phase", self.phase, PHASES)
+        check_choice("routing_backend", self.routing_backend, ROUTING_BACKENDS)
+        check_choice("expert_path", self.expert_path, EXPERT_PATHS)
+        check_int("q_max", self.q_max, minimum=1)
         for name in ("telemetry", "verify"):
-            if not isinstance(getattr(self, name), bool):
-                raise LynxConfigError(f"LynxConfig.{name} must be a bool, got {getattr(self, name)!r}")
+            check_bool(name, getattr(self, name))
+        for policy in policies.REGISTRY.values():  # every policy's own fields, whichever policy is chosen
+            policy.validate(self)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict) -> "LynxConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
-        return cls(**values)
+        """A config from ``{field: value}``; renamed fields (:data:`RENAMED`) are mapped with a ``FutureWarning``.
+        Raises :class:`LynxConfigError` for an unknown or removed field (naming the replacement) or a bad value."""
+        return cls(**_translate(values))
 
     @classmethod
     def from_options(cls, values: dict, base: "LynxConfig | None" = None) -> "LynxConfig":
         """A config from command-line style options: every value may be a string (``"0.5"``, ``"None"``,
         ``"true"``) or already typed; strings are parsed by the field's type (:func:`parse_option`).
-        The one parsing path of the CLI (``lynx-hf``) and the lm-eval ``lynx`` model's ``model_args``.
-        ``base`` supplies the other fields (default ``LynxConfig()``). Raises :class:`LynxConfigError`.
+        The one parsing path of the CLI (``lynx-hf``), the lm-eval ``lynx`` model's ``model_args`` and the
+        vLLM plugin. ``base`` supplies the other fields (default ``LynxConfig()``). Renamed options
+        (``k0``, ``backend``) are mapped with a ``FutureWarning``. Raises :class:`LynxConfigError`.
         """
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
+        values = _translate(values, stacklevel=4)
         parsed = {name: parse_option(name, value) for name, value in values.items()}
         return cls.from_dict({**(base or cls()).to_dict(), **parsed})
+
+
+def _deprecated_read(old: str, new: str) -> property:
+    def read(self):
+        warnings.warn(f"LynxConfig.{old} is deprecated: read LynxConfig.{new}", FutureWarning, stacklevel=2)
+        return getattr(self, new)
+
+    return property(read, doc=f"Deprecated: :attr:`{new}`.")
+
+
+_UNSET = object()
+
+
+def _accept_old_names(init):
+    """``LynxConfig.__init__`` that also takes the renamed keywords (mapped, ``FutureWarning``) and the removed
+    ones (``LynxConfigError`` naming the replacement)."""
+    @functools.wraps(init)
+    def __init__(self, *args, k0=_UNSET, backend=_UNSET, mass_floor=_UNSET, **kwargs):
+        if mass_floor is not _UNSET:
+            raise _removed("mass_floor")
+        for old, value in (("k0", k0), ("backend", backend)):
+            if value is _UNSET:
+                continue
+            for name, new in _renamed(old, value, stacklevel=3).items():
+                if name in kwargs and kwargs[name] != new:
+                    raise LynxConfigError(f"LynxConfig: {old}={value!r} (deprecated) conflicts with "
+                                          f"{name}={kwargs[name]!r}; pass only {name}")
+                kwargs[name] = new
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+LynxConfig.__init__ = _accept_old_names(LynxConfig.__init__)
+# reading a renamed field warns and gives the new one
+LynxConfig.k0 = _deprecated_read("k0", "oea_k0")
+LynxConfig.backend = _deprecated_read("backend", "routing_backend")
+
+
+def _removed(name: str) -> LynxConfigError:
+    return LynxConfigError(f"LynxConfig.{name} was removed: {REMOVED[name]}")
+
+
+def _renamed(old: str, value, stacklevel: int = 3) -> dict:
+    """The fields that ``old=value`` now sets (a ``FutureWarning`` names them)."""
+    if old == "k0":
+        new = {"oea_k0": value}
+    else:  # backend: the routing ops, and the sparse expert kernel iff "triton" (what backend="triton" enabled)
+        new = {"routing_backend": value, "expert_path": "triton" if value == "triton" else "auto"}
+    warnings.warn(f"LynxConfig.{old} is deprecated: use {', '.join(f'{k}={v!r}' for k, v in new.items())}",
+                  FutureWarning, stacklevel=stacklevel)
+    return new
+
+
+def _translate(values: dict, stacklevel: int = 4) -> dict:
+    """``values`` with renamed fields mapped to the current ones (``FutureWarning``); raises
+    :class:`LynxConfigError` for removed fields, ``phase="never"`` and unknown names."""
+    known = {f.name for f in fields(LynxConfig)}
+    for name in values:
+        if name in REMOVED:
+            raise _removed(name)
+    unknown = sorted(set(values) - known - set(RENAMED))
+    if unknown:
+        raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
+    out = {name: value for name, value in values.items() if name in known}
+    for name, value in values.items():
+        if name in RENAMED:
+            out.update(_renamed(name, value, stacklevel=stacklevel))
+    return out
 
 
 _NONE_WORDS = ("none", "null")
@@ -184,18 +249,3 @@ def parse_option(name: str, value):
         raise LynxConfigError(f"LynxConfig.{name}: cannot parse {value!r} as {base.__name__}"
                               f"{' or None' if optional else ''}") from None
     return text
-
-
-def _choice(name, value, allowed):
-    if not isinstance(value, str) or value not in allowed:
-        raise LynxConfigError(f"LynxConfig.{name} must be one of {allowed}, got {value!r}")
-
-
-def _number(name, value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise LynxConfigError(f"LynxConfig.{name} must be a real number, got {value!r}")
-
-
-def _integer(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise LynxConfigError(f"LynxConfig.{name} must be an int >= {minimum}, got {value!r}")

@@ -18,7 +18,7 @@ class UnsupportedModelError(LynxError, TypeError):
 
 class ModelConfigError(LynxError, ValueError):
     """The model's own config is inconsistent with its routing (e.g. DeepSeek group limits that
-    cannot supply ``num_experts_per_tok`` experts, CASES C10); raised at patch time."""
+    cannot supply ``num_experts_per_tok`` experts, ``docs/cases.md`` C10); raised at patch time."""
 
 
 class NotPatchedError(LynxError, RuntimeError):

@@ -9,22 +9,23 @@ implementation ``"lynx"`` (:data:`IMPLEMENTATION`) in ``ALL_EXPERTS_FUNCTIONS`` 
 (``unpatch``, or a policy that does not remap) sets the previous one back. ``"lynx"`` chooses, per call:
 
 - not a decode step -> the implementation the model had (prefill bit-identical);
-- decode, ``backend="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run measures
-  which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``eval/gpu_check.py``), the experts passed :func:`kernel_storage` at patch time and
-  :func:`weights_ready` now -> the sparse Triton kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
-- decode on CUDA, the experts passed :func:`storage_reason` at patch time and :func:`weights_ready`
-  now -> that interface's ``grouped_mm`` (reads only the unique experts);
+- decode, ``expert_path="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run
+  measures which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``eval/gpu_check.py``),
+  the experts passed :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton
+  kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
+- decode with a plan on CUDA, the experts passed :func:`storage_reason` at patch time and
+  :func:`weights_ready` now -> that interface's ``grouped_mm`` (reads only the unique experts);
 - otherwise -> the implementation the model had (on CPU usually ``grouped_mm``, which already reads
   only the unique experts).
 
-"Never silently wrong" (issue 15): a sparse path reads an experts module's weight tensors itself, so it
+"Never silently wrong": a sparse path reads an experts module's weight tensors itself, so it
 runs only when those tensors *are* the expert weights -- plain dense ``torch.Tensor`` / ``Parameter`` in
 fp32/fp16/bf16, materialized on the compute device, of one of transformers' own experts classes with no
 other state. Everything else (fp8 weights with block scales such as transformers' ``FP8Experts``,
 bitsandbytes / GPTQ / AWQ-style quantized storage, accelerate offload (``meta`` weights behind a hook),
 PEFT LoRA on the expert parameters (a ``ParamWrapper`` around the module, a parametrization while it
 runs), tensor subclasses, unknown subclasses) runs the module's own forward with the remapped routing:
-the routing is remapped by the router hook (``lynx_hf.routing``), so the policy acts either way.
+the routing is remapped by the router hook (``lynx_hf.block``), so the policy acts either way.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ def uses_interface(experts: torch.nn.Module) -> bool:
 
 
 def unwrap(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
-    """``(module, wrappers)``: the module inside adapter wrappers that hold the experts as their base layer
+    """``(module, wrappers)``: the module inside PEFT adapter wrappers that hold the experts as their base layer
     (PEFT ``ParamWrapper``, nested once per targeted parameter; found through PEFT's ``get_base_layer``
     contract), and the wrapper class names, outermost first (empty when ``experts`` is not wrapped)."""
     wrappers = []
@@ -144,7 +145,7 @@ def storage_reason(experts: torch.nn.Module, names=_GROUPED_NAMES) -> str | None
     - each is a plain ``torch.Tensor`` / ``Parameter`` (no tensor subclass: bitsandbytes ``Params4bit``,
       torchao / GPTQ packed tensors) of a float dtype of 16 bits or more (not fp8 / int: quantized);
     - no accelerate hook that offloads them (a disk / CPU offload map keeps ``meta`` placeholders and loads
-      the weights only inside the module's own forward, CASES C19).
+      the weights only inside the module's own forward, ``docs/cases.md`` C19).
 
     ``names`` (default: what transformers' ``grouped_mm`` reads) narrows what may exist; the sparse Triton
     kernel passes ``("gate_up_proj", "down_proj")``. What ``.to(dtype / device)`` changes (fp32/fp16/bf16,
@@ -257,13 +258,11 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
         own, grouped = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    plan = state.plan
-    if plan is not None and plan.expert_kernel and state.kernel_reason is None \
-            and weights_ready(self, hidden_states):
-        return plan.ops.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-                                   exact_grid=False)
-    if grouped is not None and hidden_states.device.type == "cuda" \
-            and getattr(state, "grouped_reason", "not checked") is None \
+    plan = state.plan if state.plan is not None else state.resolve(hidden_states.device)  # None after a copy
+    if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
+        return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+                               exact_grid=False)
+    if grouped is not None and plan.device.type == "cuda" and state.grouped_allowed \
             and weights_ready(self, hidden_states, _grouped_names(self)):
         return grouped(self, hidden_states, top_k_index, top_k_weights)
     return own(self, hidden_states, top_k_index, top_k_weights)
@@ -287,13 +286,13 @@ def install(state) -> None:
     For each patched block: the experts module that dispatches through the interface (inside PEFT wrappers,
     :func:`unwrap`) gets its ``BlockRouting`` under :data:`EXPERTS_ATTR`, which records the implementation
     it had, its functions, and why a sparse path may not read its weights (``kernel_reason`` for the Triton
-    kernel, ``grouped_reason`` for ``grouped_mm``; ``None`` = allowed). Blocks whose experts do not
+    kernel, ``grouped_reason`` for ``grouped_mm``; ``None`` = allowed; ``storage_checked`` set). Blocks whose experts do not
     dispatch through the interface (Llama-4, custom experts) get ``kernel_reason`` from their family spec's
     ``kernel_storage(experts)`` if it has one, else a reason. Every other interface-dispatching experts
     module of the model (they share the config whose implementation changes) records the implementation it
     had, so it keeps running it. Idempotent; undone exactly by :func:`remove`.
     """
-    owner = state.owner
+    model = state.model
     blocks = []
     for block in state.blocks:
         inner, wrappers = unwrap(block.experts)
@@ -308,10 +307,11 @@ def install(state) -> None:
         else:
             block.kernel_reason = "the experts do not dispatch through transformers' experts interface"
         block.grouped_reason = block.kernel_reason
-    if state.experts_impl_before is not None or not blocks or not hasattr(owner, "set_experts_implementation"):
+        block.storage_checked = True
+    if state.experts_impl_before is not None or not blocks or not hasattr(model, "set_experts_implementation"):
         return
     register()
-    state.experts_impl_before = owner.get_experts_implementation()
+    state.experts_impl_before = model.get_experts_implementation()
     for block, inner, wrappers in blocks:
         block.original_impl = inner.config._experts_implementation
         block.experts_impls = implementations(inner, block.original_impl)
@@ -320,11 +320,12 @@ def install(state) -> None:
         else:
             block.kernel_reason = kernel_storage(inner)
             block.grouped_reason = storage_reason(inner)
+        block.storage_checked = True
         object.__setattr__(inner, EXPERTS_ATTR, block)
-    for module in owner.modules():
+    for module in model.modules():
         if EXPERTS_ATTR not in module.__dict__ and uses_interface(module):
             object.__setattr__(module, EXPERTS_ATTR, module.config._experts_implementation)
-    owner.set_experts_implementation(IMPLEMENTATION)
+    model.set_experts_implementation(IMPLEMENTATION)
 
 
 def remove(state) -> None:
@@ -332,8 +333,8 @@ def remove(state) -> None:
     before, state.experts_impl_before = state.experts_impl_before, None
     if before is None:
         return
-    current = state.owner.get_experts_implementation()
+    current = state.model.get_experts_implementation()
     if IMPLEMENTATION in current.values():
-        state.owner.set_experts_implementation(before)
-    for module in state.owner.modules():
+        state.model.set_experts_implementation(before)
+    for module in state.model.modules():
         module.__dict__.pop(EXPERTS_ATTR, None)

@@ -4,13 +4,14 @@ lm-eval has no plugin entry point, so registration happens on import of this mod
 
 - Python: ``import lynx_hf.lm_eval`` then ``lm_eval.simple_evaluate(model="lynx",
   model_args="pretrained=PATH,policy=lynx,tau=1.0", tasks=[...], batch_size=16)``, or pass
-  ``HFLM(pretrained=<patched model object>, tokenizer=tok, batch_size=16)`` directly (CASES C17);
+  ``HFLM(pretrained=<patched model object>, tokenizer=tok, batch_size=16)`` directly (``docs/cases.md`` C17);
 - the CLI: ``python -m lynx_hf.lm_eval run --model lynx --model_args pretrained=PATH,policy=lynx
   --tasks TASK --include_path eval/tasks --batch_size 16`` (forwards to lm-eval's own CLI).
 
 LYNX options in ``model_args``: every :class:`~lynx_hf.LynxConfig` field (``policy``, ``tau``, ``mass_price``,
-``k0``, ...; ``mass_price=None`` selects the paper's rule), parsed by :meth:`LynxConfig.from_options` like the
-CLI's, except ``backend``, spelled ``lynx_backend`` (HFLM already has an unrelated ``backend`` argument).
+``oea_k0``, ``routing_backend``, ``expert_path``, ...; ``mass_price=None`` selects the paper's rule), parsed by
+:meth:`LynxConfig.from_options` like the CLI's. Deprecated: ``k0`` (now ``oea_k0``) and ``lynx_backend`` (the
+old ``backend`` field, which HFLM's own ``backend`` argument shadows), mapped with a ``FutureWarning``.
 Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
 """
@@ -24,11 +25,12 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .config import LynxConfig
+from .config import RENAMED, LynxConfig
 from .errors import LynxConfigError
 from .patcher import patch
 
-_LYNX_ARGS = tuple(f.name for f in fields(LynxConfig) if f.name != "backend")
+# HFLM has a ``backend`` argument of its own: the deprecated LynxConfig.backend is spelled ``lynx_backend``
+_LYNX_ARGS = (*(f.name for f in fields(LynxConfig)), *(name for name in RENAMED if name != "backend"))
 
 
 @register_model("lynx")
@@ -39,11 +41,13 @@ class LynxLM(HFLM):
     whatever :func:`lynx_hf.patch` raises for an unsupported model.
     """
 
-    def __init__(self, pretrained, *, lynx_backend: str = "auto", **kwargs) -> None:
+    def __init__(self, pretrained, *, lynx_backend: str | None = None, **kwargs) -> None:
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
         if "policy" in options and options["policy"] is None:  # lm-eval's model_args parser reads "none" as None
             options["policy"] = "none"
-        self.lynx_config = LynxConfig.from_options({**options, "backend": lynx_backend})
+        if lynx_backend is not None:
+            options["backend"] = lynx_backend  # deprecated: FutureWarning from from_options
+        self.lynx_config = LynxConfig.from_options(options)
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM assumes CUDA
         if kwargs.get("batch_size") == "auto":
             raise LynxConfigError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")

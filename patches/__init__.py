@@ -1,6 +1,6 @@
-"""Per-family specs: which module is the MoE block and how its routing works (DESIGN.md tiers).
+"""Family specs: which module is the MoE block and how its routing works (``docs/design.md`` tiers).
 
-A new family = a short spec file (a :class:`FamilySpec`) + one line in :data:`SPECS`.
+A new family = a short family spec module (a :class:`FamilySpec`) + one line in :data:`SPECS`.
 """
 
 from __future__ import annotations

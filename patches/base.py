@@ -1,9 +1,9 @@
-"""What a family spec declares (the only tier that knows HF class names; DESIGN.md tiers).
+"""What a family spec declares (the only tier that knows HF class names; ``docs/design.md`` tiers).
 
 A family is a :class:`FamilySpec`: the HF block class(es), which child is the router and which the
 experts, how to read N and k, how to turn the router's logits into fp32 selection scores, the weight
 rule a remap must reproduce, and what it refuses at patch time (with the reason). No forward bodies:
-the core (``lynx_hf.routing``) intercepts the router's output, and the block's own forward runs.
+the HF block state (``lynx_hf.block``) intercepts the router's output, and the block's own forward runs.
 Llama-4 alone declares ``decode_forward`` (HF computes its experts densely).
 """
 
@@ -15,23 +15,13 @@ from typing import Callable
 
 import torch
 
+from ..core import WeightRule
 
-@dataclass(frozen=True)
-class WeightRule:
-    """How a family weights its chosen experts (DESIGN.md "Family rules").
-
-    ``rule``: one of ``kernels.routing_torch.WEIGHT_RULES``; ``renormalize`` over the chosen k;
-    ``scale`` (``routed_scaling_factor``). Weights are computed in fp32 and cast to the dtype of the
-    router's own weights (what each family does).
-    """
-
-    rule: str
-    renormalize: bool = False
-    scale: float = 1.0
+__all__ = ["FamilySpec", "WeightRule", "fp32_logits"]
 
 
 def fp32_logits(router, logits: torch.Tensor) -> torch.Tensor:
-    """Default selection scores: the router logits in fp32 (pre-softmax / pre-sigmoid, DESIGN.md)."""
+    """Default selection scores: the router logits in fp32 (pre-softmax / pre-sigmoid, ``docs/design.md``)."""
     return logits.float()
 
 

@@ -31,11 +31,11 @@ so the same groups). Why:
    ``log c`` or ``logit c`` would be undefined).
 3. *Meaning of the gap*: with zero bias (or a bias that is the same for every expert: a uniform
    offset cancels) ``s = log p`` and the affinity gap is ``log(p_e / p_top1)``, the log ratio of the
-   two experts' routing weights before renormalization -- exactly the quantity DESIGN.md's bins are
+   two experts' routing weights before renormalization -- exactly the quantity the bins of ``docs/design.md`` are
    defined on ("an expert votes iff its probability is at least k/N of the token's top-1"). Using
    the corrected scores themselves would measure gaps in probability units (all <= 1 + bias spread),
    so with bins of width ``ln(N/k)/beta`` (0.58 for V3's N 256, k 8) nearly every expert would sit
-   in bin 0 or -1 and LYNX would remap far too aggressively. The pre-sigmoid logit that DESIGN.md
+   in bin 0 or -1 and LYNX would remap far too aggressively. The pre-sigmoid logit that ``docs/design.md``
    uses for bias-free sigmoid routers (Llama-4) cannot express the bias at all; ``log p = logit -
    softplus(logit)`` equals the logit for the unconfident experts (``p`` small) LYNX remaps, and
    unlike the logit it does not call two saturated experts (``p`` ~ 1, equal weights) far apart.

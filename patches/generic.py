@@ -1,4 +1,4 @@
-"""Generic adapter: any transformers 5.x MoE block with the standard router/experts contract.
+"""Generic family spec: any transformers 5.x MoE block with the standard router/experts contract.
 
 A block qualifies (structurally, no class names) when it has
 
@@ -8,7 +8,7 @@ A block qualifies (structurally, no class names) when it has
   (stacked ``gate_up_proj``/``down_proj`` 3-D weights, ``num_experts``, called as
   ``experts(hidden, top_k_index, top_k_weights)``),
 
-and no dedicated adapter claims it (the generic adapter is last in ``ADAPTERS``).
+and no dedicated family spec claims it (the generic spec is last in ``SPECS``).
 
 Weight rule: inferred, then verified. The router/block/config attributes state what they can
 (``norm_topk_prob`` -> renormalize, ``routed_scaling_factor`` -> scale, ``scoring_func``-like
@@ -24,7 +24,7 @@ own logits and indices and cast to the router's weight dtype, reproduces the rou
 whose weights are not materialized at patch time (meta / offloaded) is verified on its first decode call
 instead, on the real outputs; if that fails the block keeps the model's own routing (a warning says so).
 
-Never a raw error (issue 15): the probe's hidden size comes from the config's ``hidden_size`` (else the
+Never a raw error: the probe's hidden size comes from the config's ``hidden_size`` (else the
 router weight, else the expert layout, transposed or not: GPT-OSS stores ``gate_up_proj [N, H, 2I]``), in
 the router's dtype (not the experts': fp8 experts); a router that fails on hidden states alone (it needs
 other inputs), returns another tuple, ids out of range or non-finite logits is refused with
@@ -34,7 +34,7 @@ Experts: whatever their storage, the block's own forward calls them with the rem
 path reads their weights only when ``lynx_hf.experts`` finds them plain (GPT-OSS's transposed, biased,
 clamped-SwiGLU experts run transformers' own implementation).
 
-Selection scores: the fp32 router logits (pre-softmax / pre-sigmoid, DESIGN.md).
+Selection scores: the fp32 router logits (pre-softmax / pre-sigmoid, ``docs/design.md``).
 
 Decode: like every family, the block's own forward runs; the core's router hook post-processes the
 router's output and the experts run through transformers' experts interface (``lynx_hf.experts``).
@@ -52,9 +52,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..kernels.routing_torch import routing_weights
-from .base import FamilySpec, WeightRule
+from .base import FamilySpec
 
 _PROBE_TOKENS = 16
 _ROUTER_NAMES = ("gate", "router")
@@ -63,9 +64,9 @@ _SCORE_FN_FIELDS = ("scoring_func", "score_func", "score_function", "gating_func
 
 @dataclass(frozen=True)
 class InferredRule:
-    """A verified weight rule of one block (``rule`` is a ``WEIGHT_RULES`` name)."""
+    """A verified weight rule of one block (``kind`` is a ``WEIGHT_RULES`` name) and the router's k."""
 
-    rule: str
+    kind: str
     renormalize: bool
     scale: float
     top_k: int
@@ -73,7 +74,7 @@ class InferredRule:
 
 def block_parts(module: torch.nn.Module):
     """``(router, experts)`` of a block with the standard contract, else ``(None, None)``. ``experts`` is the
-    experts module itself, inside adapter wrappers (PEFT LoRA on the expert parameters wraps it in
+    experts module itself, inside PEFT adapter wrappers (PEFT LoRA on the expert parameters wraps it in
     ``ParamWrapper`` layers; ``lynx_hf.experts.unwrap``); the block's child is :meth:`GenericSpec.experts_of`."""
     from ..experts import unwrap
 
@@ -172,7 +173,7 @@ class GenericSpec(FamilySpec):
             if hidden_dim is None:
                 raise UnsupportedModelError(
                     f"{who}: cannot tell the hidden size (no hidden_size in the config, no 2-d router weight, expert "
-                    f"layout unknown); the generic adapter cannot probe its router"
+                    f"layout unknown); the generic family spec cannot probe its router"
                 )
             dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 else torch.float32
             probe = torch.randn(_PROBE_TOKENS, hidden_dim, generator=torch.Generator().manual_seed(0))
@@ -183,18 +184,18 @@ class GenericSpec(FamilySpec):
                 raise UnsupportedModelError(
                     f"{who}: calling the router on hidden states [{_PROBE_TOKENS}, {hidden_dim}] alone failed "
                     f"({type(exc).__name__}: {exc}); a router that needs other inputs or another layout cannot be "
-                    f"patched by the generic adapter (a dedicated adapter is needed)"
+                    f"patched by the generic family spec (a dedicated family spec is needed)"
                 ) from exc
             self._rules[id(block)] = self.verify(block, name, output)
         super().validate(block, name, config)
     def weight_rule(self, block):
         """The verified rule (``None``: verification deferred to the first decode call)."""
         rule = self._rules.pop(id(block), None)
-        return None if rule is None else WeightRule(rule.rule, rule.renormalize, rule.scale)
+        return None if rule is None else WeightRule(rule.kind, rule.renormalize, rule.scale)
 
     def deferred_rule(self, block, name, output) -> WeightRule:
         rule = self.verify(block, name, output)
-        return WeightRule(rule.rule, rule.renormalize, rule.scale)
+        return WeightRule(rule.kind, rule.renormalize, rule.scale)
 
     def verify(self, block, name, output) -> InferredRule:
         """The rule that reproduces ``output`` (the router's own), or raise ``UnsupportedModelError``."""
@@ -206,8 +207,8 @@ class GenericSpec(FamilySpec):
             raise
         except Exception as exc:  # noqa: BLE001 - a foreign router's output that breaks the check is a refusal
             raise UnsupportedModelError(
-                f"{who}: checking the router's output failed ({type(exc).__name__}: {exc}); the generic adapter "
-                f"cannot patch it (a dedicated adapter is needed)"
+                f"{who}: checking the router's output failed ({type(exc).__name__}: {exc}); the generic family spec "
+                f"cannot patch it (a dedicated family spec is needed)"
             ) from exc
 
     def _verify(self, who, block, router, experts, output) -> InferredRule:
@@ -216,7 +217,7 @@ class GenericSpec(FamilySpec):
                 and all(isinstance(t, torch.Tensor) for t in output)):
             raise UnsupportedModelError(
                 f"{who}: the router does not return (router_logits, routing_weights, selected_experts); "
-                f"the generic adapter cannot patch it (a dedicated adapter is needed)"
+                f"the generic family spec cannot patch it (a dedicated family spec is needed)"
             )
         logits, weights, idx = output
         if (logits.dim() != 2 or logits.shape[-1] != num_experts or idx.dim() != 2 or weights.shape != idx.shape
@@ -224,20 +225,20 @@ class GenericSpec(FamilySpec):
                 or idx.shape[0] != logits.shape[0]):
             raise UnsupportedModelError(
                 f"{who}: router output shapes {tuple(logits.shape)}, {tuple(weights.shape)}, {tuple(idx.shape)} are "
-                f"not [T, N={num_experts}], [T, k], [T, k]; the generic adapter cannot patch it"
+                f"not [T, N={num_experts}], [T, k], [T, k]; the generic family spec cannot patch it"
             )
         top_k = idx.shape[-1]
         scores = logits.float()
         idx = idx.long()
         if top_k < 1 or bool((idx < 0).any()) or bool((idx >= num_experts).any()):
             raise UnsupportedModelError(
-                f"{who}: the router's expert ids are not in 0..{num_experts - 1} (k={top_k}); the generic adapter "
+                f"{who}: the router's expert ids are not in 0..{num_experts - 1} (k={top_k}); the generic family spec "
                 f"cannot patch it"
             )
         if not bool(torch.isfinite(scores).all()):
             raise UnsupportedModelError(
                 f"{who}: the router's logits on a probe input are not finite (uninitialized weights?); the generic "
-                f"adapter cannot verify its rule"
+                f"family spec cannot verify its rule"
             )
         distinct = bool((idx.sort(dim=-1).values.diff(dim=-1) != 0).all()) if top_k > 1 else True
         chosen = scores.gather(1, idx).sort(dim=-1, descending=True).values
@@ -245,7 +246,7 @@ class GenericSpec(FamilySpec):
         if not distinct or not torch.allclose(chosen, best, rtol=1e-6, atol=1e-6):
             raise UnsupportedModelError(
                 f"{who}: the router's experts are not the top-{top_k} of its logits (a selection bias, group "
-                f"limits or sampling?); the generic adapter cannot reproduce its selection"
+                f"limits or sampling?); the generic family spec cannot reproduce its selection"
             )
         renorm = _stated(block, router, experts, ("norm_topk_prob",))
         scale = _stated(block, router, experts, ("routed_scaling_factor",))
@@ -270,7 +271,7 @@ class GenericSpec(FamilySpec):
             return min(fits, key=lambda fit: fit[:2])[2]
         raise UnsupportedModelError(
             f"{who}: no inferred weight rule reproduces the router's own weights on a probe input "
-            f"({'; '.join(errors)}); the generic adapter cannot patch it (a dedicated adapter is needed)"
+            f"({'; '.join(errors)}); the generic family spec cannot patch it (a dedicated family spec is needed)"
         )
 
 

@@ -1,14 +1,15 @@
 """Llama-4 text (``Llama4TextMoe``): top-k (k=1) over raw logits, weight = sigmoid(logit) applied to the
 *input* of the expert; the router returns dense ``scores [T, N]`` (0 off the chosen experts) and
-``logits``; shared MLP untouched (CASES C5).
+``logits``; shared MLP untouched (``docs/cases.md`` C5).
 
 HF computes every expert for every token (``routed_in = hidden.repeat(N, 1) * scores``), so a remap
 alone would save nothing: this is the one family whose block forward changes in decode. With a policy
 that remaps, the routed experts run sparsely (each unique expert's weights read once): the Triton
-kernel on the Triton backend, transformers' grouped matmul otherwise, both only when the experts are HF's
+kernel with ``expert_path="triton"``, transformers' grouped matmul otherwise, both only when the experts are HF's
 own plain dense tensors on the compute device (:func:`kernel_storage` at patch time, a cheap device check
 per call); other experts (PEFT LoRA on the expert parameters, quantized, offloaded, replaced) run their
-own forward inside HF's dense computation, with the remapped dense scores (issue 15). With policy ``none``
+own forward inside HF's dense computation, with the remapped dense scores (never silently wrong: a sparse
+path reads the weights only when they are the plain expert weights). With policy ``none``
 the block's computation is HF's, bit-identical.
 """
 
@@ -16,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import FamilySpec, WeightRule
+from ..core import WeightRule
+from .base import FamilySpec
 
 
 def _dense(block, hidden, scores):
@@ -89,12 +91,12 @@ def decode_forward(state, step, hidden_states):
     if new_idx is idx:  # policy none: HF's computation
         return _dense(block, hidden, scores), logits
     experts = block.experts
-    if state.kernel_reason is not None or not weights_ready(experts, hidden):
+    if not state.kernel_allowed or not weights_ready(experts, hidden):
         # the experts module's own forward (PEFT-wrapped, quantized, offloaded...), with the remapped dense scores
         dense = torch.zeros_like(scores).scatter_(1, new_idx, new_weights.to(scores.dtype))
         return _dense(block, hidden, dense), logits
-    if state.plan.expert_kernel:  # backend="triton" chosen explicitly (issue 12 item 5)
-        routed = state.plan.ops.sparse_moe(hidden, new_idx, new_weights, experts.gate_up_proj, experts.down_proj,
+    if state.plan.expert_kernel:  # expert_path="triton" chosen explicitly
+        routed = state.plan.sparse_moe(hidden, new_idx, new_weights, experts.gate_up_proj, experts.down_proj,
                                            transposed=True, weight_on_input=True, exact_grid=False)
     else:
         routed = sparse_experts(experts, hidden, new_idx, new_weights)

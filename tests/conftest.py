@@ -8,14 +8,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
 import pytest  # noqa: E402
 import torch  # noqa: E402
-
-# eval/ holds the evaluation harness and benchmark helpers (scripts, not installed): tests import them
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "eval"))
 
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

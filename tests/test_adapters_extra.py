@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import lynx_hf
-from lynx_hf.patches import deepseek_v3
-from lynx_hf.routing import BlockRouting
 import tiny_models_extra as tx
+from lynx_hf.block import BlockRouting
+from lynx_hf.patches import deepseek_v3
 
 FAMILIES = list(tx.DEDICATED) + list(tx.GENERIC)
 # the paper's rule without consensus: S = cover set (+ grow by score to k), forces remaps on tiny batches.
@@ -85,7 +85,7 @@ def test_lynx_generate_reduces_or_keeps_unique_experts(family):
     model = tx.build(family)
     ids, mask = tx.prompts(16, 6)
     ref = _generate(model, ids, mask, max_new_tokens=4)
-    for config in (dict(policy="lynx"), dict(policy="oea", k0=1)):
+    for config in (dict(policy="lynx"), dict(policy="oea", oea_k0=1)):
         with lynx_hf.patched(model, **config):
             out = _generate(model, ids, mask, max_new_tokens=4)
             summary = lynx_hf.stats(model).summary()
@@ -167,7 +167,7 @@ def test_deepseek_v3_selection_scores_reproduce_the_model_and_mask_groups():
     torch.testing.assert_close(weights, p / p.sum(-1, keepdim=True) * gate.routed_scaling_factor)
 
 
-@pytest.mark.parametrize("config", [dict(policy="lynx"), NO_CONSENSUS, dict(policy="oea", k0=1)])
+@pytest.mark.parametrize("config", [dict(policy="lynx"), NO_CONSENSUS, dict(policy="oea", oea_k0=1)])
 def test_deepseek_v3_negative_bias_remaps_stay_in_allowed_groups(config, monkeypatch):
     model = _v3_negative(router_scale=60.0)
     seen = _spy_route(monkeypatch)
@@ -215,7 +215,7 @@ def test_generic_infers_and_verifies_the_weight_rule(family, want):
     lynx_hf.patch(model)
     for layer in model.__dict__["_lynx_state"].blocks:
         rule = layer.rule
-        assert (rule.rule, rule.renormalize, rule.scale) == want
+        assert (rule.kind, rule.renormalize, rule.scale) == want
         with torch.no_grad():  # k as the router itself returns it
             k = layer.router(torch.randn(4, layer.experts.gate_up_proj.shape[-1]))[2].shape[-1]
         assert (layer.num_experts, layer.top_k) == (layer.experts.num_experts, k)
@@ -270,9 +270,10 @@ def test_generic_deferred_verification_runs_on_the_first_decode_call():
     with lynx_hf.patched(model, policy="none"):
         blocks = model.__dict__["_lynx_state"].blocks
         for block in blocks:
-            block.rule = None
+            block.rule, block.rule_status = None, "pending"
         out = _generate(model, ids, mask, max_new_tokens=3)
-        assert all(b.rule.rule == "softmax_all" and b.rule.renormalize for b in blocks)
+        assert all(b.rule_status == "verified" for b in blocks)
+        assert all(b.rule.kind == "softmax_all" and b.rule.renormalize for b in blocks)
     assert torch.equal(out.sequences, ref.sequences)
 
 
@@ -298,17 +299,18 @@ def test_C1_router_logits_requested_in_decode(family):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the Triton interpreter")
 def test_generic_triton_backend_matches_torch(monkeypatch):
     """The generic adapter's temporary experts interception runs the sparse kernel (interpreted)."""
-    import lynx_hf.kernels.moe as kmoe
+    from lynx_hf.kernels.backend import routing_ops
 
+    ops = routing_ops("triton")  # the (cached) namespace a plan's expert kernel is read from, per call
     calls = []
-    real = kmoe.sparse_moe
-    monkeypatch.setattr(kmoe, "sparse_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = ops.sparse_moe
+    monkeypatch.setattr(ops, "sparse_moe", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tx.build("flex_olmo")
     ids, mask = tx.prompts(4, 5)
-    with lynx_hf.patched(model, policy="oea", k0=1, backend="torch"):
+    with lynx_hf.patched(model, policy="oea", oea_k0=1, routing_backend="torch"):
         ref = _generate(model, ids, mask, max_new_tokens=2)
     assert not calls
-    with lynx_hf.patched(model, policy="oea", k0=1, backend="triton"):
+    with lynx_hf.patched(model, policy="oea", oea_k0=1, routing_backend="triton", expert_path="triton"):
         out = _generate(model, ids, mask, max_new_tokens=2)
     assert len(calls) == 2  # one decode step x two MoE layers
     assert all("forward" not in vars(m) for m in model.modules())

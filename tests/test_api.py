@@ -15,10 +15,11 @@ FAMILIES = list(tm.FAMILIES)
 
 @pytest.mark.parametrize(
     "field,value",
-    [("policy", "fast"), ("phase", "always"), ("backend", "cuda"), ("alpha", 0.0), ("alpha", -1.0),
-     ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
-     ("k0", 0), ("k0", True), ("q_max", 0), ("telemetry", "yes"), ("mass_floor", 1.5), ("mass_price", -1.0),
-     ("mass_price", float("inf")), ("alpha", float("inf")), ("beta", 65)],
+    [("policy", "fast"), ("phase", "always"), ("routing_backend", "cuda"), ("expert_path", "cuda"), ("alpha", 0.0),
+     ("alpha", -1.0), ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
+     ("oea_k0", 0), ("oea_k0", True), ("q_max", 0), ("telemetry", "yes"), ("mass_price", -1.0),
+     ("mass_price", float("inf")), ("alpha", float("inf")), ("beta", 65), ("price_unit", "tokens"),
+     ("xshare_budget", 0), ("xshare_fraction", 0.0), ("xshare_warmup", -1)],
 )
 def test_config_rejects_bad_field_naming_it(field, value):
     with pytest.raises(lynx_hf.LynxConfigError, match=field) as info:
@@ -130,7 +131,7 @@ def test_patch_twice_only_swaps_config():
     lynx_hf.patch(model, lynx_hf.LynxConfig(policy="lynx"))
     forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
     hooks = len(model._forward_pre_hooks)
-    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="oea", k0=2))
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="oea", oea_k0=2))
     assert lynx_hf.config_of(model).policy == "oea"
     assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == forwards
     assert len(model._forward_pre_hooks) == hooks

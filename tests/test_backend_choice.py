@@ -1,23 +1,66 @@
-"""Which expert path a backend choice resolves to (issue 12 item 5): ``auto`` never selects the sparse
-Triton expert kernel (transformers' ``grouped_mm`` is the CUDA path until a GPU run measures both);
-``backend="triton"`` selects it explicitly. The plan is resolved without running anything on the device."""
+"""What a plan resolves once (``lynx_hf.core.make_plan``): the routing backend, the expert path and the decode-step
+function. ``expert_path="auto"`` never selects the sparse Triton expert kernel (transformers' ``grouped_mm`` is the
+CUDA path until a GPU run measures both); ``expert_path="triton"`` selects it explicitly. Plans are resolved
+without running anything on the device."""
 
+import pytest
 import torch
 
 from lynx_hf import LynxConfig
-from lynx_hf.routing import make_plan
+from lynx_hf.core import fused_step, keep_routing, make_plan, remap_step
+from lynx_hf.kernels import routing_cpu
 
 
 def test_auto_on_cuda_routes_with_triton_but_keeps_transformers_experts():
-    plan = make_plan(LynxConfig(backend="auto"), 8, 2, torch.device("cuda"))
-    assert plan.backend == "triton" and plan.expert_kernel is False
+    plan = make_plan(LynxConfig(routing_backend="auto"), 8, 2, torch.device("cuda"))
+    assert plan.routing_backend == "triton" and plan.expert_kernel is False and plan.sparse_moe is None
 
 
 def test_explicit_triton_selects_the_sparse_expert_kernel():
-    plan = make_plan(LynxConfig(backend="triton"), 8, 2, torch.device("cuda"))
-    assert plan.backend == "triton" and plan.expert_kernel is True
+    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="triton"), 8, 2, torch.device("cuda"))
+    assert plan.routing_backend == "triton" and plan.expert_kernel is True
+
+
+def test_expert_path_is_independent_of_the_routing_backend():
+    plan = make_plan(LynxConfig(routing_backend="torch", expert_path="triton"), 8, 2, torch.device("cuda"))
+    assert plan.routing_backend == "torch" and plan.expert_kernel is True
+    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="model"), 8, 2, torch.device("cuda"))
+    assert plan.routing_backend == "triton" and plan.expert_kernel is False
 
 
 def test_cpu_never_uses_the_kernel_unless_asked():
     assert make_plan(LynxConfig(), 8, 2, torch.device("cpu")).expert_kernel is False
-    assert make_plan(LynxConfig(backend="torch"), 8, 2, torch.device("cuda")).expert_kernel is False
+    assert make_plan(LynxConfig(routing_backend="torch"), 8, 2, torch.device("cuda")).expert_kernel is False
+
+
+def test_deprecated_backend_gives_the_plan_it_gave():
+    """``backend=X`` (deprecated) resolves to exactly the plan of ``routing_backend=X`` (+ the kernel iff triton)."""
+    for old, new in (("auto", {}), ("torch", dict(routing_backend="torch")),
+                     ("triton", dict(routing_backend="triton", expert_path="triton"))):
+        with pytest.warns(FutureWarning, match="routing_backend"):
+            cfg = LynxConfig(backend=old)
+        assert cfg == LynxConfig(**new)
+        a, b = make_plan(cfg, 8, 2, torch.device("cuda")), make_plan(LynxConfig(**new), 8, 2, torch.device("cuda"))
+        assert (a.routing_backend, a.expert_kernel) == (b.routing_backend, b.expert_kernel)
+        assert (a.routing_backend, a.expert_kernel) == ("torch" if old == "torch" else "triton", old == "triton")
+
+
+# -- the decode-step function: chosen once per plan --------------------------------------------------------
+def test_step_function_is_chosen_once_from_policy_shape_and_device():
+    assert make_plan(LynxConfig(policy="none"), 8, 2, "cpu").step_fn is keep_routing  # nothing to remap
+    assert make_plan(LynxConfig(), 4, 4, "cpu").step_fn is keep_routing  # k = N: every token uses every expert
+    cpu = make_plan(LynxConfig(), 8, 2, "cpu")
+    assert cpu.step_fn is (fused_step if routing_cpu.AVAILABLE else remap_step)  # the one-call CPU path
+    assert (cpu.fused is not None) == routing_cpu.AVAILABLE
+    assert make_plan(LynxConfig(mass_price=None), 8, 2, "cpu").step_fn is remap_step  # paper rule: no fused path
+    assert make_plan(LynxConfig(policy="oea"), 8, 2, "cpu").step_fn is remap_step
+    cuda = make_plan(LynxConfig(routing_backend="torch"), 8, 2, torch.device("cuda"))
+    assert cuda.step_fn is remap_step and cuda.fused is None and cuda.host_ops is cuda.ops  # no host reads off CPU
+
+
+def test_host_ops_are_the_numba_twins_on_cpu():
+    plan = make_plan(LynxConfig(routing_backend="torch"), 8, 2, "cpu")
+    if routing_cpu.AVAILABLE:
+        assert plan.host_ops.lynx_critical_set is routing_cpu.lynx_critical_set
+        assert plan.host_ops.lynx_mass_decode is routing_cpu.lynx_mass_decode
+    assert plan.ops.lynx_mass_decode is None  # the sync-free ops never read the host

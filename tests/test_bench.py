@@ -1,18 +1,15 @@
-"""Smoke test of the latency benchmark script (eval/bench.py --quick). Asserts no timing."""
+"""Smoke test of the latency benchmark (python -m lynx_hf.eval.bench --quick). Asserts no timing."""
 
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bench_quick_runs_and_prints_tables(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "eval" / "bench.py"), "--quick", "--out", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        [sys.executable, "-m", "lynx_hf.eval.bench", "--quick", "--out", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
@@ -37,7 +34,7 @@ def test_sparse_experts_torch_matches_hf_experts():
     from transformers.models.mixtral.modeling_mixtral import MixtralExperts
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeExperts
 
-    from sparse_torch import sparse_experts_torch  # eval/sparse_torch.py
+    from lynx_hf.eval.sparse_torch import sparse_experts_torch
 
     torch.manual_seed(0)
     cases = [

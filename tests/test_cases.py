@@ -6,9 +6,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import lynx_hf
-from lynx_hf.routing import BlockRouting
-from lynx_hf.patches.llama4 import sparse_experts
 import tiny_models as tm
+from lynx_hf.block import BlockRouting
+from lynx_hf.patches.llama4 import sparse_experts
 
 FAMILIES = list(tm.FAMILIES)
 
@@ -64,8 +64,9 @@ def test_C1_router_logits_requested_in_decode(family):
 
 
 def test_C1_decode_detection_ignores_attention_mask_length():
-    from lynx_hf.step import detect_step
     from transformers import DynamicCache
+
+    from lynx_hf.detection import detect_step
 
     def detect_phase(args, kwargs, q_max):
         return detect_step(args, kwargs, lynx_hf.LynxConfig(q_max=q_max), None).kind

@@ -84,10 +84,11 @@ def test_help_of_each_subcommand():
 
 
 def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
-    """`lynx-hf eval` (eval/harness.py) end to end on the committed fixture with tiny settings: teacher-forced
+    """`lynx-hf eval` (lynx_hf.eval.harness) end to end on the committed fixture with tiny settings: teacher-forced
     decode, generation agreement and the local lm-eval tasks; its built-in checks must all PASS."""
-    fixture = os.path.join(os.path.dirname(__file__), "..", "eval", "fixtures", "qwen2moe-tiny")
-    res = run("eval", "--model", fixture, "--sequences", "8", "--batch-size", "8", "--decode", "4",
+    from lynx_hf.eval import DEFAULT_FIXTURE
+
+    res = run("eval", "--model", str(DEFAULT_FIXTURE), "--sequences", "8", "--batch-size", "8", "--decode", "4",
               "--gen-prompts", "4", "--gen-tokens", "4", "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1",
               "--threads", "1", "--out", str(tmp_path))
     assert res.returncode == 0, res.stderr[-2000:]
@@ -99,12 +100,13 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
 
 # a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words);
 # also lm-eval's model_args (tests/test_lm_eval.py)
-NON_DEFAULT = {"policy": "oea", "phase": "never", "alpha": "2.5", "beta": "3", "tau": "2.0", "mass_floor": "0.25",
-               "mass_price": "None", "price_unit": "batch", "k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
-               "xshare_warmup": "2", "q_max": "2", "verify": "false", "backend": "torch", "telemetry": "false"}
-NON_DEFAULT_CONFIG = dict(policy="oea", phase="never", alpha=2.5, beta=3, tau=2.0, mass_floor=0.25, mass_price=None,
-                          price_unit="batch", k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
-                          verify=False, backend="torch", telemetry=False)
+NON_DEFAULT = {"policy": "oea", "phase": "decode", "alpha": "2.5", "beta": "3", "tau": "2.0",
+               "mass_price": "None", "price_unit": "batch", "oea_k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
+               "xshare_warmup": "2", "q_max": "2", "verify": "false", "routing_backend": "torch", "expert_path": "model",
+               "telemetry": "false"}
+NON_DEFAULT_CONFIG = dict(policy="oea", phase="decode", alpha=2.5, beta=3, tau=2.0, mass_price=None,
+                          price_unit="batch", oea_k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
+                          verify=False, routing_backend="torch", expert_path="model", telemetry=False)
 
 
 def test_every_option_reaches_the_config(checkpoint, monkeypatch):

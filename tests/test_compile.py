@@ -39,7 +39,7 @@ def test_patched_decode_forward_has_no_graph_break(family):
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("policy", [dict(policy="lynx"), dict(policy="oea", k0=1)], ids=["lynx", "oea"])
+@pytest.mark.parametrize("policy", [dict(policy="lynx"), dict(policy="oea", oea_k0=1)], ids=["lynx", "oea"])
 def test_generate_compiled_static_cache_equals_eager(policy):
     model = tm.build("qwen2_moe")
     ids, mask = tm.prompts(4, 5)

@@ -56,12 +56,12 @@ def test_one_token_calls_never_verify_a_group_limited_router():
         lynx_hf.patch(mem)
     lynx_hf.patch(disk, policy="lynx")
     blocks = disk.__dict__["_lynx_state"].blocks
-    assert blocks and all(b.rule is None for b in blocks)  # deferred
+    assert blocks and all(b.rule is None and b.rule_status == "pending" for b in blocks)  # deferred
     one = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(23))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         disk.generate(one, max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert all(b.rule is None for b in blocks)  # 4 prefill tokens and 1 decode token: not enough to verify
+    assert all(b.rule_status == "pending" for b in blocks)  # 4 prefill tokens and 1 decode token: not enough to verify
     # a batch of 8 x 4 prompt tokens: the prefill call verifies (32 tokens) and refuses, with a warning
     eight = torch.randint(3, 128, (8, 4), generator=torch.Generator().manual_seed(100))
     seen, hooks = _expert_ids(disk)
@@ -69,7 +69,7 @@ def test_one_token_calls_never_verify_a_group_limited_router():
         out = disk.generate(eight, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     for h in hooks:
         h.remove()
-    assert all(b.rule is False for b in blocks)
+    assert all(b.rule is None and b.rule_status == "refused" for b in blocks)
     # every row's experts lie in one group of 2 (topk_group=1), as the model's own routing requires
     assert seen and all(bool(((r // 2) == (r[:, :1] // 2)).all()) for r in seen)
     lynx_hf.unpatch(disk)

@@ -10,7 +10,6 @@ import lynx_hf
 import tiny_models as tm
 
 
-
 @pytest.mark.parametrize("family", ["qwen2_moe", "llama4"])
 def test_text_generation_pipeline_on_patched_model(family):
     model, tok = tm.build(family), tm.tokenizer()

@@ -143,7 +143,7 @@ def test_batch_of_one_keeps_each_tokens_top_k(family, policy):
     model = tm.build(family)
     ids = tm.prompts(1, 6, left_pad=False)[0]
     ref = _generate(model, ids, torch.ones_like(ids), max_new_tokens=6)
-    with lynx_hf.patched(model, policy=policy, k0=1):
+    with lynx_hf.patched(model, policy=policy, oea_k0=1):
         out = _generate(model, ids, torch.ones_like(ids), max_new_tokens=6)
         summary = lynx_hf.stats(model).summary()
     assert torch.equal(out.sequences, ref.sequences)

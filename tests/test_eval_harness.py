@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +17,7 @@ import torch
 
 import lynx_hf
 from lynx_hf import LynxConfig
-import evaluation as ev  # eval/evaluation.py (conftest puts eval/ on sys.path)
+from lynx_hf.eval import evaluation as ev
 
 FIXTURES = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR))
 NAMES = ["qwen2moe-tiny", "mixtral-tiny"]
@@ -35,7 +34,7 @@ def fixture(name: str):
     """(model, tokenizer) of a committed fixture, loaded once per session; fails if it is missing."""
     path = FIXTURES / name
     assert (path / "config.json").is_file() and any(path.glob("*.safetensors")), (
-        f"committed fixture {path} is missing: train it with eval/train_fixture.py and commit it")
+        f"committed fixture {path} is missing: train it with python -m lynx_hf.eval.train_fixture and commit it")
     if name not in _CACHE:
         _CACHE[name] = ev.load_model(path)
     model, tok = _CACHE[name]
@@ -51,7 +50,7 @@ def test_teacher_forced_none_is_exact_and_lynx_touches_fewer_experts(name):
     run = ev.teacher_forced(model, windows, B, PREFILL, [
         ("none", LynxConfig(policy="none")),
         ("lynx", LynxConfig(policy="lynx")),
-        ("oea", LynxConfig(policy="oea", k0=1)),
+        ("oea", LynxConfig(policy="oea", oea_k0=1)),
     ])
     res = {r["name"]: r for r in run["results"]}
     assert run["scored_tokens"] == B * DECODE and run["decode_steps_per_policy"] == DECODE
@@ -144,11 +143,8 @@ def test_heldout_windows_are_deterministic_interleaved_and_unpadded():
 
 
 def _sweep_module():
-    sys.path.insert(0, str(ev.REPO / "eval"))
-    try:
-        import sweep
-    finally:
-        sys.path.pop(0)
+    from lynx_hf.eval import sweep
+
     return sweep
 
 

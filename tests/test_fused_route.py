@@ -18,12 +18,11 @@ from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
 import lynx_hf
-from lynx_hf import patcher
+import tiny_models
+from lynx_hf import core, patcher
 from lynx_hf.kernels import routing_cpu as rc
 from lynx_hf.kernels import routing_torch as rt
 from lynx_hf.telemetry import BlockTelemetry
-
-import tiny_models
 from test_routing_cpu import routing_scores
 
 
@@ -43,7 +42,7 @@ def reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, u
         critical = rt.lynx_critical_set(scores, idx, 1, alpha, beta, math.inf, vote=live)
         critical = rt.mass_greedy_grow(scores, idx, critical, k, price, vote=live, unit=unit)
         new_idx = rt.remap_topk(scores, critical, k, check=False)
-        new_weights = rt.routing_weights(logits.float(), new_idx, rule.rule, rule.renormalize, rule.scale)
+        new_weights = rt.routing_weights(logits.float(), new_idx, rule.kind, rule.renormalize, rule.scale)
         tel = BlockTelemetry()
         counted = torch.ones(idx.shape[0], dtype=torch.bool) if live is None else live
         tel.record(scores.shape[1], idx, weights, new_idx, counted, finished_rows=None if live is None else ~live,
@@ -57,7 +56,7 @@ def reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, u
                         ("sigmoid", True, 2.5)]))
 def test_fused_step_equals_the_ops_one_by_one(step, price, unit, rule):
     scores, logits, weights, idx, k, live = step
-    rule = SimpleNamespace(rule=rule[0], renormalize=rule[1], scale=rule[2])
+    rule = SimpleNamespace(kind=rule[0], renormalize=rule[1], scale=rule[2])
     alpha, beta = rt.default_lynx_bins(scores.shape[1], k)
     want_w, want_idx, want_row = reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, unit)
     got = rc.lynx_mass_decode(scores, logits, weights, idx, rule, live, alpha=alpha, beta=beta, price=price,
@@ -82,7 +81,7 @@ def test_non_finite_logits_leave_the_step_to_the_general_path(bad):
     logits = torch.randn(4, 8, generator=gen)
     logits[2, 5] = bad
     weights, idx = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
-    rule = SimpleNamespace(rule="softmax_all", renormalize=False, scale=1.0)
+    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
     alpha, beta = rt.default_lynx_bins(8, 2)
     assert rc.lynx_mass_decode(logits, logits, weights, idx, rule, alpha=alpha, beta=beta, price=0.1,
                                unit="token") is None
@@ -91,7 +90,7 @@ def test_non_finite_logits_leave_the_step_to_the_general_path(bad):
 def test_no_live_row_leaves_the_step_to_the_general_path():
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     weights, idx = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
-    rule = SimpleNamespace(rule="softmax_all", renormalize=False, scale=1.0)
+    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
     alpha, beta = rt.default_lynx_bins(8, 2)
     assert rc.lynx_mass_decode(logits, logits, weights, idx, rule, torch.zeros(3, dtype=torch.bool), alpha=alpha,
                                beta=beta, price=0.1, unit="token") is None
@@ -109,7 +108,8 @@ def _generate(model, ids, mask, fused: bool, eos):
         def counted(*args, _inner=inner, **kwargs):
             calls[0] += 1
             return _inner(*args, **kwargs)
-        block.plan = dataclasses.replace(plan, fused=counted if fused else None)
+        block.plan = dataclasses.replace(plan, fused=counted if fused else None,
+                                         step_fn=core.fused_step if fused else core.remap_step)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                          eos_token_id=eos)
     stats = lynx_hf.stats(model).summary()

@@ -42,7 +42,7 @@ def test_refactored_block_forward_still_remaps(family, when):
     ids, mask = module.prompts(16, 6)
     gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_scores=True,
                return_dict_in_generate=True)
-    with lynx_hf.patched(model, policy="oea", k0=1):  # OEA k0=1 remaps on every multi-token batch
+    with lynx_hf.patched(model, policy="oea", oea_k0=1):  # OEA k0=1 remaps on every multi-token batch
         ref = model.generate(**gen)
         ref_stats = lynx_hf.stats(model).summary()
     calls = []
@@ -50,7 +50,7 @@ def test_refactored_block_forward_still_remaps(family, when):
     try:
         if when == "before_patch":
             originals = _wrap_block_forwards(model, calls)
-        lynx_hf.patch(model, policy="oea", k0=1)
+        lynx_hf.patch(model, policy="oea", oea_k0=1)
         if when == "after_patch":
             originals = _wrap_block_forwards(model, calls)
         out = model.generate(**gen)
@@ -73,7 +73,7 @@ def test_llama4_block_wrapped_before_patch_still_remaps():
     calls = []
     originals = _wrap_block_forwards(model, calls)
     try:
-        with lynx_hf.patched(model, policy="oea", k0=1):
+        with lynx_hf.patched(model, policy="oea", oea_k0=1):
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
             stats = lynx_hf.stats(model).summary()
     finally:

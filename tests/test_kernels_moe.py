@@ -11,7 +11,6 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (also set in tests/conftest.py)
 
 import importlib.util  # noqa: E402
-import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -282,8 +281,8 @@ def test_property_align_matches_reference(T, k, N, bm, hot, seed):
 
 
 def _load_gpu_check():
-    path = pathlib.Path(__file__).resolve().parents[1] / "eval" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("lynx_gpu_check", path)
+    path = importlib.util.find_spec("lynx_hf.eval.gpu_check").origin  # a fresh module object per call
+    spec = importlib.util.spec_from_file_location("lynx_hf.eval.gpu_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

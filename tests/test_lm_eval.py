@@ -18,7 +18,7 @@ import torch
 
 import lynx_hf
 from lynx_hf import LynxConfig
-import evaluation as ev  # eval/evaluation.py (conftest puts eval/ on sys.path)
+from lynx_hf.eval import evaluation as ev
 from test_cli import NON_DEFAULT, NON_DEFAULT_CONFIG
 
 FIXTURE = Path(os.environ.get("LYNX_FIXTURES_DIR", ev.FIXTURES_DIR)) / "qwen2moe-tiny"
@@ -33,7 +33,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def model_and_tok():
     assert (FIXTURE / "config.json").is_file() and any(FIXTURE.glob("*.safetensors")), (
-        f"committed fixture {FIXTURE} is missing: train it with eval/train_fixture.py and commit it")
+        f"committed fixture {FIXTURE} is missing: train it with python -m lynx_hf.eval.train_fixture and commit it")
     return ev.load_model(FIXTURE)
 
 
@@ -42,11 +42,7 @@ def test_local_tasks_are_indexed_and_data_is_what_build_tasks_writes():
 
     tm = TaskManager(include_path=str(ev.TASKS_DIR), include_defaults=False)
     assert {GEN_TASK, LL_TASK} <= set(tm.all_tasks)
-    sys.path.insert(0, str(ev.TASKS_DIR))
-    try:
-        import build_tasks
-    finally:
-        sys.path.pop(0)
+    from lynx_hf.eval.tasks import build_tasks
     docs = [json.loads(line) for line in build_tasks.SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
     for name, rows in (("code_line_completion.jsonl", build_tasks.build_generation(docs)),
                        ("code_next_line_mc.jsonl", build_tasks.build_multiple_choice(docs))):
@@ -79,7 +75,7 @@ def test_C17_loglikelihood_task_bit_identical_to_unpatched(model_and_tok):
     ref = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, limit=24)
     ref_resps = ev.sample_responses(ref["samples"][LL_TASK])
     assert len(ref_resps) == 24 and all(len(r) == 4 for r in ref_resps)
-    for cfg in (LynxConfig(policy="lynx"), LynxConfig(policy="oea", k0=1), LynxConfig(policy="lynx", tau=8.0)):
+    for cfg in (LynxConfig(policy="lynx"), LynxConfig(policy="oea", oea_k0=1), LynxConfig(policy="lynx", tau=8.0)):
         out = ev.run_lm_eval(model, tok, [LL_TASK], batch_size=8, config=cfg, limit=24)
         assert ev.sample_responses(out["samples"][LL_TASK]) == ref_resps, cfg  # exact floats
         assert out["results"][LL_TASK] == ref["results"][LL_TASK]
@@ -105,7 +101,7 @@ def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_pa
     import lynx_hf.lm_eval as lynx_lm_eval
 
     tasks = TaskManager(include_path=str(ev.TASKS_DIR), include_defaults=False)
-    args = f"pretrained={FIXTURE},policy=lynx,mass_price=0.25,lynx_backend=torch"
+    args = f"pretrained={FIXTURE},policy=lynx,mass_price=0.25,routing_backend=torch"
     out = lm_eval.simple_evaluate(model="lynx", model_args=args, tasks=[LL_TASK], batch_size=8, limit=8,
                                   task_manager=tasks)
     model, tok = model_and_tok
@@ -117,7 +113,7 @@ def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_pa
         lynx_lm_eval.LynxLM(pretrained=str(FIXTURE), tau=-1.0, batch_size=8)
     res = subprocess.run(
         [sys.executable, "-m", "lynx_hf.lm_eval", "run", "--model", "lynx", "--model_args",
-         f"pretrained={FIXTURE},policy=oea,k0=1", "--tasks", LL_TASK, "--include_path", str(ev.TASKS_DIR),
+         f"pretrained={FIXTURE},policy=oea,oea_k0=1", "--tasks", LL_TASK, "--include_path", str(ev.TASKS_DIR),
          "--batch_size", "8", "--limit", "4", "--output_path", str(tmp_path)],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
         timeout=300)
@@ -125,8 +121,8 @@ def test_registered_lynx_model_via_simple_evaluate_and_cli(model_and_tok, tmp_pa
     assert LL_TASK in res.stdout and "acc" in res.stdout
 
 
-# a non-default value for every LynxConfig field (tests/test_cli.py), as model_args spell it (backend is lynx_backend)
-MODEL_ARGS = {("lynx_backend" if k == "backend" else k): v for k, v in NON_DEFAULT.items()}
+# a non-default value for every LynxConfig field (tests/test_cli.py), as model_args spell it
+MODEL_ARGS = dict(NON_DEFAULT)
 WANT = LynxConfig(**NON_DEFAULT_CONFIG)
 
 
@@ -142,7 +138,7 @@ def test_model_args_reach_the_patched_config():
     from dataclasses import fields
 
     names = {f.name for f in fields(LynxConfig)}
-    assert set(MODEL_ARGS) - {"lynx_backend"} | {"backend"} == names  # a new field needs a value here
+    assert set(MODEL_ARGS) == names  # a new field needs a value here
     assert all(getattr(WANT, n) != getattr(LynxConfig(), n) for n in names)  # every value differs from the default
     lm = _lynx_lm(",".join(f"{k}={v}" for k, v in MODEL_ARGS.items()))
     assert lynx_hf.is_patched(lm.model)

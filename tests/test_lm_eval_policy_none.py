@@ -11,7 +11,7 @@ from lm_eval.utils import simple_parse_args_string  # noqa: E402
 
 import lynx_hf  # noqa: E402
 import lynx_hf.lm_eval as lynx_lm_eval  # noqa: E402
-from evaluation import FIXTURES_DIR  # noqa: E402  (eval/evaluation.py)
+from lynx_hf.eval import FIXTURES_DIR  # noqa: E402
 
 FIXTURE = FIXTURES_DIR / "mixtral-tiny"
 

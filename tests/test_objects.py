@@ -22,8 +22,8 @@ import torch
 
 import lynx_hf
 import tiny_models as tm
-from test_storage_matrix import KernelSpy, Recorder, ReferenceRemap, _first, moe_blocks, rules_of, run
 from lynx_hf.patcher import _find_state
+from test_storage_matrix import KernelSpy, Recorder, ReferenceRemap, _first, moe_blocks, rules_of, run
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
@@ -48,7 +48,7 @@ def test_deepcopy_of_patched_model_is_patched_independently(family):
     model = tm.build(family)
     ids, mask = tm.prompts(8, 5)
     unpatched = _generate(model, ids, mask)
-    lynx_hf.patch(model, policy="oea", k0=1)
+    lynx_hf.patch(model, policy="oea", oea_k0=1)
     want = _generate(model, ids, mask)
     lynx_hf.reset_stats(model)
     clone = copy.deepcopy(model)
@@ -187,7 +187,7 @@ def test_moving_weights_to_a_dtype_the_kernel_lacks_falls_back_to_the_model_expe
     ids, mask = tm.prompts(4, 5)
     tokens = [torch.randint(3, tm.VOCAB, (4, 1), generator=torch.Generator().manual_seed(2)) for _ in range(2)]
     spy = KernelSpy(monkeypatch)
-    lynx_hf.patch(model, policy="oea", k0=1, backend="triton")
+    lynx_hf.patch(model, policy="oea", oea_k0=1, routing_backend="triton", expert_path="triton")
     rules = rules_of(model)
     run(model, ids, mask, tokens)
     assert spy.calls > 0
@@ -198,12 +198,12 @@ def test_moving_weights_to_a_dtype_the_kernel_lacks_falls_back_to_the_model_expe
     recorder.close()
     assert spy.calls == 0
     lynx_hf.unpatch(model)
-    reference = ReferenceRemap(blocks, "oea", {"k0": 1}, rules)
+    reference = ReferenceRemap(blocks, "oea", {"oea_k0": 1}, rules)
     for block, args, kwargs, output in recorder.calls:
         with torch.no_grad():
             torch.testing.assert_close(_first(block(*args, **kwargs)), _first(output), rtol=1e-5, atol=1e-7)
     reference.close()
-    lynx_hf.patch(model, policy="oea", k0=1, backend="triton")
+    lynx_hf.patch(model, policy="oea", oea_k0=1, routing_backend="triton", expert_path="triton")
     model.to(torch.float32)
     run(model, ids, mask, tokens)
     assert spy.calls > 0
@@ -218,7 +218,7 @@ def test_device_change_re_resolves_the_plan():
     model = tm.build("mixtral").to(torch.bfloat16)
     ids, mask = tm.prompts(4, 5, left_pad=False)
     tokens = [ids[:, -1:], ids[:, -2:-1]]
-    lynx_hf.patch(model, policy="oea", k0=1)
+    lynx_hf.patch(model, policy="oea", oea_k0=1)
     want = run(model, ids, mask, tokens)
     state = _find_state(model)
     assert {b.plan.device.type for b in state.blocks} == {"cpu"}

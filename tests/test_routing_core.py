@@ -1,4 +1,4 @@
-"""The decode post-process core (lynx_hf/routing.py ``remap`` / ``BlockRouting.route``) on hand-worked
+"""The decode post-process core (lynx_hf/core.py ``remap`` / ``BlockRouting.route``) on hand-worked
 steps with per-token masks: finished rows do not vote, prefill rows seed the critical set, telemetry
 counts only live decode tokens (issue 17: each test here kills a named mutant of eval/mutants.py)."""
 
@@ -10,10 +10,9 @@ import torch
 import lynx_hf
 import tiny_models as tm
 from lynx_hf import LynxConfig
-from lynx_hf.routing import make_plan, remap
-from lynx_hf.step import DECODE, MIXED, Step
+from lynx_hf.core import DECODE, MIXED, Step, make_plan, remap
 
-SOFTMAX_ALL = types.SimpleNamespace(rule="softmax_all", renormalize=False, scale=1.0)
+SOFTMAX_ALL = types.SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
 
 
 def _own_topk(s, k):
@@ -35,7 +34,7 @@ def test_finished_rows_are_remapped_into_the_set_but_do_not_vote():
                       [1.0, 3.0, 0.0, 2.0],
                       [0.0, 1.0, 2.0, 3.0]])
     step = Step(DECODE, live=torch.tensor([True, True, False]))
-    w, idx, finite = _remap(LynxConfig(policy="oea", k0=1), step, s, 1)
+    w, idx, finite = _remap(LynxConfig(policy="oea", oea_k0=1), step, s, 1)
     assert idx.tolist() == [[0], [1], [1]]
     assert bool(finite.all())
     # the weight of the finished row is the rule on its new expert: softmax(all N) at e1
@@ -51,7 +50,7 @@ def test_prefill_rows_keep_their_routing_and_seed_the_critical_set():
                       [0.0, 1.0, 3.0, 2.0]])
     step = Step(MIXED, decode=torch.tensor([True, False]))
     idx0 = _own_topk(s, 2)
-    w, idx, _ = _remap(LynxConfig(policy="oea", k0=1), step, s, 2)
+    w, idx, _ = _remap(LynxConfig(policy="oea", oea_k0=1), step, s, 2)
     assert idx.tolist() == [[0, 2], [2, 3]]
     assert torch.equal(idx[1], idx0[1])
     assert torch.equal(w[1], torch.softmax(s[1], -1)[[2, 3]])  # the model's own weights, untouched

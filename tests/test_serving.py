@@ -17,7 +17,6 @@ of a continuous-batching forward from the positions and the test's own prompts.
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,12 +24,12 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 
 import lynx_hf
 import tiny_models as tm
-from lynx_hf import step as lstep
+from lynx_hf import detection as lstep
 from lynx_hf.config import LynxConfig
+from lynx_hf.eval import FIXTURES_DIR
 
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE_A = ROOT / "eval" / "fixtures" / "qwen2moe-tiny"
-FIXTURE_B = ROOT / "eval" / "fixtures" / "mixtral-tiny"
+FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
+FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"
 
 
 def load(path=FIXTURE_A):
@@ -564,7 +563,7 @@ def test_finished_row_does_not_vote_and_is_not_counted(one_thread):
 
 def test_live_rows_follow_generates_unfinished_sequences():
     """Hand-worked: EOS = 2. A row that fed EOS stays finished even when it later feeds other tokens (pad)."""
-    gen = lstep.Generation(owner=None, prompt_length=3, eos_ids=(2,), verify=False)
+    gen = lstep.Generation(model_state=None, prompt_length=3, eos_ids=(2,), verify=False)
     steps = [[5, 2, 7], [2, 0, 9], [0, 0, 2], [0, 0, 0]]
     live = [lstep._live_rows(gen, torch.tensor([[t] for t in row])).tolist() for row in steps]
     assert live == [[True, False, True], [False, False, True], [False, False, False], [False, False, False]]

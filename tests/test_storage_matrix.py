@@ -6,7 +6,7 @@ oea). Each cell, on a tiny model, prefill and two teacher-forced decode steps th
 - prefill logits bit-identical to the unpatched model of the same storage (every policy, every backend);
 - policy ``none``: decode logits bit-identical too;
 - LYNX / OEA: every MoE block call of the decode steps, replayed on the same input through the *unpatched*
-  block with a test-side router hook that applies the same remap (``lynx_hf.routing.remap``, torch ops),
+  block with a test-side router hook that applies the same remap (``lynx_hf.core.remap``, torch ops),
   so the experts run the model's own forward, gives the patched block's output (within fp tolerance);
 - where the sparse Triton kernel may read the weights (plain dense fp32/bf16 of transformers' own classes) it
   does run on the triton backend; everywhere else it never runs, and the patch-time reason names why.
@@ -41,15 +41,14 @@ import lynx_hf
 import tiny_models as tm
 import tiny_models_extra as tmx
 from lynx_hf.config import LynxConfig
+from lynx_hf.core import Step, make_plan, remap
 from lynx_hf.patches import find_spec
-from lynx_hf.routing import make_plan, remap
-from lynx_hf.step import Step
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="TRITON_INTERPRET=1 must be set before triton is imported (tests/conftest.py)")
 
 BATCH, PROMPT, STEPS = 4, 5, 2
-POLICIES = (("none", {}), ("lynx", {}), ("oea", {"k0": 1}))
+POLICIES = (("none", {}), ("lynx", {}), ("oea", {"oea_k0": 1}))
 BACKENDS = ("torch", "triton")
 FAMILIES = {
     "qwen2_moe": lambda: tm.build("qwen2_moe"),
@@ -325,7 +324,7 @@ class ReferenceRemap:
         self.handles = []
         for block, spec in blocks:
             rule, num_experts, top_k = rules[id(block)]
-            plan = make_plan(LynxConfig(policy=policy, backend="torch", **params), num_experts, top_k, "cpu")
+            plan = make_plan(LynxConfig(policy=policy, routing_backend="torch", **params), num_experts, top_k, "cpu")
             router = spec.router_of(block)
             hook = self._dense_hook if spec.decode_forward is not None else self._hook
             self.handles.append(router.register_forward_hook(
@@ -405,7 +404,8 @@ def check_cells(model, monkeypatch, kernel_ok, reason_words=(), backends=BACKEND
     for backend in backends:
         for policy, params in policies:
             before = spy.calls
-            lynx_hf.patch(model, policy=policy, backend=backend, **params)
+            lynx_hf.patch(model, policy=policy, routing_backend=backend,
+                          expert_path="triton" if backend == "triton" else "auto", **params)
             if policy != "none":
                 for block in _state(model).blocks:
                     if allowed[id(block.block)]:
@@ -506,7 +506,7 @@ def test_C22_gpt_oss_transposed_experts_patch_and_remap_through_their_own_forwar
     ids, mask = tm.prompts(BATCH, PROMPT)
     run(model, ids, mask, [ids[:, -1:]])  # offloaded: the rule is verified on the first decode call
     rule = _state(model).blocks[0].rule  # GPT-OSS: softmax over the chosen k logits = softmax_all renormalized
-    assert (rule.rule, rule.renormalize, rule.scale) == ("softmax_all", True, 1.0)
+    assert (rule.kind, rule.renormalize, rule.scale) == ("softmax_all", True, 1.0)
     lynx_hf.unpatch(model)
 
 

@@ -13,13 +13,13 @@ from transformers import StaticCache
 import lynx_hf
 import tiny_models as tm
 import tiny_models_extra as tx
-from lynx_hf import routing
+from lynx_hf import core
 from lynx_hf.kernels.routing_torch import strict_sync_free
 from sync_detector import SyncDetector
 
 BUILDERS = {**{f: tm for f in tm.FAMILIES}, **{f: tx for f in (*tx.DEDICATED, *tx.GENERIC)}}
 POLICIES = {"lynx-default": dict(policy="lynx"), "lynx-paper": dict(policy="lynx", mass_price=None),
-            "lynx-mass-floor": dict(policy="lynx", mass_floor=0.5), "oea": dict(policy="oea", k0=1)}
+            "oea": dict(policy="oea", oea_k0=1)}
 BACKENDS = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]
 
 
@@ -46,7 +46,8 @@ def _decode_under_detector(model, steps=2, static=False, batch=8):
 def test_decode_step_is_sync_free(family, policy, backend):
     model = BUILDERS[family].build(family)
     model._family = family
-    lynx_hf.patch(model, backend=backend, **POLICIES[policy])
+    lynx_hf.patch(model, routing_backend=backend, expert_path="triton" if backend == "triton" else "auto",
+                  **POLICIES[policy])
     detector = _decode_under_detector(model)
     summary = lynx_hf.stats(model).summary()
     lynx_hf.unpatch(model)
@@ -68,12 +69,13 @@ def test_static_cache_decode_is_sync_free(policy):
 
 
 def _insert_into_routing(monkeypatch, line: str):
-    """Replace routing.remap by a wrapper whose code lives in routing.py's file (so it is "ours") and
+    """Replace core.remap by a wrapper whose code lives in core.py's file (so it is "ours") and
     runs ``line`` before the real remap."""
-    source = f"def remap(plan, rule, step, scores, *args):\n    {line}\n    return real(plan, rule, step, scores, *args)\n"
-    namespace = {"real": routing.remap}
-    exec(compile(source, routing.__file__, "exec"), namespace)
-    monkeypatch.setattr(routing, "remap", namespace["remap"])
+    source = (f"def remap(plan, rule, step, scores, *args, **kwargs):\n    {line}\n"
+              "    return real(plan, rule, step, scores, *args, **kwargs)\n")
+    namespace = {"real": core.remap}
+    exec(compile(source, core.__file__, "exec"), namespace)
+    monkeypatch.setattr(core, "remap", namespace["remap"])
 
 
 def test_detector_catches_an_inserted_item(monkeypatch):
@@ -83,7 +85,7 @@ def test_detector_catches_an_inserted_item(monkeypatch):
     detector = _decode_under_detector(model, steps=1)
     lynx_hf.unpatch(model)
     assert detector.violations and all("_local_scalar_dense" in op for op, _ in detector.violations)
-    assert all("routing.py" in where for _, where in detector.violations)
+    assert all("core.py" in where for _, where in detector.violations)
     assert len(detector.violations) == 2  # one per MoE layer (the tiny Mixtral has 2)
     with pytest.raises(AssertionError, match="_local_scalar_dense"):
         detector.check()

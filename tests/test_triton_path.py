@@ -21,10 +21,10 @@ def test_generate_triton_backend_matches_torch(family, policy, extra):
     ids, mask = tm.prompts(4, 5)
     gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_scores=True,
                return_dict_in_generate=True)
-    with lynx_hf.patched(model, policy=policy, backend="torch", **extra):
+    with lynx_hf.patched(model, policy=policy, routing_backend="torch", **extra):
         ref = model.generate(**gen)
         ref_stats = lynx_hf.stats(model).summary()
-    with lynx_hf.patched(model, policy=policy, backend="triton", **extra):
+    with lynx_hf.patched(model, policy=policy, routing_backend="triton", expert_path="triton", **extra):
         out = model.generate(**gen)
         stats = lynx_hf.stats(model).summary()
     assert torch.equal(out.sequences, ref.sequences)
@@ -40,13 +40,13 @@ def test_triton_backend_without_interpreter_on_cpu_is_a_clear_error(monkeypatch)
     model = tm.build("mixtral")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(lynx_hf.LynxConfigError, match="backend.*TRITON_INTERPRET"):
-        lynx_hf.patch(model, backend="triton")
+        lynx_hf.patch(model, routing_backend="triton", expert_path="triton")
     assert not lynx_hf.is_patched(model)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    lynx_hf.patch(model, backend="triton")
+    lynx_hf.patch(model, routing_backend="triton", expert_path="triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ids, mask = tm.prompts(2, 4)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    lynx_hf.patch(model, backend="torch")
+    lynx_hf.patch(model, routing_backend="torch")
     assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
     lynx_hf.unpatch(model)

@@ -1,6 +1,6 @@
 """Build the local lm-eval task data from the committed held-out code (eval/data/valid_code.jsonl).
 
-    python eval/tasks/build_tasks.py          # rewrites eval/tasks/data/*.jsonl (deterministic)
+    python -m lynx_hf.eval.tasks.build_tasks   # rewrites eval/tasks/data/*.jsonl (deterministic; source checkout)
 
 - ``lynx_code_line_completion`` (generate_until, 200 items): prompt = up to 8 preceding lines of a
   held-out stdlib file plus the start of the next line (cut before a space, so the prompt ends on a
@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from .. import require_checkout
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parent / "data" / "valid_code.jsonl"
@@ -109,6 +111,7 @@ def build_multiple_choice(docs, items=ITEMS, seed=1):
 
 
 def main() -> None:
+    require_checkout("build_tasks")
     docs = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
     OUT.mkdir(exist_ok=True)
     for name, rows in (("code_line_completion.jsonl", build_generation(docs)),

@@ -1,20 +1,49 @@
 """Routing policies: which experts a decode step keeps (the *critical set*), on plain tensors.
 
 A policy is one module here plus one entry in :data:`REGISTRY` (``register``). It sees a decode step
-as :class:`StepTensors` and returns the critical set ``S [N]`` bool; the core (``lynx_hf.routing``)
+as :class:`StepTensors` and returns the critical set ``S [N]`` bool; the core (``lynx_hf.core``)
 then remaps every decode token to its top-k restricted to ``S`` (``ops.remap_topk``) and recomputes
 the routing weights with the family's rule. Policies never see prefill-only forwards; in a mixed
 step the prefill tokens arrive as ``seed`` (experts loaded anyway) and do not vote.
 
-``ops`` is the kernel backend resolved at patch time: :mod:`lynx_hf.kernels.routing_torch` or the
-Triton twins in :mod:`lynx_hf.kernels.routing` (same function names, same integers).
+``ops`` is the kernel backend the plan resolved (``kernels.backend.routing_ops``): the torch ops of
+:mod:`lynx_hf.kernels.routing_torch`, their numba twins (CPU, eager) or the Triton twins in
+:mod:`lynx_hf.kernels.routing` (same function names, same integers).
+
+Each policy validates its own ``LynxConfig`` fields (:meth:`Policy.validate`, called by ``LynxConfig`` for
+every registered policy); the ``check_*`` helpers below are shared with ``LynxConfig``'s generic fields.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import LynxConfigError
+
+
+# -- field checks (raise LynxConfigError naming the LynxConfig field) ------------------------------------------
+def check_choice(name: str, value, allowed) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise LynxConfigError(f"LynxConfig.{name} must be one of {tuple(allowed)}, got {value!r}")
+
+
+def check_number(name: str, value) -> None:
+    """A real number (an int or a float, not a bool, not NaN)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise LynxConfigError(f"LynxConfig.{name} must be a real number, got {value!r}")
+
+
+def check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise LynxConfigError(f"LynxConfig.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def check_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise LynxConfigError(f"LynxConfig.{name} must be a bool, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -44,11 +73,13 @@ class Policy:
     #: with a single token in the step the critical set holds its own top-k, so its routing is unchanged
     #: (true of every shipped policy); the core then skips the policy for one-token steps
     single_token_identity: bool = True
-    #: the ``LynxConfig`` fields this policy reads (documentation, CLI help)
+    #: the ``LynxConfig`` fields this policy reads (and validates)
     fields: tuple[str, ...] = ()
 
-    def validate(self, cfg, num_experts: int, top_k: int) -> None:
-        """Raise ``ValueError`` (message without the layer name) if the policy cannot run on this layer."""
+    def validate(self, cfg) -> None:
+        """Check this policy's own fields of ``cfg`` (a ``LynxConfig`` under construction); raise
+        :class:`~lynx_hf.LynxConfigError` naming the field. Called for every registered policy, whichever
+        ``cfg.policy`` is, so a config is valid as a whole."""
 
     def resolve(self, cfg, num_experts: int, top_k: int):
         """Per-layer parameters, computed once at patch time (``None`` if there are none)."""
@@ -96,10 +127,11 @@ class NonePolicy(Policy):
 register(NonePolicy())
 
 
-def _ops(cfg, device):
+def _ops(cfg, scores):
     from ..kernels.backend import resolve_backend, routing_ops
+    from ..kernels.routing_torch import host_reads_allowed
 
-    return routing_ops(resolve_backend(cfg.backend, device))
+    return routing_ops(resolve_backend(cfg.routing_backend, scores.device), host=host_reads_allowed(scores))
 
 
 def critical_set(cfg, scores, topk_idx, top_k=None, topk_weights=None, vote=None, seed=None):
@@ -107,7 +139,7 @@ def critical_set(cfg, scores, topk_idx, top_k=None, topk_weights=None, vote=None
     policy that does not remap. Plain-tensor API (the core resolves the same things once at patch time).
 
     ``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` int64 the model's own selection,
-    ``topk_weights [T, k]`` its weights (needed by ``mass_floor``; default: uniform), ``vote`` /
+    ``topk_weights [T, k]`` its weights (default: uniform), ``vote`` /
     ``seed``: see :class:`StepTensors`. Raises ``KeyError`` for an unregistered policy.
     """
     policy = get(cfg.policy)
@@ -118,7 +150,7 @@ def critical_set(cfg, scores, topk_idx, top_k=None, topk_weights=None, vote=None
         topk_weights = torch.full(topk_idx.shape, 1.0 / top_k, device=scores.device)
     params = policy.resolve(cfg, scores.shape[-1], top_k)
     step = StepTensors(scores, topk_idx.long(), topk_weights, vote, seed, top_k)
-    return policy.critical_set(params, _ops(cfg, scores.device), step)
+    return policy.critical_set(params, _ops(cfg, scores), step)
 
 
 def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scale=1.0, topk_weights=None,
@@ -132,7 +164,7 @@ def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scal
     critical = critical_set(cfg, scores, topk_idx, top_k, topk_weights, vote, seed)
     if critical is None:
         return None
-    ops = _ops(cfg, scores.device)
+    ops = _ops(cfg, scores)
     idx, weights = ops.remap(scores, critical, top_k, scores if logits is None else logits.float(),
                              rule or "softmax_all", renormalize, scale)
     return idx if rule is None else (idx, weights)

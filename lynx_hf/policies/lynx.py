@@ -1,11 +1,10 @@
-"""LYNX (Gupta et al., arXiv 2411.08982, Sec. 4), as DESIGN.md "The LYNX policy" specifies it, with the
-project's two extensions (``LynxConfig`` documents each field):
+"""LYNX (Gupta et al., arXiv 2411.08982, Sec. 4), as ``docs/design.md`` "The LYNX policy" specifies it, with
+the project's extension (``LynxConfig`` documents each field):
 
 - the paper's rule (``mass_price=None``): affinity bins from k/N, exponential batch score, cover +
   consensus (``tau``) + grow by score to k;
 - routing-mass growth (``mass_price`` set, the default): the cover, then the expert that restores the
-  most routing mass joins while it restores at least ``mass_price`` tokens' worth (greedy);
-- ``mass_floor``: each token keeps its own highest-weight experts up to that share of its top-k mass.
+  most routing mass joins while it restores at least ``mass_price`` tokens' worth (greedy; ``price_unit``).
 """
 
 from __future__ import annotations
@@ -14,8 +13,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ..kernels.routing_torch import default_lynx_bins
-from . import Policy, StepTensors, register
+from ..errors import LynxConfigError
+from ..kernels.routing_torch import PRICE_UNITS, default_lynx_bins
+from . import Policy, StepTensors, check_choice, check_int, check_number, register
+
+#: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
+MAX_BETA = 64
 
 
 @dataclass(frozen=True)
@@ -24,7 +27,6 @@ class LynxParams:
     beta: int
     tau: float
     mass_price: float | None
-    mass_floor: float
     price_unit: str
 
 
@@ -40,12 +42,33 @@ def bin_parameters(cfg, num_experts: int, top_k: int) -> tuple[float, int]:
 
 class LynxPolicy(Policy):
     name = "lynx"
-    fields = ("alpha", "beta", "tau", "mass_price", "mass_floor")
+    fields = ("alpha", "beta", "tau", "mass_price", "price_unit")
+
+    def validate(self, cfg):
+        """``alpha`` finite > 0 or None; ``beta`` an int in 0..64 or None; ``tau`` finite >= 0; ``mass_price``
+        finite >= 0 or None; ``price_unit`` one of ``PRICE_UNITS``."""
+        if cfg.alpha is not None:
+            check_number("alpha", cfg.alpha)
+            if not (0 < cfg.alpha < math.inf):
+                raise LynxConfigError(f"LynxConfig.alpha must be finite and > 0 (or None), got {cfg.alpha!r}")
+        if cfg.beta is not None:
+            check_int("beta", cfg.beta, minimum=0)
+            if cfg.beta > MAX_BETA:
+                raise LynxConfigError(
+                    f"LynxConfig.beta must be <= {MAX_BETA} (B**-beta is below fp32 range long before), got {cfg.beta!r}"
+                )
+        check_number("tau", cfg.tau)
+        if not (cfg.tau >= 0) or math.isinf(cfg.tau):
+            raise LynxConfigError(f"LynxConfig.tau must be finite and >= 0, got {cfg.tau!r}")
+        if cfg.mass_price is not None:
+            check_number("mass_price", cfg.mass_price)
+            if not (0.0 <= cfg.mass_price < math.inf):
+                raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {cfg.mass_price!r}")
+        check_choice("price_unit", cfg.price_unit, PRICE_UNITS)
 
     def resolve(self, cfg, num_experts, top_k):
         alpha, beta = bin_parameters(cfg, num_experts, top_k)
-        return LynxParams(alpha, beta, float(cfg.tau), cfg.mass_price, float(cfg.mass_floor),
-                          cfg.price_unit)
+        return LynxParams(alpha, beta, float(cfg.tau), cfg.mass_price, cfg.price_unit)
 
     def critical_set(self, p: LynxParams, ops, step: StepTensors):
         s, idx, k = step.scores, step.topk_idx, step.top_k
@@ -55,16 +78,14 @@ class LynxPolicy(Policy):
             critical = ops.lynx_critical_set(s, idx, 1, p.alpha, p.beta, math.inf, vote=step.vote, seed=step.seed)
             critical = ops.mass_greedy_grow(s, idx, critical, k, p.mass_price, vote=step.vote, seed=step.seed,
                                             unit=p.price_unit)
-        if p.mass_floor > 0:
-            critical = critical | ops.mass_floor_set(idx, step.topk_weights, s.shape[-1], p.mass_floor, vote=step.vote)
         return critical
 
     def fused_decode(self, p: LynxParams, ops):
-        """The default rule (cover, then routing-mass growth; no ``mass_floor``) as one compiled call on CPU
-        (``ops.lynx_mass_decode``, the torch backend with numba): same integers as :meth:`critical_set`
-        followed by the remap [issue 12: routing overhead at small batches]."""
+        """The default rule (cover, then routing-mass growth) as one compiled call on CPU
+        (``ops.lynx_mass_decode``, the torch backend's numba twins): same integers as :meth:`critical_set`
+        followed by the remap, without torch's per-op overhead, which dominates at small batches."""
         fn = getattr(ops, "lynx_mass_decode", None)
-        if fn is None or p.mass_price is None or p.mass_floor > 0 or not math.isfinite(p.alpha):
+        if fn is None or p.mass_price is None or not math.isfinite(p.alpha):
             return None
         return functools.partial(fn, alpha=p.alpha, beta=p.beta, price=p.mass_price, unit=p.price_unit)
 

@@ -8,12 +8,22 @@ from __future__ import annotations
 
 import math
 
-from . import Policy, StepTensors, register
+from ..errors import LynxConfigError
+from . import Policy, StepTensors, check_int, check_number, register
 
 
 class XSharePolicy(Policy):
     name = "xshare"
     fields = ("xshare_budget", "xshare_fraction", "xshare_warmup")
+
+    def validate(self, cfg):
+        """``xshare_budget`` an int >= 1 or None; ``xshare_fraction`` in (0, 1]; ``xshare_warmup`` an int >= 0."""
+        if cfg.xshare_budget is not None:
+            check_int("xshare_budget", cfg.xshare_budget, minimum=1)
+        check_number("xshare_fraction", cfg.xshare_fraction)
+        if not 0.0 < cfg.xshare_fraction <= 1.0:
+            raise LynxConfigError(f"LynxConfig.xshare_fraction must be in (0, 1], got {cfg.xshare_fraction!r}")
+        check_int("xshare_warmup", cfg.xshare_warmup, minimum=0)
 
     def resolve(self, cfg, num_experts, top_k):
         budget = cfg.xshare_budget if cfg.xshare_budget is not None else math.ceil(cfg.xshare_fraction * num_experts)

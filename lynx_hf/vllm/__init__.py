@@ -10,7 +10,7 @@ is **off** unless configured, per engine, by either
 :mod:`lynx_hf.vllm._config`; ``additional_config`` wins). A bad value raises
 :class:`~lynx_hf.LynxConfigError` when the engine is created, before any engine process starts.
 Once on, every MoE layer remaps the routing of its **decode** tokens with the configured policy
-(the same core as the HF path, :func:`lynx_hf.routing.remap`): prefill tokens of a mixed
+(the same core as the HF path, ``lynx_hf.core``): prefill tokens of a mixed
 (chunked-prefill) step keep vLLM's routing and their experts seed the critical set; weights are
 recomputed in fp32 with the router's own rule. Telemetry and run-time switching: ::
 

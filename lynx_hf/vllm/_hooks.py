@@ -25,11 +25,12 @@ Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`ins
   starts and copies an environment configuration into ``additional_config["lynx"]``, so that it is
   part of vLLM's config hash (the torch.compile cache key) and reaches every worker.
 
-The per-step work is the engine-independent core :func:`lynx_hf.routing.remap` (policy on the live
-decode rows; prefill rows keep their routing and seed the critical set) and
+The per-step work is the engine-independent core (``lynx_hf.core``: the plan's decode-step function, which runs
+:func:`lynx_hf.core.remap`: policy on the live decode rows; prefill rows keep their routing and seed the
+critical set) and
 :class:`lynx_hf.telemetry.BlockTelemetry` (the numbers mean what ``lynx_hf.stats`` means in HF).
 Neither reads a device value on the host nor makes a data-dependent shape. The op body takes one
-host-side shortcut, on CPU tensors in eager mode only (``kernels.routing_torch.host_reads_allowed``):
+host-side shortcut, on CPU tensors in eager mode only (``lynx_hf.core.host_reads_allowed``, asked once per call):
 a step without decode tokens returns at once. On an accelerator (CUDA graphs replay whatever the
 capture recorded) the op always runs the remap against the buffer, whose address never changes.
 """
@@ -46,12 +47,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core import MIXED, RoutePlan, Step, WeightRule, host_reads_allowed, make_plan, record_step
 from ..errors import LynxConfigError, UnsupportedModelError
-from ..kernels.routing_torch import host_reads_allowed
-from ..patches.base import WeightRule
-from ..routing import RoutePlan, make_plan, record_step, remap
-from ..step import MIXED, Step
-from ..telemetry import BlockTelemetry, LynxStats
+from ..telemetry import BlockTelemetry, LynxStats, union_size
 from . import _config
 
 logger = logging.getLogger("lynx_hf.vllm")
@@ -80,10 +78,6 @@ class _Layer:
     loaded: torch.Tensor | None = None
     gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (skipped)
     skipped: int = 0  # calls left untouched because the step's mask does not apply to their rows
-
-    @property
-    def identity(self) -> bool:
-        return self.top_k >= self.num_experts
 
 
 @dataclass
@@ -175,17 +169,18 @@ def _warn_once(key: str, message: str) -> None:
         logger.warning(message)
 
 
-def _step_for(layer: _Layer, router_logits: torch.Tensor) -> Step | None:
-    """The :class:`~lynx_hf.step.Step` of this call's rows, or ``None`` (leave the routing as it is)."""
+def _step_for(layer: _Layer, router_logits: torch.Tensor, host: bool) -> Step | None:
+    """The :class:`~lynx_hf.core.Step` of this call's rows, or ``None`` (leave the routing as it is).
+    ``host``: CPU tensors in eager mode."""
     cfg = STATE.config
-    if cfg is None or cfg.lynx.phase == "never" or _is_gathered(layer):
+    if cfg is None or _is_gathered(layer):
         return None
     rows = router_logits.shape[0]
     if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)
         return Step("decode")
     kind = _buffer(router_logits.device, rows)
     step = STATE.step
-    if host_reads_allowed(router_logits):  # CPU eager: skip steps without decode tokens at once
+    if host:  # CPU eager: skip steps without decode tokens at once
         if not step.active or step.num_decode == 0:
             return None
         if rows < step.num_tokens:
@@ -200,40 +195,34 @@ def _step_for(layer: _Layer, router_logits: torch.Tensor) -> Step | None:
 
 def _remap_layer(router_logits, topk_weights, topk_ids, index):
     layer = STATE.layers[index]
-    step = _step_for(layer, router_logits)
+    host = host_reads_allowed(router_logits)
+    step = _step_for(layer, router_logits, host)
     if step is None:
         return topk_weights, topk_ids
     cfg = STATE.config.lynx
     plan = layer.plan
     if plan is None or plan.device != router_logits.device:
         plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device)
-    finite = None
-    if plan.policy.remaps and not layer.identity:
-        # selection scores of softmax / sigmoid routers: the router logits in fp32 (DESIGN.md)
-        new_weights, new_ids, finite = remap(plan, layer.rule, step, router_logits.float(), router_logits,
-                                             topk_weights, topk_ids)
-    else:
-        new_weights, new_ids = topk_weights, topk_ids
+    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, _fp32_logits, router_logits, topk_weights,
+                                                topk_ids, host)
     if cfg.telemetry:
-        _record(layer, step, topk_ids, topk_weights, new_ids, finite)
+        _record(layer, step, topk_ids, topk_weights, new_ids, finite, host)
     return new_weights, new_ids
 
 
-def _union_size(ids: torch.Tensor, rows: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Distinct experts of ``ids [T, k]`` over the rows where ``rows [T]`` bool is set (0-d int64)."""
-    hit = torch.zeros(ids.shape[0], num_experts, dtype=torch.bool, device=ids.device)
-    hit.scatter_(1, ids.long(), True)
-    return (hit & rows[:, None]).any(0).sum()
+def _fp32_logits(router_logits: torch.Tensor) -> torch.Tensor:
+    """Selection scores of softmax / sigmoid routers: the router logits in fp32 (``docs/design.md``)."""
+    return router_logits.float()
 
 
 @torch.no_grad()
-def _record(layer: _Layer, step: Step, ids, weights, new_ids, finite) -> None:
+def _record(layer: _Layer, step: Step, ids, weights, new_ids, finite, host: bool) -> None:
     dev = ids.device
-    counted, live = record_step(layer.telemetry, layer.num_experts, step, ids, weights, new_ids, finite)
+    counted, live = record_step(layer.telemetry, layer.num_experts, step, ids, weights, new_ids, finite, host=host)
     has_decode = counted.any().to(torch.float64)
     row = torch.stack([has_decode,
-                       _union_size(ids, live, layer.num_experts).to(torch.float64) * has_decode,
-                       _union_size(new_ids, live, layer.num_experts).to(torch.float64) * has_decode])
+                       union_size(ids, layer.num_experts, live).to(torch.float64) * has_decode,
+                       union_size(new_ids, layer.num_experts, live).to(torch.float64) * has_decode])
     if layer.loaded is None or layer.loaded.device != dev:
         layer.loaded = torch.zeros(3, dtype=torch.float64, device=dev)
     elif layer.loaded.is_inference() and not torch.is_inference_mode_enabled():
@@ -444,7 +433,7 @@ def snapshot() -> dict:
     layers = []
     for layer in STATE.layers:
         entry = {"name": layer.name, "index": layer.index, "num_experts": layer.num_experts, "top_k": layer.top_k,
-                 "rule": {"rule": layer.rule.rule, "renormalize": layer.rule.renormalize, "scale": layer.rule.scale},
+                 "rule": {"rule": layer.rule.kind, "renormalize": layer.rule.renormalize, "scale": layer.rule.scale},
                  "skipped_calls": layer.skipped, "gathered": bool(layer.gathered)}
         entry.update(layer.telemetry.summary())
         loaded = [0.0, 0.0, 0.0] if layer.loaded is None else layer.loaded.tolist()

@@ -1,13 +1,7 @@
-"""eval/serve_bench.py's pure parts (the benchmark itself is a script the lead runs alone): the paired
+"""lynx_hf.eval.serve_bench's pure parts (the benchmark itself is a script the lead runs alone): the paired
 ratios of ``aggregate`` on hand-worked numbers, the real-shape config, the fixture prompts."""
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "eval"))
-
-import serve_bench as sb  # noqa: E402  (eval/serve_bench.py)
+from lynx_hf.eval import serve_bench as sb
 
 
 def _cell(tpot, decode, before=None, after=None):

@@ -37,16 +37,16 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from lynx_hf import LynxConfigError, UnsupportedModelError  # noqa: E402
+from lynx_hf.core import WeightRule  # noqa: E402
+from lynx_hf.eval import DATA_DIR, FIXTURES_DIR  # noqa: E402
 from lynx_hf.kernels.routing_torch import routing_weights, strict_sync_free  # noqa: E402
-from lynx_hf.patches.base import WeightRule  # noqa: E402
 from lynx_hf.vllm import _config, _hooks  # noqa: E402
 from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
 from sync_detector import SyncDetector  # noqa: E402  (tests/sync_detector.py)
 
-ROOT = Path(__file__).resolve().parents[2]
-FIXTURE_A = ROOT / "eval" / "fixtures" / "qwen2moe-tiny"
-FIXTURE_B = ROOT / "eval" / "fixtures" / "mixtral-tiny"
-PROMPTS = [line.rstrip("\n") for line in (ROOT / "eval" / "data" / "prompts.txt").read_text().splitlines()][:16]
+FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
+FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"
+PROMPTS = [line.rstrip("\n") for line in (DATA_DIR / "prompts.txt").read_text().splitlines()][:16]
 MAX_TOKENS = 32
 ENGINE_TIMEOUT_S = 900
 # one engine configuration for every run: a 128-token budget per step, so a long prompt is prefilled in
@@ -56,7 +56,7 @@ ENGINE = {"max_num_batched_tokens": 128, "max_num_seqs": 16}
 
 def _long_prompts(n: int, chars: int = 600) -> list[str]:
     """``n`` held-out documents cut to ``chars`` characters (~150-250 tokens each with the fixtures' BPE)."""
-    lines = (ROOT / "eval" / "data" / "valid_docs.jsonl").read_text().splitlines()
+    lines = (DATA_DIR / "valid_docs.jsonl").read_text().splitlines()
     return [json.loads(line)["text"][:chars] for line in lines[:n]]
 
 
@@ -102,11 +102,11 @@ def _summary(run):
 
 def test_config_sources_and_errors():
     assert _config.parse(None) is None and _config.parse("") is None
-    cfg = _config.parse('{"policy": "oea", "k0": 2, "stats_path": "/tmp/x.json"}')
-    assert cfg.lynx.policy == "oea" and cfg.lynx.k0 == 2 and cfg.stats_path == "/tmp/x.json"
+    cfg = _config.parse('{"policy": "oea", "oea_k0": 2, "stats_path": "/tmp/x.json"}')
+    assert cfg.lynx.policy == "oea" and cfg.lynx.oea_k0 == 2 and cfg.stats_path == "/tmp/x.json"
     # strings go through LynxConfig.from_options (the CLI's parsing path): "None" -> None, "2" -> 2
-    cfg = _config.parse({"mass_price": "None", "k0": "2", "telemetry": "false", "stats_every": "5"})
-    assert cfg.lynx.mass_price is None and cfg.lynx.k0 == 2 and cfg.lynx.telemetry is False
+    cfg = _config.parse({"mass_price": "None", "oea_k0": "2", "telemetry": "false", "stats_every": "5"})
+    assert cfg.lynx.mass_price is None and cfg.lynx.oea_k0 == 2 and cfg.lynx.telemetry is False
     assert cfg.stats_every == 5
     # additional_config wins over the environment
     env = {"LYNX_VLLM_CONFIG": '{"policy": "none"}'}
@@ -114,7 +114,7 @@ def test_config_sources_and_errors():
     assert _config.resolve({}, env).lynx.policy == "none"
     assert _config.resolve(None, {}) is None
     for bad in ('{"policy": "fast"}', "{not json", "[1]", '{"tau": -1}', '{"nope": 1}', '{"stats_every": -2}',
-                '{"k0": "two"}', '{"stats_path": 3}'):
+                '{"oea_k0": "two"}', '{"stats_path": 3}'):
         with pytest.raises(LynxConfigError):
             _config.parse(bad)
 
@@ -183,7 +183,7 @@ def test_weight_rule_reproduces_vllm_cpu_router(renormalize):
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         x = logits.to(dtype)
         weights, ids = router._compute_routing(hidden, x, None)
-        ours = routing_weights(x.float(), ids.long(), rule.rule, rule.renormalize, rule.scale)
+        ours = routing_weights(x.float(), ids.long(), rule.kind, rule.renormalize, rule.scale)
         torch.testing.assert_close(ours, weights, rtol=tol, atol=tol)
 
 
@@ -298,8 +298,7 @@ def _oea_reference(logits, ids, kinds, k0, top_k, renormalize=True):
             critical.update(order[t][:k0])
         elif kind == PREFILL:
             critical.update(ids[t].tolist())
-    out_ids, out_w = ids.clone().long(), None
-    weights = []
+    out_ids = ids.clone().long()
     for t, kind in enumerate(kinds):
         if kind != DECODE:
             continue
@@ -314,7 +313,7 @@ def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     """kinds: 1 prefill, 2 decode, 0 padding. Prefill and padding rows keep vLLM's routing exactly; decode
     rows get OEA k0=1 with the prefill rows' experts in the critical set (plain-Python reference),
     with softmax-renormalized fp32 weights; the telemetry counts the live decode rows only."""
-    fake_layer({"policy": "oea", "k0": 1})
+    fake_layer({"policy": "oea", "oea_k0": 1})
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(9, 8, generator=gen) * 2).to(torch.bfloat16)
     weights, ids = _routing(logits, 2)
@@ -346,17 +345,17 @@ def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     assert snap["loaded_experts_after"] == len({e for t in live for e in ref_ids[t].tolist()})
 
 
-def test_op_policy_none_and_phase_never_leave_routing_untouched(fake_layer):
+def test_op_policy_none_leaves_routing_untouched_and_phase_never_is_refused(fake_layer):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 8, generator=gen)
     weights, ids = _routing(logits, 2)
-    for options in ({"policy": "none"}, {"policy": "oea", "phase": "never"}):
-        fake_layer(options)
-        _set_kinds([DECODE] * 6)
-        new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
-        assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
-        _end()
-    assert _hooks.snapshot()["layers"][0]["decode_steps"] == 0  # phase never: not even counted
+    fake_layer({"policy": "none"})
+    _set_kinds([DECODE] * 6)
+    new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+    assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
+    _end()
+    with pytest.raises(LynxConfigError, match='policy="none"'):  # phase="never" was removed: policy none replaces it
+        _config.parse({"policy": "oea", "phase": "never"})
 
 
 def test_op_strict_path_is_sync_free_and_equal(fake_layer):
@@ -385,7 +384,7 @@ def test_op_strict_path_is_sync_free_and_equal(fake_layer):
 def test_op_stays_live_under_torch_compile(fake_layer):
     """Traced while no step is active, the compiled graph still remaps when a decode step comes: the op is
     an opaque node (a plain Python hook would have been frozen at trace time)."""
-    fake_layer({"policy": "oea", "k0": 1})
+    fake_layer({"policy": "oea", "oea_k0": 1})
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(6, 8, generator=gen) * 2
     weights, ids = _routing(logits, 2)
@@ -410,7 +409,7 @@ def test_op_leaves_gathered_rows_alone(fake_layer):
     """Data parallel with vLLM's naive dispatch: the router sees every DP rank's tokens, which this rank's
     mask does not describe: untouched (and reported), never a wrong mask."""
     runner = _FakeRunner(naive=True)  # held here: the layer keeps only a weak reference (the model owns it)
-    fake_layer({"policy": "oea", "k0": 1}, runner=runner)
+    fake_layer({"policy": "oea", "oea_k0": 1}, runner=runner)
     logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(4)) * 2
     weights, ids = _routing(logits, 2)
     _set_kinds([DECODE] * 6)
@@ -437,10 +436,10 @@ def test_monolithic_experts_kernel_is_refused_at_load(fake_layer):
 
 def test_configure_validates_and_needs_a_hooked_engine(fake_layer):
     layer = fake_layer({"policy": "lynx"})
-    assert _hooks.configure({"policy": "oea", "k0": 2}) is True
+    assert _hooks.configure({"policy": "oea", "oea_k0": 2}) is True
     assert _hooks.STATE.config.lynx.policy == "oea" and layer.plan is None
-    with pytest.raises(LynxConfigError, match="k0"):
-        _hooks.configure({"policy": "oea", "k0": 0})
+    with pytest.raises(LynxConfigError, match="oea_k0"):
+        _hooks.configure({"policy": "oea", "oea_k0": 0})
     _hooks.STATE.config = None
     assert _hooks.configure({"policy": "oea"}) is False
 

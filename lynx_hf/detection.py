@@ -1,4 +1,5 @@
-"""Which tokens of a forward are decode tokens (DESIGN.md "Phase detection", "Per-token decode mask").
+"""HF step detection: which tokens of a forward are decode tokens (``docs/design.md`` "Phase detection",
+"Per-token decode mask"). The :class:`~lynx_hf.core.Step` it publishes is engine-independent (``lynx_hf.core``).
 
 A forward pre-hook on the model's decoder backbone (the module every entry point ends in:
 ``CausalLM.forward``, ``generate``, PEFT wrappers, continuous batching) classifies the forward's
@@ -26,7 +27,7 @@ token (flattened ``[B, q] -> [B*q]`` order, the order of the router's rows). Rul
    present, it holds tokens and ``q_len <= q_max``; no cache, ``use_cache=False`` or a longer query is
    prefill.
 
-The attention mask is never read (CASES C1). Cache lengths come from ``Cache.get_seq_length()``, which
+The attention mask is never read (``docs/cases.md`` C1). Cache lengths come from ``Cache.get_seq_length()``, which
 transformers resolves to the first layer that holds attention KV (hybrid caches with linear-attention /
 Mamba layers first). ``StaticCache`` keeps its length in a 0-d device tensor: outside ``generate`` the
 step's decode mask is then computed on the device (no host sync); inside ``generate`` the length is
@@ -34,7 +35,7 @@ counted on the host from the query lengths of the generation's forwards (the cac
 caller, if any, is read once when ``generate`` starts).
 
 State: eager forwards publish the step in a ``contextvars.ContextVar`` (per thread / task, so two
-threads generating on one model keep separate state, CASES C18); a forward traced by ``torch.compile``
+threads generating on one model keep separate state, ``docs/cases.md`` C18); a forward traced by ``torch.compile``
 keeps it in a plain attribute that dynamo tracks inside the graph (a ContextVar cannot be traced).
 """
 
@@ -47,32 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-PREFILL = "prefill"
-DECODE = "decode"
-VERIFY = "verify"
-MIXED = "mixed"
-
-
-@dataclass(frozen=True)
-class Step:
-    """How the router hooks treat one forward.
-
-    ``kind``: ``"prefill"`` (nothing to do), ``"decode"`` (one new token per row, or a continuous-batching
-    forward in which every token decodes), ``"verify"`` (a verification forward of assisted / prompt-lookup
-    decoding: every token is decode work), ``"mixed"`` (a continuous-batching forward with prefill tokens
-    or padding beside its decode tokens: ``decode`` says which). ``decode [T]`` bool or ``None``
-    (every token is a decode token, unless ``kind`` is prefill); for ``decode`` / ``verify`` it is a
-    tensor only when the cache length lives on the device (``StaticCache`` outside ``generate``).
-    ``live [T]`` bool or ``None`` (all rows live): tokens of finished rows and padding tokens are not
-    live (they neither vote nor count; decode ones are remapped into the critical set).
-    """
-
-    kind: str
-    decode: torch.Tensor | None = None
-    live: torch.Tensor | None = None
-
-
-PREFILL_STEP = Step(PREFILL)
+from .core import DECODE, MIXED, PREFILL_STEP, VERIFY, Step
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
@@ -88,7 +64,7 @@ class Generation:
     rows that fed a stop token.
     """
 
-    owner: object  # the ModelState whose generate set it
+    model_state: object  # the ModelState whose generate set it
     prompt_length: int
     eos_ids: tuple[int, ...]
     verify: bool
@@ -212,8 +188,6 @@ def detect_step(args, kwargs, config, generation: Generation | None, requests=No
     list, in ``cu_seq_lens_q`` order), or ``None``. Updates ``generation`` (host token count, finished
     rows). Never reads a device value on the host.
     """
-    if config.phase == "never":
-        return PREFILL_STEP
     x = _query(args, kwargs)
     if x is None:
         return PREFILL_STEP
@@ -279,7 +253,7 @@ class _Frame:
 class StepTracker:
     """Per-model step state; install with :meth:`attach`, remove with :meth:`detach`.
 
-    ``owner`` is the patched model's state (it has ``config``). Picklable and deep-copyable: the copy
+    ``model_state`` is the patched model's state (it has ``config``). Picklable and deep-copyable: the copy
     gets a fresh context variable and watches no continuous-batching manager (no forward is in flight
     in a copy).
     """
@@ -287,8 +261,8 @@ class StepTracker:
     _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
                    "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 
-    def __init__(self, owner) -> None:
-        self.owner = owner
+    def __init__(self, model_state) -> None:
+        self.model_state = model_state
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -298,10 +272,10 @@ class StepTracker:
         self._managers_lock = threading.Lock()  # watch() in the caller's thread, reads in the engine's thread
 
     def __getstate__(self):
-        return {"owner": self.owner}
+        return {"model_state": self.model_state}
 
     def __setstate__(self, state):
-        self.owner = state["owner"]
+        self.model_state = state["model_state"]
         self._init_runtime()
 
     @property
@@ -341,15 +315,15 @@ class StepTracker:
 
     def _generation(self) -> Generation | None:
         gen = _GENERATION.get()
-        return gen if gen is not None and gen.owner is self.owner else None
+        return gen if gen is not None and gen.model_state is self.model_state else None
 
     def _pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():
-            self._traced = detect_step(args, kwargs, self.owner.config, None)
+            self._traced = detect_step(args, kwargs, self.model_state.config, None)
             return None
         x = _query(args, kwargs)
         requests = self._requests(kwargs, x.device) if x is not None else None
-        step = detect_step(args, kwargs, self.owner.config, self._generation(), requests)
+        step = detect_step(args, kwargs, self.model_state.config, self._generation(), requests)
         self._var.set(_Frame(step, self._var.get()))
         return None
 
@@ -367,7 +341,7 @@ class StepTracker:
         backbone.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
 
     def detach(self, backbone: torch.nn.Module) -> None:
-        """Remove this tracker's hooks from ``backbone`` (found by owner, so copies work too)."""
+        """Remove this tracker's hooks from ``backbone`` (found by their tracker, so copies work too)."""
         ours = [key for name in ("_forward_pre_hooks", "_forward_hooks")
                 for key, hook in getattr(backbone, name).items() if getattr(hook, "__self__", None) is self]
         for name in self._HOOK_DICTS:
@@ -381,11 +355,11 @@ class StepTracker:
                     hooks.pop(key, None)
 
 
-def generation_scope(owner, prompt_length: int, eos_ids, verify: bool, held: int = 0):
+def generation_scope(model_state, prompt_length: int, eos_ids, verify: bool, held: int = 0):
     """Context manager used by the patched ``generate``: publishes a :class:`Generation` for its forwards.
 
     ``held``: tokens the cache passed to ``generate`` already holds (0 for a fresh cache)."""
-    return _Scope(Generation(owner, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify), int(held)))
+    return _Scope(Generation(model_state, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify), int(held)))
 
 
 class _Scope:

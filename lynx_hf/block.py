@@ -1,0 +1,226 @@
+"""The HF block state: one patched MoE block's routing interception (``docs/design.md`` "Direction").
+
+A decode step flows: backbone pre-hook (``lynx_hf.detection``: which tokens decode) -> the block's own
+forward -> its router -> **router forward hook** (:meth:`BlockRouting.router_hook`: the plan's decode-step
+function, ``lynx_hf.core``: fp32 selection scores, policy critical set, remap, family weight rule, merged
+per token with the model's own routing) -> the block's own forward calls the model's own experts with that
+routing (through transformers' experts-implementation interface, see ``lynx_hf.experts``) -> output.
+
+Nothing here knows HF class names: the family spec (``lynx_hf.patches``) says which child is the
+router, how to get selection scores and which weight rule to reproduce. Llama-4 is the one family
+whose block forward is replaced (HF computes its experts densely); it calls :meth:`BlockRouting.route`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .core import PREFILL, RoutePlan, Step, host_reads_allowed, keep_routing, make_plan
+from .telemetry import BlockTelemetry
+
+BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
+
+#: ``BlockRouting.rule_status``: the weight rule is known (``rule`` set), not verified yet (the router was
+#: not materialized at patch time: verified on its first large enough call), or refused (the block keeps
+#: the model's own routing for good)
+RULE_VERIFIED, RULE_PENDING, RULE_REFUSED = "verified", "pending", "refused"
+
+
+class BlockRouting:
+    """The patch state of one MoE block (plain Python object, never a module)."""
+
+    def __init__(self, model_state, spec, name: str, block: torch.nn.Module) -> None:
+        self.model_state = model_state  # lynx_hf.patcher.ModelState
+        self.spec = spec  # the family spec (lynx_hf.patches.FamilySpec)
+        self.name = name
+        self.block = block
+        self.router = spec.router_of(block)
+        self.experts = spec.experts_of(block)
+        self.num_experts, self.top_k = spec.shape(block)
+        self.rule = spec.weight_rule(block)  # None until verified (generic family spec, router not materialized)
+        self.rule_status = RULE_VERIFIED if self.rule is not None else RULE_PENDING
+        self.telemetry = BlockTelemetry()
+        self.plan: RoutePlan | None = None
+        self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
+        self.experts_impls = (None, None)  # its forward function and the interface's grouped_mm
+        # why the sparse kernel / grouped_mm may not read the experts' weights (None: they may), valid once
+        # storage_checked (lynx_hf.experts.install); before that neither sparse path runs
+        self.storage_checked = False
+        self.kernel_reason: str | None = None
+        self.grouped_reason: str | None = None
+        self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
+
+    @property
+    def kernel_allowed(self) -> bool:
+        """Whether the sparse Triton kernel may read the experts' weights (checked at patch time)."""
+        return self.storage_checked and self.kernel_reason is None
+
+    @property
+    def grouped_allowed(self) -> bool:
+        """Whether transformers' ``grouped_mm`` may read the experts' weights (checked at patch time)."""
+        return self.storage_checked and self.grouped_reason is None
+
+    def __getstate__(self):  # pickle / deepcopy: the family spec by family name, the plan re-resolved on first use
+        state = dict(self.__dict__)
+        state["spec"] = self.spec.family
+        state["plan"] = None
+        state["experts_impls"] = (None, None)  # functions local to transformers' decorator: resolved again
+        return state
+
+    def __setstate__(self, state):
+        from .patches import SPECS
+
+        state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
+        self.__dict__.update(state)
+        if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
+            from .experts import register
+
+            register()
+
+    # -- resolution ----------------------------------------------------------------------------
+    def resolve(self, device: torch.device | None = None) -> RoutePlan:
+        """Resolve the plan (backend, policy parameters, kernels, decode-step function, ``lynx_hf.core``) for
+        ``device`` (default: the router's)."""
+        if device is None:
+            device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
+        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device)
+        return self.plan
+
+    def _plan_for(self, device: torch.device) -> RoutePlan:
+        plan = self.plan
+        if plan is None or plan.device != device:
+            plan = self.resolve(device)
+        return plan
+
+    # -- installation ------------------------------------------------------------------------------
+    def install(self) -> None:
+        if self.spec.decode_forward is not None:
+            self._install_forward()
+        else:
+            self.router.register_forward_hook(self.router_hook)
+
+    def uninstall(self) -> None:
+        if self.spec.decode_forward is not None:
+            self._uninstall_forward()
+            return
+        hooks = self.router._forward_hooks
+        for key in [k for k, hook in hooks.items() if getattr(hook, "__self__", None) is self]:
+            del hooks[key]
+
+    def _install_forward(self) -> None:
+        block = self.block
+        # accelerate hooks wrap ``forward`` and call ``_old_forward``: swap that one so hooks stay.
+        attr = "_old_forward" if hasattr(block, "_hf_hook") and "_old_forward" in block.__dict__ else "forward"
+        had = attr in block.__dict__
+        previous = block.__dict__.get(attr)
+        self._forward_attr = (attr, had, previous)
+        object.__setattr__(block, attr, SwappedForward(self))
+        object.__setattr__(block, BLOCK_ATTR, self)
+
+    def _uninstall_forward(self) -> None:
+        block = self.block
+        attr, had, previous = self._forward_attr
+        for where in ("forward", "_old_forward"):
+            current = block.__dict__.get(where)
+            if not (isinstance(current, SwappedForward) and current.state is self):
+                continue
+            if where != attr:  # accelerate wrapped our forward after patch: put the original under it
+                object.__setattr__(block, where, previous if had else type(block).forward.__get__(block))
+            elif had:
+                object.__setattr__(block, where, previous)
+            else:
+                del block.__dict__[where]
+            break
+        block.__dict__.pop(BLOCK_ATTR, None)
+
+    def original_forward(self, *args, **kwargs):
+        """The block's forward as it was before patching (Llama-4 only)."""
+        attr, had, previous = self._forward_attr
+        if had:
+            return previous(*args, **kwargs)
+        return type(self.block).forward(self.block, *args, **kwargs)
+
+    # -- decode ------------------------------------------------------------------------------------
+    @property
+    def step(self) -> Step:
+        return self.model_state.tracker.step
+
+    def router_hook(self, module, args, output):
+        """Forward hook on the router: the remapped ``(router_logits, weights, indices)`` in decode, else
+        ``None`` (the router's own output object, untouched)."""
+        if self.rule_status != RULE_VERIFIED and not self._verify_deferred(output):
+            return None
+        step = self.step
+        if step.kind == PREFILL:
+            return None
+        logits, weights, idx = self.spec.unpack(output)
+        new_weights, new_idx = self.route(step, logits, weights, idx)
+        if new_idx is idx:
+            return None
+        return self.spec.repack(output, logits, new_weights, new_idx)
+
+    def _verify_deferred(self, output) -> bool:
+        """Generic spec, router not materialized at patch time (accelerate offload): verify its rule on its
+        real output, on the first call (prefill or decode) with at least as many tokens as the patch-time
+        probe (``spec.probe_tokens``). Until then the block keeps the model's own routing: a check on a few
+        tokens proves little (a group-limited or bias-corrected router can agree with plain top-k on one
+        token by chance). A refusal warns once and the block keeps the model's own routing for good."""
+        from .errors import UnsupportedModelError
+
+        if self.rule_status == RULE_REFUSED:
+            return False
+        logits = output[0] if isinstance(output, (tuple, list)) and output else None
+        if isinstance(logits, torch.Tensor) and logits.dim() >= 1 and \
+                logits.shape[0] < getattr(self.spec, "probe_tokens", 1):
+            return False
+        try:
+            self.rule = self.spec.deferred_rule(self.block, self.name, output)
+            shape = self.spec.shape(self.block)
+            if shape != (self.num_experts, self.top_k):  # the plan was made for the patch-time shape
+                self.num_experts, self.top_k = shape
+                self.plan = None
+            self.rule_status = RULE_VERIFIED
+            return True
+        except UnsupportedModelError as exc:
+            warnings.warn(f"lynx_hf: {exc}; this block keeps the model's own routing", stacklevel=3)
+            self.rule_status = RULE_REFUSED
+            return False
+
+    def route(self, step: Step, logits: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
+        """``(weights, idx)`` for one step: the policy's remap on the decode tokens, the model's own on the
+        others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int. Runs the plan's
+        decode-step function (``lynx_hf.core``); a step of one token keeps its own top-k under every policy
+        with ``single_token_identity``, so it keeps the model's routing."""
+        plan = self._plan_for(logits.device)
+        step_fn = plan.step_fn
+        if idx.shape[0] == 1 and plan.policy.single_token_identity:
+            step_fn = keep_routing
+        telemetry = self.telemetry if self.model_state.config.telemetry else None
+        new_weights, new_idx, _ = step_fn(plan, self.rule, step, self._selection_scores, logits, weights, idx,
+                                          host_reads_allowed(logits), telemetry)
+        return new_weights, new_idx
+
+    def _selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.spec.selection_scores(self.router, logits)
+
+
+def _param_device(module) -> torch.device | None:
+    for p in module.parameters(recurse=True):
+        return p.device
+    return None
+
+
+class SwappedForward:
+    """The ``forward`` of a block whose family replaces it in decode (Llama-4); the block's own in prefill."""
+
+    def __init__(self, state: BlockRouting) -> None:
+        self.state = state
+
+    def __call__(self, *args, **kwargs):
+        state = self.state
+        step = state.step
+        if step.kind == PREFILL:
+            return state.original_forward(*args, **kwargs)
+        return state.spec.decode_forward(state, step, *args, **kwargs)

@@ -1,0 +1,253 @@
+"""The engine-independent core of a decode step: what the HF path (``lynx_hf.block``) and serving-engine
+plugins (``lynx_hf.vllm``) share, with no knowledge of transformers classes or of how a step was detected.
+
+- step kinds (:data:`PREFILL`, :data:`DECODE`, :data:`VERIFY`, :data:`MIXED`) and :class:`Step`, the per-token
+  description of one forward a detector publishes;
+- :class:`WeightRule`, how a family weights its chosen experts;
+- :class:`RoutePlan` and :func:`make_plan`: everything one MoE layer resolves once per device, including the
+  decode-step function (:attr:`RoutePlan.step_fn`), chosen once like vLLM's ``CustomOp.dispatch_forward``:
+  :func:`keep_routing` (the policy does not remap, or k = N), :func:`fused_step` (the policy's one-call CPU
+  path exists) or :func:`remap_step` (the general, sync-free path);
+- :func:`remap` (the policy on the decode rows, the model's own routing on the others) and
+  :func:`record_step` (telemetry of one step).
+
+Per call the only device question is "CPU tensors in eager mode?" (:func:`host_reads_allowed`): the caller asks
+it once and passes the answer (``host``) down to the policy's ops, the remap and the telemetry.
+
+Everything here is sync-free on an accelerator (no ``.item()``, no data-dependent shapes): per-token choices are
+merged with ``torch.where``; telemetry accumulates on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import policies
+from .kernels.backend import resolve_backend, routing_ops
+from .kernels.routing_torch import host_reads_allowed, union_mask
+
+# -- step kinds -------------------------------------------------------------------------------------------
+PREFILL = "prefill"
+DECODE = "decode"
+VERIFY = "verify"
+MIXED = "mixed"
+
+
+@dataclass(frozen=True)
+class Step:
+    """How the routing treats one forward.
+
+    ``kind``: ``"prefill"`` (nothing to do), ``"decode"`` (one new token per row, or a continuous-batching
+    forward in which every token decodes), ``"verify"`` (a verification forward of assisted / prompt-lookup
+    decoding: every token is decode work), ``"mixed"`` (a continuous-batching forward with prefill tokens
+    or padding beside its decode tokens: ``decode`` says which). ``decode [T]`` bool or ``None``
+    (every token is a decode token, unless ``kind`` is prefill); for ``decode`` / ``verify`` it is a
+    tensor only when the cache length lives on the device (``StaticCache`` outside ``generate``).
+    ``live [T]`` bool or ``None`` (all rows live): tokens of finished rows and padding tokens are not
+    live (they neither vote nor count; decode ones are remapped into the critical set).
+    """
+
+    kind: str
+    decode: torch.Tensor | None = None
+    live: torch.Tensor | None = None
+
+
+PREFILL_STEP = Step(PREFILL)
+
+
+# -- weight rules ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class WeightRule:
+    """How a family weights its chosen experts (``docs/design.md`` "Family rules").
+
+    ``kind``: one of ``kernels.routing_torch.WEIGHT_RULES`` (``"softmax_all"``: softmax over all N logits,
+    picked; ``"softmax_chosen"``: softmax over the chosen k; ``"sigmoid"``: sigmoid of each chosen logit);
+    ``renormalize``: divide by the sum over the chosen k; ``scale``: multiply by it
+    (``routed_scaling_factor``). Weights are computed in fp32 and cast to the dtype of the router's own
+    weights (what each family does).
+    """
+
+    kind: str
+    renormalize: bool = False
+    scale: float = 1.0
+
+
+# -- the plan ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RoutePlan:
+    """What one MoE layer resolves once per device (at patch time; again only if its device changes).
+
+    ``routing_backend``: ``"torch"`` or ``"triton"`` (resolved from ``LynxConfig.routing_backend``);
+    ``params``: the policy's per-layer parameters (``Policy.resolve``); ``ops``: the sync-free routing ops;
+    ``host_ops``: the ops for CPU tensors in eager mode (the numba twins where available, else ``ops``);
+    ``fused``: the policy's one-call CPU decode step (``Policy.fused_decode``) or ``None``; ``expert_ops``: the
+    Triton ops namespace whose ``sparse_moe`` computes the routed experts when ``LynxConfig.expert_path ==
+    "triton"``, else ``None``;
+    ``step_fn``: the decode-step function (see the module docstring), called as
+    ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``.
+    """
+
+    device: torch.device
+    routing_backend: str
+    policy: policies.Policy
+    params: object
+    ops: object
+    num_experts: int
+    top_k: int
+    step_fn: Callable
+    host_ops: object = None
+    fused: object = None
+    expert_ops: object = None
+
+    @property
+    def expert_kernel(self) -> bool:
+        """Whether decode runs the routed experts with the sparse Triton kernel (``expert_path="triton"``)."""
+        return self.expert_ops is not None
+
+    @property
+    def sparse_moe(self):
+        """The sparse Triton expert kernel (``kernels.moe.sparse_moe``), or ``None``."""
+        return None if self.expert_ops is None else self.expert_ops.sparse_moe
+
+
+def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> RoutePlan:
+    """Resolve ``config`` (a ``LynxConfig``) for one MoE layer of ``num_experts`` experts, top-``top_k``, on
+    ``device``: routing backend, policy parameters, ops, expert kernel and the decode-step function.
+
+    ``routing_backend``: ``"auto"`` gives Triton on CUDA, torch elsewhere (a ``meta`` device: torch).
+    ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel; ``"auto"`` / ``"model"`` keep the
+    model's own experts implementation (transformers' ``grouped_mm`` on CUDA, ``lynx_hf.experts``) until a GPU
+    run measures which is faster per shape. Raises ``RuntimeError`` when Triton cannot run on ``device``.
+    """
+    device = torch.device(device)
+    policy = policies.get(config.policy)
+    backend = resolve_backend(config.routing_backend, device) if device.type != "meta" else "torch"
+    params = policy.resolve(config, num_experts, top_k)
+    ops = routing_ops(backend)
+    host_ops = routing_ops(backend, host=True) if device.type == "cpu" else ops
+    fused = policy.fused_decode(params, host_ops) if device.type == "cpu" else None
+    expert_ops = None
+    if config.expert_path == "triton" and device.type != "meta":
+        expert_ops = routing_ops(resolve_backend("triton", device))
+    if not policy.remaps or top_k >= num_experts:  # every token uses every expert when k = N: nothing to remap
+        step_fn = keep_routing
+    elif fused is not None:
+        step_fn = fused_step
+    else:
+        step_fn = remap_step
+    return RoutePlan(device, backend, policy, params, ops, int(num_experts), int(top_k), step_fn,
+                     host_ops=host_ops, fused=fused, expert_ops=expert_ops)
+
+
+# -- decode-step functions (one is chosen per plan) ----------------------------------------------------------
+# Each takes ``(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``:
+# ``selection_scores(logits) -> [T, N]`` fp32 scores (called only when the policy runs), ``logits [T, N]``,
+# ``weights`` / ``idx [T, k]`` the model's own routing, ``host`` the caller's answer to ``host_reads_allowed``,
+# ``telemetry`` a ``BlockTelemetry`` to record into (``None``: not recorded). Returns
+# ``(weights [T, k], idx [T, k], finite [T] bool or None)`` in the dtypes of the inputs.
+
+def keep_routing(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
+    """The model's own routing, unchanged (policy ``none``, k = N, a one-token step)."""
+    if telemetry is not None:
+        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)
+    return weights, idx, None
+
+
+def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
+    """The general path: :func:`remap`, then :func:`record_step`."""
+    return _remap_and_record(plan, rule, step, selection_scores(logits), logits, weights, idx, host, telemetry)
+
+
+def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
+    """The policy's one-call path (``plan.fused``) on CPU in eager mode when every token decodes; the general
+    path otherwise, and for a step with a non-finite row (the one-call path then returns ``None``)."""
+    scores = selection_scores(logits)
+    if host and step.decode is None:
+        out = plan.fused(scores, logits, weights, idx, rule, step.live, telemetry=telemetry is not None,
+                         verify=step.kind == VERIFY)
+        if out is not None:
+            new_weights, new_idx, row = out
+            if row is not None:
+                telemetry.add(row)
+            return new_weights, new_idx, None
+    return _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry)
+
+
+def _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry):
+    new_weights, new_idx, finite = remap(plan, rule, step, scores, logits, weights, idx, host=host)
+    if telemetry is not None:
+        record_step(telemetry, plan.num_experts, step, idx, weights, new_idx, finite, host=host)
+    return new_weights, new_idx, finite
+
+
+@torch.no_grad()
+def record_step(telemetry, num_experts: int, step: Step, idx, weights, new_idx, finite, host: bool | None = None):
+    """Accumulate one step of one MoE layer into ``telemetry`` (a ``BlockTelemetry``), on the device:
+    live decode tokens are counted (before ``idx [T, k]`` / ``weights [T, k]``, after ``new_idx``), prefill
+    and finished rows separately, ``finite [T]`` bool (or ``None``) flags the non-finite fallback. ``host``:
+    CPU tensors in eager mode (``None``: asked here). Shared by the HF path and serving-engine plugins
+    (``lynx_hf.vllm``). Returns ``(counted, live)``, ``[T]`` bool."""
+    num_tokens = idx.shape[0]
+    dev = idx.device
+    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
+    counted = decode & live
+    telemetry.record(
+        num_experts, idx, weights, new_idx, counted,
+        verify=step.kind == VERIFY,
+        prefill_rows=None if step.decode is None else ~decode & live,
+        finished_rows=None if step.live is None else decode & ~live,
+        fallback=None if finite is None else (counted & ~finite).any(),
+        host=host,
+    )
+    return counted, live
+
+
+def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights, idx, host: bool | None = None):
+    """The policy's routing for the decode tokens of ``step``, the model's own for the others.
+
+    ``scores [T, N]`` fp32 selection scores (``-inf``: forbidden), ``logits [T, N]`` the router logits
+    (the weight ``rule`` is applied to them), ``weights`` / ``idx [T, k]`` the model's own routing; ``host``:
+    CPU tensors in eager mode (``None``: asked here). Returns ``(weights [T, k] in weights.dtype,
+    idx [T, k] in idx.dtype, finite [T] bool)``. Rows whose router logits are not finite keep the model's
+    routing (counted as fallbacks) and, like prefill rows, seed the critical set with their experts;
+    finished rows are remapped into the set but do not vote. Sync-free off the host.
+    """
+    if host is None:
+        host = host_reads_allowed(logits)
+    ops = plan.host_ops if host and plan.host_ops is not None else plan.ops
+    num_tokens, num_experts = logits.shape
+    top_k = idx.shape[-1]
+    dev = logits.device
+    finite = torch.isfinite(logits).all(dim=-1)
+    if step.decode is None and step.live is None and host and bool(finite.all()):
+        # CPU, eager: every token decodes and is finite (one memory read, no device): no masks to merge
+        idx64 = idx if idx.dtype == torch.int64 else idx.long()
+        critical = plan.policy.critical_set(plan.params, ops,
+                                            policies.StepTensors(scores, idx64, weights, None, None, top_k))
+        logits32 = logits if logits.dtype == torch.float32 else logits.float()
+        new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale)
+        return new_weights.to(weights.dtype), new_idx.to(idx.dtype), finite
+    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
+    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
+    remapped = decode & finite
+    vote = remapped & live
+    keep = (~decode | ~finite) & live
+    idx64 = idx.long()
+    scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
+    seed = union_mask(idx64, num_experts, keep)
+    tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
+    critical = plan.policy.critical_set(plan.params, ops, tensors)
+    logits32 = torch.where(finite[:, None], logits.float(), torch.zeros_like(logits, dtype=torch.float32))
+    new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale)
+    rows = remapped[:, None]
+    out_idx = torch.where(rows, new_idx, idx64).to(idx.dtype)
+    out_weights = torch.where(rows, new_weights.to(weights.dtype), weights)
+    return out_weights, out_idx, finite
+
+
+__all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "RoutePlan", "make_plan",
+           "keep_routing", "remap_step", "fused_step", "remap", "record_step", "host_reads_allowed"]
