@@ -4,7 +4,7 @@ Package data: the committed fixtures (``fixtures/``), the held-out text (``data/
 tasks (``tasks/``). The scripts run as modules, from a source checkout or an installed wheel::
 
     python -m lynx_hf.eval.harness        # lynx-hf eval     accuracy harness
-    python -m lynx_hf.eval.sweep          # lynx-hf sweep    Pareto sweep LYNX vs OEA
+    python -m lynx_hf.eval.sweep          # lynx-hf sweep    Pareto sweep LYNX vs OEA (--model PATH: on your checkpoint)
     python -m lynx_hf.eval.bench          # lynx-hf bench    decode latency benchmark
     python -m lynx_hf.eval.router_report  # lynx-hf report   router statistics
     python -m lynx_hf.eval.serving_report | kernel_report | bench_compile | gpu_check

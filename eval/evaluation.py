@@ -21,6 +21,7 @@ reference run must be the model's own code).
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -44,10 +45,11 @@ Policy = tuple[str, "LynxConfig | None"]
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
+def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """``(model, tokenizer)`` from a local checkpoint folder (never the hub); tokenizer left-padding.
 
-    Raises ``FileNotFoundError`` when ``path`` has no ``config.json``.
+    ``device``: where the weights are loaded (``None`` / ``"cpu"``: CPU; else passed as ``device_map``, e.g.
+    ``"cuda"``, ``"cuda:1"`` or ``"auto"``). Raises ``FileNotFoundError`` when ``path`` has no ``config.json``.
     """
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -60,37 +62,89 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    return model, tokenizer
+    on_cpu = device is None or str(device) == "cpu"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **({} if on_cpu else {"device_map": device}))
+    return model.eval(), tokenizer
 
 
 def moe_shape(model) -> tuple[int, int]:
-    """``(N, k)`` of the model's routed experts (from its config)."""
-    cfg = model.config
-    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts")
-    return int(n), int(cfg.num_experts_per_tok)
+    """``(N, k)`` of the model's routed experts: from its (text) config where it names them
+    (``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``num_experts_per_tok``), else from the
+    blocks :func:`lynx_hf.patch` finds (the largest N and k over the MoE layers). Raises
+    :class:`lynx_hf.UnsupportedModelError` when neither names them."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    n = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None) or getattr(cfg, "n_routed_experts", None)
+    k = getattr(cfg, "num_experts_per_tok", None)
+    if isinstance(n, int) and isinstance(k, int):
+        return int(n), int(k)
+    if patcher.is_patched(model):
+        layers = patcher.stats(model).layers
+    else:
+        with patcher.patched(model, LynxConfig(policy="none")):
+            layers = patcher.stats(model).layers
+    return max(layer["num_experts"] for layer in layers), max(layer["top_k"] for layer in layers)
 
 
-def read_texts(path: str | os.PathLike) -> list[str]:
-    """The ``text`` field of every line of a held-out jsonl file, in file order."""
+#: suffixes :func:`data_files` reads: JSON lines with a text field, plain text (one document per file)
+DATA_SUFFIXES = (".jsonl", ".txt")
+
+
+def data_files(path: str | os.PathLike) -> list[Path]:
+    """The text files behind a ``--data`` argument: a ``.jsonl`` file (one JSON object per line with a text
+    field), a ``.txt`` file (its whole text is one document), or a folder (every such file under it, sorted by
+    path). Raises ``FileNotFoundError`` when ``path`` does not exist and ``ValueError`` when it is a file of
+    another kind or a folder without such files."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and f.suffix in DATA_SUFFIXES)
+        if not files:
+            raise ValueError(f"no {' or '.join(DATA_SUFFIXES)} files under {path}")
+        return files
+    if not path.exists():
+        raise FileNotFoundError(f"no data at {path}")
+    if path.suffix not in DATA_SUFFIXES:
+        raise ValueError(f"{path}: data must be a .jsonl file (a text field per line), a .txt file or a folder of them")
+    return [path]
+
+
+def read_texts(path: str | os.PathLike, field: str = "text") -> list[str]:
+    """The documents of one data file, in file order: the ``field`` of every line of a ``.jsonl`` file, or the
+    whole text of a ``.txt`` file (one document; none when it is blank). Raises ``ValueError`` naming the line
+    for a line that is not a JSON object with a string ``field``."""
+    path = Path(path)
+    if path.suffix == ".txt":
+        text = path.read_text(encoding="utf-8")
+        return [text] if text.strip() else []
+    out = []
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["text"] for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)[field]
+            except (json.JSONDecodeError, KeyError, TypeError, IndexError):
+                value = None
+            if not isinstance(value, str):
+                raise ValueError(f"{path}:{number}: expected a JSON object with a string {field!r} field")
+            out.append(value)
+    return out
 
 
-def heldout_windows(tokenizer, length: int, count: int, files: Sequence[str | os.PathLike] = HELDOUT_FILES,
-                    seed: int = 0) -> torch.Tensor:
+def heldout_windows(tokenizer, length: int, count: int | None, files: Sequence[str | os.PathLike] = HELDOUT_FILES,
+                    seed: int = 0, field: str = "text") -> torch.Tensor:
     """``[count, length]`` int64 token windows of held-out text, position-aligned, no padding.
 
-    Each file's documents are tokenized and concatenated (EOS between documents) and cut into
-    non-overlapping windows; each file's windows are shuffled with ``seed``; files are interleaved
-    round-robin, so a batch of B consecutive windows mixes the domains (docs, code, docs, ...).
-    Raises ``ValueError`` when the files hold fewer than ``count`` windows.
+    Each file's documents (:func:`read_texts`; ``field`` of a ``.jsonl`` file) are tokenized and concatenated
+    (EOS between documents) and cut into non-overlapping windows; each file's windows are shuffled with
+    ``seed``; files are interleaved round-robin, so a batch of B consecutive windows mixes the domains (docs,
+    code, docs, ...). ``count=None``: every window, in the same order (so the first ``c`` rows are the
+    windows of ``count=c``). Raises ``ValueError`` when the files hold fewer than ``count`` windows.
     """
     eos = tokenizer.eos_token_id
     pools = []
     for i, path in enumerate(files):
         stream: list[int] = []
-        for text in read_texts(path):
+        for text in read_texts(path, field):
             stream.extend(tokenizer(text, verbose=False)["input_ids"])
             stream.append(eos)
         n = len(stream) // length
@@ -99,14 +153,16 @@ def heldout_windows(tokenizer, length: int, count: int, files: Sequence[str | os
         pools.append(windows[perm])
     out = []
     j = 0
-    while len(out) < count:
+    while count is None or len(out) < count:
         pool, item = pools[j % len(pools)], j // len(pools)
-        if item >= max(len(p) for p in pools):
+        if item >= max((len(p) for p in pools), default=0):
+            if count is None:
+                break
             raise ValueError(f"held-out files hold fewer than {count} windows of {length} tokens")
         if item < len(pool):
             out.append(pool[item])
         j += 1
-    return torch.stack(out)
+    return torch.stack(out) if out else torch.zeros(0, length, dtype=torch.long)
 
 
 def prompts_from_file(path: str | os.PathLike = DATA_DIR / "prompts.txt", count: int | None = None) -> list[str]:
@@ -223,22 +279,27 @@ def router_statistics(model, windows: torch.Tensor, batch_sizes: Iterable[int] =
 # ----------------------------------------------------------------------------------------------
 @torch.inference_mode()
 def decode_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits ``[b, L - prefill - 1, V]`` fp32 of the decode steps over ``ids [b, L]``.
+    """Logits ``[b, L - prefill - 1, V]`` fp32, on the CPU, of the decode steps over ``ids [b, L]`` (moved to
+    ``model.device`` first).
 
     A prefill forward of ``ids[:, :prefill]`` creates the ``DynamicCache``; then each token
-    ``ids[:, t]``, ``t = prefill .. L-2``, is fed alone with ``past_key_values`` (a true decode step:
+    ``ids[:, t]``, ``t = prefill .. L-2``, is fed alone with the cache (a true decode step:
     a patched model remaps), and its logits predict ``ids[:, t + 1]``.
     """
     if not 1 <= prefill <= ids.shape[1] - 2:
         raise ValueError(f"prefill must be in 1..L-2 (L={ids.shape[1]}), got {prefill}")
+    device = getattr(model, "device", None)
+    ids = ids.to(device) if isinstance(device, torch.device) else ids
+    # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` warns); older ones do not
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     out = model(input_ids=ids[:, :prefill], use_cache=True)
     cache = out.past_key_values
     steps = []
     for t in range(prefill, ids.shape[1] - 1):
-        out = model(input_ids=ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=ids[:, t:t + 1], use_cache=True, **{name: cache})
         cache = out.past_key_values
         steps.append(out.logits[:, -1].float())
-    return torch.stack(steps, dim=1)
+    return torch.stack(steps, dim=1).cpu()
 
 
 def _alpha_mult(cfg: LynxConfig, num_experts: int, top_k: int) -> float | None:
@@ -256,21 +317,34 @@ def _xshare_budget(cfg: LynxConfig, num_experts: int) -> int:
     return min(max(int(budget), 1), num_experts)
 
 
-@torch.inference_mode()
-def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, policies: Sequence[Policy],
-                   progress=None) -> dict:
-    """Teacher-forced decode of ``windows [n, L]`` in batches of ``batch_size`` for each policy.
+class Reference:
+    """The unpatched model's teacher-forced decode of ``windows [n, L]`` in batches of ``batch_size``
+    (:func:`reference_run`): what every policy is scored against. Fields: ``batches`` (``[B, L]`` each),
+    ``targets`` (``[B, L - prefill - 1]``), ``logits`` (fp32 CPU ``[B, L - prefill - 1, V]`` per batch),
+    ``nll`` (``[n, L - prefill - 1]``, nats), ``pred`` (argmax per batch), ``row`` (the ``"unpatched"`` result
+    row), ``num_experts``, ``top_k``, ``batch_size``, ``prefill``, ``length``. Memory: ``n (L - prefill - 1) V``
+    fp32 values."""
 
-    The unpatched model is run first (the reference: the model's own code, same cache, same steps);
-    then each ``(name, LynxConfig)`` via :func:`lynx_hf.patched`. Scored tokens: ``n * (L - prefill
-    - 1)``, all produced by decode steps. Per policy: ``ce`` (mean next-token cross-entropy, nats),
-    ``acc``, ``delta_ce_rel`` (``ce / ce_unpatched - 1``) with ``delta_ce_rel_se`` (standard error
-    over sequences of the paired per-sequence difference, relative), ``top1_agreement`` and ``kl``
-    (mean KL(unpatched || policy), nats) against the unpatched predictions, ``bit_identical`` (every
-    logit equal to unpatched), and the ``lynx_hf.stats`` summary (means over MoE layers of unique
-    experts per decode step before/after, routing mass kept, remapped fraction; ``per_layer``).
-    ``n`` must be a multiple of ``batch_size``. ``progress`` (optional) is called with a line per policy.
-    """
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+    @property
+    def ce(self) -> float:
+        return self.row["ce"]
+
+    def summary(self) -> dict:
+        """The run's shape as :func:`teacher_forced` reports it (no results)."""
+        n = self.nll.shape[0]
+        return {"num_experts": self.num_experts, "top_k": self.top_k, "batch_size": self.batch_size,
+                "prefill": self.prefill, "window_length": self.length, "sequences": n,
+                "scored_tokens": int(self.nll.numel()),
+                "decode_steps_per_policy": len(self.batches) * (self.length - self.prefill - 1)}
+
+
+@torch.inference_mode()
+def reference_run(model, windows: torch.Tensor, batch_size: int, prefill: int) -> Reference:
+    """Teacher-forced decode of ``windows [n, L]`` by the unpatched model (see :func:`teacher_forced`).
+    Raises ``ValueError`` when ``n`` is not a multiple of ``batch_size`` or the model is patched."""
     _check_unpatched(model)
     n, length = windows.shape
     if n % batch_size:
@@ -278,78 +352,111 @@ def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, 
     num_experts, top_k = moe_shape(model)
     batches = [windows[i:i + batch_size] for i in range(0, n, batch_size)]
     targets = [b[:, prefill + 1:] for b in batches]
-
     t0 = time.perf_counter()
     ref_logits = [decode_logits(model, b, prefill) for b in batches]
-    ref_logp = [torch.log_softmax(x, dim=-1) for x in ref_logits]
-    ref_nll = torch.cat([-lp.gather(-1, y[..., None])[..., 0] for lp, y in zip(ref_logp, targets)])
+    ref_nll = torch.cat([-torch.log_softmax(x, dim=-1).gather(-1, y[..., None])[..., 0]
+                         for x, y in zip(ref_logits, targets)])
     ref_pred = [x.argmax(-1) for x in ref_logits]
     ref_correct = torch.cat([p == y for p, y in zip(ref_pred, targets)])
     ref_ce = float(ref_nll.mean())
-    results = [{
-        "name": "unpatched", "policy": None, "ce": ref_ce, "acc": float(ref_correct.float().mean()),
-        "delta_ce_rel": 0.0, "delta_ce_rel_se": 0.0, "top1_agreement": 1.0, "kl": 0.0, "bit_identical": True,
+    row = {"name": "unpatched", "policy": None, "ce": ref_ce, "acc": float(ref_correct.float().mean()),
+           "delta_ce_rel": 0.0, "delta_ce_rel_se": 0.0, "top1_agreement": 1.0, "kl": 0.0, "bit_identical": True,
+           "seconds": time.perf_counter() - t0}
+    return Reference(batches=batches, targets=targets, logits=ref_logits, nll=ref_nll, pred=ref_pred, row=row,
+                     num_experts=num_experts, top_k=top_k, batch_size=batch_size, prefill=prefill, length=length)
+
+
+@torch.inference_mode()
+def score_policy(model, ref: Reference, name: str, cfg: LynxConfig) -> dict:
+    """One policy's result row against ``ref`` (the same batches, decoded with ``model`` patched by ``cfg``
+    through :func:`lynx_hf.patched`; see :func:`teacher_forced` for the keys). ``unique_ratio_vs_none`` is
+    not set here (it needs policy none's row)."""
+    t0 = time.perf_counter()
+    nll, correct, agree, kl, identical = [], [], [], [], True
+    with patcher.patched(model, cfg):
+        patcher.reset_stats(model)
+        for b, y, rl, rp in zip(ref.batches, ref.targets, ref.logits, ref.pred):
+            logits = decode_logits(model, b, ref.prefill)
+            identical = identical and torch.equal(logits, rl)
+            rlp = torch.log_softmax(rl, dim=-1)
+            logp = torch.log_softmax(logits, dim=-1)
+            nll.append(-logp.gather(-1, y[..., None])[..., 0])
+            pred = logits.argmax(-1)
+            correct.append(pred == y)
+            agree.append(pred == rp)
+            kl.append((rlp.exp() * (rlp - logp)).sum(-1))
+        summary = patcher.stats(model).summary()
+    nll_t = torch.cat(nll)
+    ce = float(nll_t.mean())
+    diff = (nll_t - ref.nll).mean(dim=1) / ref.ce  # per sequence, relative
+    num_experts, top_k = ref.num_experts, ref.top_k
+    entry = {
+        "name": name, "policy": cfg.policy, "tau": cfg.tau if cfg.policy == "lynx" else None,
+        "alpha": cfg.alpha, "alpha_mult": _alpha_mult(cfg, num_experts, top_k),
+        "beta": cfg.beta,
+        "mass_price": cfg.mass_price if cfg.policy == "lynx" else None,
+        "price_unit": cfg.price_unit if cfg.policy == "lynx" and cfg.mass_price is not None else None,
+        "k0": cfg.oea_k0 if cfg.policy == "oea" else None,
+        "xshare_fraction": cfg.xshare_fraction if cfg.policy == "xshare" and cfg.xshare_budget is None else None,
+        "xshare_budget": _xshare_budget(cfg, num_experts) if cfg.policy == "xshare" else None,
+        "xshare_warmup": cfg.xshare_warmup if cfg.policy == "xshare" else None,
+        "ce": ce, "acc": float(torch.cat(correct).float().mean()),
+        "delta_ce_rel": ce / ref.ce - 1.0,
+        "delta_ce_rel_se": float(diff.std(unbiased=True) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0,
+        "top1_agreement": float(torch.cat(agree).float().mean()),
+        "kl": float(torch.cat(kl).mean()),
+        "bit_identical": bool(identical),
         "seconds": time.perf_counter() - t0,
-    }]
+    }
+    for key in ("decode_steps", "unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept",
+                "remapped_fraction", "fallbacks"):
+        entry[key] = summary[key]
+    entry["per_layer"] = [{k: layer[k] for k in ("layer", "unique_experts_before", "unique_experts_after",
+                                                 "routing_mass_kept")} for layer in summary["per_layer"]]
+    return entry
+
+
+def add_unique_ratios(results: list[dict]) -> None:
+    """Set ``unique_ratio_vs_none`` (unique experts after / policy none's before: the model's own routing per
+    decode step) on every row with telemetry, when policy none is among ``results``."""
+    base = next((r for r in results if r.get("policy") == "none"), None)
+    if base is not None:
+        for r in results:
+            if "unique_experts_after" in r:
+                r["unique_ratio_vs_none"] = r["unique_experts_after"] / base["unique_experts_before"]
+
+
+def teacher_forced(model, windows: torch.Tensor, batch_size: int, prefill: int, policies: Sequence[Policy],
+                   progress=None) -> dict:
+    """Teacher-forced decode of ``windows [n, L]`` in batches of ``batch_size`` for each policy.
+
+    The unpatched model is run first (the reference: the model's own code, same cache, same steps,
+    :func:`reference_run`); then each ``(name, LynxConfig)`` via :func:`lynx_hf.patched`
+    (:func:`score_policy`). Scored tokens: ``n * (L - prefill - 1)``, all produced by decode steps. Per
+    policy: ``ce`` (mean next-token cross-entropy, nats), ``acc``, ``delta_ce_rel`` (``ce / ce_unpatched -
+    1``) with ``delta_ce_rel_se`` (standard error over sequences of the paired per-sequence difference,
+    relative), ``top1_agreement`` and ``kl`` (mean KL(unpatched || policy), nats) against the unpatched
+    predictions, ``bit_identical`` (every logit equal to unpatched), and the ``lynx_hf.stats`` summary
+    (means over MoE layers of unique experts per decode step before/after, routing mass kept, remapped
+    fraction; ``per_layer``). ``n`` must be a multiple of ``batch_size``. ``progress`` (optional) is called
+    with a line per policy.
+    """
+    ref = reference_run(model, windows, batch_size, prefill)
+    results = [ref.row]
     if progress:
-        progress(f"unpatched: ce {ref_ce:.4f} ({time.perf_counter() - t0:.1f}s)")
+        progress(f"unpatched: ce {ref.ce:.4f} ({ref.row['seconds']:.1f}s)")
     for name, cfg in tqdm(policies, desc=f"teacher-forced B={batch_size}", unit="policy", disable=progress is None,
                           leave=False):
         if cfg is None:
             continue
-        t0 = time.perf_counter()
-        nll, correct, agree, kl, identical = [], [], [], [], True
-        with patcher.patched(model, cfg):
-            patcher.reset_stats(model)
-            for b, y, rl, rlp, rp in zip(batches, targets, ref_logits, ref_logp, ref_pred):
-                logits = decode_logits(model, b, prefill)
-                identical = identical and torch.equal(logits, rl)
-                logp = torch.log_softmax(logits, dim=-1)
-                nll.append(-logp.gather(-1, y[..., None])[..., 0])
-                pred = logits.argmax(-1)
-                correct.append(pred == y)
-                agree.append(pred == rp)
-                kl.append((rlp.exp() * (rlp - logp)).sum(-1))
-            summary = patcher.stats(model).summary()
-        nll_t = torch.cat(nll)
-        ce = float(nll_t.mean())
-        diff = (nll_t - ref_nll).mean(dim=1) / ref_ce  # per sequence, relative
-        entry = {
-            "name": name, "policy": cfg.policy, "tau": cfg.tau if cfg.policy == "lynx" else None,
-            "alpha": cfg.alpha, "alpha_mult": _alpha_mult(cfg, num_experts, top_k),
-            "beta": cfg.beta,
-            "mass_price": cfg.mass_price if cfg.policy == "lynx" else None,
-            "price_unit": cfg.price_unit if cfg.policy == "lynx" and cfg.mass_price is not None else None,
-            "k0": cfg.oea_k0 if cfg.policy == "oea" else None,
-            "xshare_fraction": cfg.xshare_fraction if cfg.policy == "xshare" and cfg.xshare_budget is None else None,
-            "xshare_budget": _xshare_budget(cfg, num_experts) if cfg.policy == "xshare" else None,
-            "xshare_warmup": cfg.xshare_warmup if cfg.policy == "xshare" else None,
-            "ce": ce, "acc": float(torch.cat(correct).float().mean()),
-            "delta_ce_rel": ce / ref_ce - 1.0,
-            "delta_ce_rel_se": float(diff.std(unbiased=True) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0,
-            "top1_agreement": float(torch.cat(agree).float().mean()),
-            "kl": float(torch.cat(kl).mean()),
-            "bit_identical": bool(identical),
-            "seconds": time.perf_counter() - t0,
-        }
-        for key in ("decode_steps", "unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept",
-                    "remapped_fraction", "fallbacks"):
-            entry[key] = summary[key]
-        entry["per_layer"] = [{k: layer[k] for k in ("layer", "unique_experts_before", "unique_experts_after",
-                                                     "routing_mass_kept")} for layer in summary["per_layer"]]
+        entry = score_policy(model, ref, name, cfg)
         results.append(entry)
         if progress:
-            progress(f"{name}: ce {ce:.4f} ({entry['delta_ce_rel'] * 100:+.2f}%), experts "
+            progress(f"{name}: ce {entry['ce']:.4f} ({entry['delta_ce_rel'] * 100:+.2f}%), experts "
                      f"{entry['unique_experts_before']:.2f} -> {entry['unique_experts_after']:.2f} "
                      f"({entry['seconds']:.1f}s)")
-    base = next((r for r in results if r.get("policy") == "none"), None)
-    if base is not None:  # the model's own routing per decode step: the denominator of every ratio
-        for r in results:
-            if "unique_experts_after" in r:
-                r["unique_ratio_vs_none"] = r["unique_experts_after"] / base["unique_experts_before"]
-    return {"num_experts": num_experts, "top_k": top_k, "batch_size": batch_size, "prefill": prefill,
-            "window_length": length, "sequences": n, "scored_tokens": int(ref_nll.numel()),
-            "decode_steps_per_policy": len(batches) * (length - prefill - 1), "results": results}
+    add_unique_ratios(results)
+    return {**ref.summary(), "results": results}
 
 
 # ----------------------------------------------------------------------------------------------

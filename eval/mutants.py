@@ -1,4 +1,4 @@
-"""Mutation probe (issue 17; not run in CI): does the test suite catch deliberate behaviour changes?
+"""Mutation probe (not run in CI): does the test suite catch deliberate behaviour changes?
 
 Copies the working tree (tracked and untracked-but-not-ignored files) to a temporary folder, applies one
 named *behaviour mutant* at a time (a textual patch of the package), runs the tests relevant to that mutant
@@ -51,9 +51,9 @@ class Mutant:
     tests: tuple[str, ...]  # pytest node ids (function level: every parametrization runs)
 
 
-PP = "tests/test_policy_properties.py::"
-EQ = "tests/test_equivalence.py::"
-CORE = "tests/test_routing_core.py::"
+PP = "tests/policies/test_policy_properties.py::"
+EQ = "tests/decode/test_equivalence.py::"
+CORE = "tests/decode/test_routing_core.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -75,7 +75,7 @@ MUTANTS: tuple[Mutant, ...] = (
         "the default policy's one-call CPU step: critical set := the batch's whole union (no mass growth)",
         (("kernels/routing_cpu.py", "    critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)\n",
           "    critical = cand.copy()\n"),),
-        ("tests/test_fused_route.py::test_fused_step_equals_the_ops_one_by_one",
+        ("tests/kernels/test_fused_route.py::test_fused_step_equals_the_ops_one_by_one",
          EQ + "test_lynx_reduces_unique_experts_at_batch_16"),
     ),
     Mutant(
@@ -88,13 +88,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (PP + "test_policy_mass_price_gain_is_measured_against_the_kth_expert_in_the_set",
          PP + "test_policy_default_matches_greedy_by_hand",
          PP + "test_critical_set_and_remap_equal_the_independent_reference",
-         "tests/test_policies_extra.py::test_greedy_gain_is_measured_against_the_kth_expert_in_the_set"),
+         "tests/policies/test_xshare_and_price_unit.py::test_greedy_gain_is_measured_against_the_kth_expert_in_the_set"),
     ),
     Mutant(
         "prefill_through_policy",
         "the router hook treats prefill forwards as decode (the policy runs on prefill)",
-        (("lynx_hf/block.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
-          "        if step.kind == PREFILL:\n            step = Step(\"decode\")\n        logits, weights, idx"),),
+        (("lynx_hf/block.py", "            return None\n        logits, weights, idx = self.spec.unpack(output)\n",
+          "            step = Step(\"decode\")\n        logits, weights, idx = self.spec.unpack(output)\n"),),
         (EQ + "test_prefill_is_bit_identical_under_a_config_that_changes_decode_forwards",
          EQ + "test_forward_without_cache_is_bit_identical"),
     ),
@@ -112,8 +112,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "lm_eval_never_patches",
         "the lm-eval `lynx` model loads the model but never patches it",
         (("lynx_hf/lm_eval.py", "        patch(self.model, self.lynx_config)\n", "        pass  # mutant: never patched\n"),),
-        ("tests/test_lm_eval.py::test_model_args_reach_the_patched_config",
-         "tests/test_lm_eval.py::test_model_args_mass_price_none_runs_the_papers_rule"),
+        ("tests/tools/test_lm_eval.py::test_model_args_reach_the_patched_config",
+         "tests/tools/test_lm_eval.py::test_model_args_mass_price_none_runs_the_papers_rule"),
     ),
     Mutant(
         "ties_higher_id",
@@ -143,31 +143,30 @@ MUTANTS: tuple[Mutant, ...] = (
         "unpatch_leaves_router_hook",
         "unpatch leaves the forward hook on each router",
         (("lynx_hf/block.py", "            del hooks[key]\n", "            pass  # mutant: hook left behind\n"),),
-        ("tests/test_api.py::test_unpatch_restores_exactly",
-         "tests/test_adapters_extra.py::test_unpatch_restores_exactly"),
+        ("tests/families/test_every_family.py::test_unpatch_restores_exactly",),
     ),
     Mutant(
         "unpatch_leaves_block_attribute",
         "unpatch leaves the `_lynx_block` instance attribute on Llama-4 blocks",
         (("lynx_hf/block.py", "        block.__dict__.pop(BLOCK_ATTR, None)\n", "        pass  # mutant\n"),),
-        ("tests/test_api.py::test_unpatch_restores_exactly",),
+        ("tests/families/test_every_family.py::test_unpatch_restores_exactly",),
     ),
     Mutant(
         "unpatch_leaves_instance_forward",
         "unpatch leaves the swapped instance `forward` on Llama-4 blocks",
         (("lynx_hf/block.py", "                del block.__dict__[where]\n", "                pass  # mutant\n"),),
-        ("tests/test_api.py::test_unpatch_restores_exactly",
-         "tests/test_api.py::test_patch_twice_only_swaps_config"),
+        ("tests/families/test_every_family.py::test_unpatch_restores_exactly",
+         "tests/patching/test_api.py::test_patch_twice_only_swaps_config"),
     ),
     Mutant(
         "telemetry_counts_prefill_forwards",
         "telemetry records prefill forwards as decode steps",
-        (("lynx_hf/block.py", "        if step.kind == PREFILL:\n            return None\n        logits, weights, idx",
-          "        if step.kind == PREFILL:\n            logits, weights, idx = self.spec.unpack(output)\n"
+        (("lynx_hf/block.py", "            return None\n        logits, weights, idx = self.spec.unpack(output)\n",
+          "            logits, weights, idx = self.spec.unpack(output)\n"
           "            from .core import record_step\n"
           "            record_step(self.telemetry, self.num_experts, step, idx, weights, idx, None)\n"
           "            return None\n"
-          "        logits, weights, idx"),),
+          "        logits, weights, idx = self.spec.unpack(output)\n"),),
         (CORE + "test_telemetry_counts_only_live_decode_tokens",
          EQ + "test_forward_without_cache_is_bit_identical"),
     ),
@@ -183,7 +182,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (("kernels/routing_cpu.py", "if -beta <= b <= 0:", "if -beta < b <= 0:"),),
         (PP + "test_bin_minus_beta_still_votes",
          PP + "test_critical_set_and_remap_equal_the_independent_reference",
-         "tests/test_routing_cpu.py"),
+         "tests/kernels/test_routing_cpu.py"),
     ),
     Mutant(
         "finished_rows_vote",

@@ -52,6 +52,11 @@ XShare vs the default's series, and OEA vs the paper's LYNX, on every fixture an
 
 Writes <name>.json, <name>.md and <name>_pareto.png to --out (default: eval/results in the source checkout,
 else ./lynx_hf_results). ``lynx-hf sweep`` runs this module.
+
+``--model PATH`` switches to the sweep on your own checkpoint and data (:mod:`lynx_hf.eval.model_sweep`): the
+same catalog, harness and frontier comparisons at every requested B, trimmed to ``--max-minutes``, resumable, and
+a ``lynx_config.json`` with the configuration that keeps dCE within ``--budget`` at every B with the fewest
+unique experts.
 """
 
 from __future__ import annotations
@@ -373,6 +378,13 @@ def markdown(report: dict) -> str:
         if not any_loss:
             lines.append("- none")
         lines.append("")
+    return "\n".join(lines + run_sections(report)) + "\n"
+
+
+def run_sections(report: dict) -> list[str]:
+    """Markdown lines of every run of ``report``: the table of every point, the price-twin check, the frontier
+    comparisons at equal unique experts."""
+    lines: list[str] = []
     for run in report["runs"]:
         lines += [f"## {_label(run['model'])}, B = {run['batch_size']} (N = {run['num_experts']}, k = {run['top_k']}; "
                   f"{run['scored_tokens']} tokens; {run['seconds']:.0f} s)", "",
@@ -396,7 +408,7 @@ def markdown(report: dict) -> str:
                                          (f"{a} dCE %", "a_pct", "+.2f"), (f"{b} dCE %", "b_pct", "+.2f"),
                                          (f"{a} - {b} (pp)", "diff_pct", "+.2f"), ("se, larger of the sides (pp)", "se_pct", ".2f"),
                                          ("loses less", "winner", "")]), ""]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 _SERIES_ORDER = {None: 0, "none": 1, "paper": 2, "token": 3, "batch": 4, "sqrt": 5, "floor": 6, "oea": 7, "xshare": 8}
@@ -421,7 +433,8 @@ def plot(report: dict, path: Path) -> None:
     budget = 100 * report["settings"]["ce_budget"]
     fig = plt.figure(figsize=(6.5 + 3.3 * len(others), 4.6 * len(models)))
     gs = GridSpec(len(models), 1 + len(others), figure=fig, width_ratios=[2.0] + [1.0] * len(others))
-    d = report.get("default")
+    d = report.get("default") or report.get("choice")  # the fixture sweep's default / a model sweep's choice
+    mark = "default" if report.get("default") else "chosen"
     styles = [("paper", lambda r: series_of(r) == "paper" and r.get("alpha_mult") == 1.0, "C0", "o", "LYNX paper rule a=1x (tau)"),
               ("paper", lambda r: series_of(r) == "paper" and r.get("alpha_mult") == 0.5, "C1", "s", "LYNX paper rule a=0.5x"),
               ("paper", lambda r: series_of(r) == "paper" and r.get("alpha_mult") == 2.0, "C3", "v", "LYNX paper rule a=2x"),
@@ -462,7 +475,7 @@ def plot(report: dict, path: Path) -> None:
                 hit = _find(run, d["name"])
                 if hit is not None:
                     ax.plot([hit["unique_experts_after"]], [100 * hit["delta_ce_rel"]], "o", mfc="none", mec="red",
-                            ms=12 if big else 8, mew=1.5, label=f"default ({d['name']})")
+                            ms=12 if big else 8, mew=1.5, label=f"{mark} ({d['name']})")
             ax.axhline(budget, color="grey", lw=0.7, ls=":")
             cap = 3.0 * budget  # zoom on the points within 3x the budget; farther ones are clipped (title says so)
             top = min(max([y for y in ys if y <= cap] + [budget]) * 1.15 + 0.05, cap)
@@ -519,41 +532,79 @@ def run_policies(loaded, path: str, b: int, names: list[str], cat: dict, args, l
     return run
 
 
+def parse_grids(args) -> tuple[list[float], list[float], list[float], list[float]]:
+    """``(taus, alpha multipliers, token prices, XShare fractions)`` from the comma-separated options
+    (``inf`` = no consensus). Raises ``ValueError`` for a value that is not a number."""
+    taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",") if t.strip()]
+    mults = [float(m) for m in args.alpha_mults.split(",") if m.strip()]
+    tprices = [float(m) for m in args.token_prices.split(",") if m.strip()]
+    fractions = [float(m) for m in args.xshare_fractions.split(",") if m.strip()]
+    return taus, mults, tprices, fractions
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS, help="local checkpoints")
+    p = argparse.ArgumentParser(description="Pareto sweep LYNX vs OEA vs XShare (teacher-forced decode). With --model: "
+                                "on your checkpoint and data, writing the frontier and lynx_config.json (options "
+                                "under 'your model'); without: the fixture sweep behind docs/results.md.")
+    u = p.add_argument_group("your model (--model switches to this mode; lynx_hf.eval.model_sweep)")
+    u.add_argument("--model", default=None, help="local checkpoint folder of a supported MoE family")
+    u.add_argument("--data", default=None, help="a .jsonl file (a text field per line), a .txt file or a folder of "
+                   "them (default: the held-out docs and code shipped with the package)")
+    u.add_argument("--text-field", default="text", help="the text field of .jsonl data")
+    u.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (device_map='auto'); default: cuda when "
+                   "available, else cpu")
+    u.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    u.add_argument("--max-minutes", type=float, default=None, help="wall-clock budget: the grid is trimmed (lowest "
+                   "priority points first) to fit, estimated from the points measured so far, and the run says so")
+    u.add_argument("--series", default=None, help="comma-separated series to run (paper, token, batch, sqrt, oea, "
+                   "xshare; default all; policy none always runs)")
+    p.add_argument("--models", nargs="+", default=None, help="fixture sweep: local checkpoints (default: fixtures A, B, C)")
     p.add_argument("--rule-model", default="qwen2moe-tiny", help="fixture (folder name) on which the default is chosen")
-    p.add_argument("--batch-sizes", default="16,8,32,64", help="the first gets the full grid and chooses the default")
+    p.add_argument("--batch-sizes", default=None, help="comma-separated (fixture sweep default 16,8,32,64: the first "
+                   "gets the full grid and chooses the default; --model default 8,16,32,64)")
     p.add_argument("--taus", default=",".join(_tau_name(t) for t in TAUS))
     p.add_argument("--alpha-mults", default=",".join(f"{m:g}" for m in ALPHA_MULTS))
     p.add_argument("--token-prices", default=",".join(f"{x:g}" for x in TOKEN_PRICES),
                    help=f"token-price grid; the batch-price grid is this / {PRICE_REF_B}")
     p.add_argument("--xshare-fractions", default=",".join(f"{x:g}" for x in XSHARE_FRACTIONS))
-    p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size)")
+    p.add_argument("--sequences", type=int, default=64, help="held-out windows (a multiple of every batch size; "
+                   "with --model: at most this many, rounded down to a multiple of every batch size)")
     p.add_argument("--prefill", type=int, default=8)
     p.add_argument("--decode", type=int, default=64, help="decode steps (scored tokens) per sequence")
-    p.add_argument("--ce-budget", type=float, default=0.01, help="relative delta-CE budget of the default rule")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--ce-budget", "--budget", dest="ce_budget", type=float, default=0.01,
+                   help="relative delta-CE budget (0.01 = 1 %%) of the default rule / of lynx_config.json")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (fixture sweep default 1; --model: "
+                   "torch's default)")
     p.add_argument("--no-fill", action="store_true", help="skip the fill-in of the default's series and chosen points")
     p.add_argument("--fill-series", default="", help="comma-separated series (paper, token, batch, oea, xshare) whose "
                    "full grid is filled in at every (fixture, B) whether or not a default is chosen in this run")
-    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source "
-                   "checkout, else ./lynx_hf_results)")
+    p.add_argument("--out", default=None, help="results folder (default: eval/results in the source checkout, else "
+                   "./lynx_hf_results; with --model its subfolder sweep_<model folder name>)")
     p.add_argument("--name", default="sweep", help="output file stem")
     p.add_argument("--replot", default=None, help="only redraw the PNG of this sweep JSON, then exit")
     p.add_argument("--load", nargs="*", default=[], help="earlier sweep JSON files: reuse their runs (same settings) "
                    "instead of recomputing; missing (model, B) runs and fill-ins are computed")
     args = p.parse_args(argv)
+    if args.model is not None:
+        from . import model_sweep
+
+        return model_sweep.main(args, argv, p.prog)
+    user_only = [f"--{n.replace('_', '-')}" for n in ("data", "device", "max_minutes", "series")
+                 if getattr(args, n) is not None]
+    if user_only:
+        p.error(f"{', '.join(user_only)} need --model (the sweep on your checkpoint)")
+    args.models = args.models or DEFAULT_MODELS
+    args.batch_sizes = args.batch_sizes or "16,8,32,64"
+    args.threads = 1 if args.threads is None else args.threads
+    args.out = args.out or str(ev.RESULTS_DIR)
     if args.replot:
         plot(json.loads(Path(args.replot).read_text()), Path(args.replot).with_name(Path(args.replot).stem + "_pareto.png"))
         return 0
     torch.set_num_threads(args.threads)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    taus = [1e6 if t.strip() == "inf" else float(t) for t in args.taus.split(",")]
-    mults = [float(m) for m in args.alpha_mults.split(",")]
+    taus, mults, tprices, fractions = parse_grids(args)
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    tprices = [float(m) for m in args.token_prices.split(",") if m.strip()]
-    fractions = [float(m) for m in args.xshare_fractions.split(",") if m.strip()]
     budget = args.ce_budget
     rule = (f"on {args.rule_model} at B = {sizes[0]} only, among the candidate series {', '.join(CANDIDATE_SERIES)}, the "
             f"fewest unique experts with dCE <= {100 * budget:g} % relative (ties: smaller dCE, then tau = 1, smaller tau, "
@@ -672,7 +723,34 @@ def main(argv=None) -> int:
         report["default"] = summarize_default(report, choice, args.rule_model, sizes, budget)
 
     # 5. comparisons
-    default_series = report.get("default", {}).get("series")
+    compare_runs(report, report.get("default", {}).get("series"))
+    report["compute_seconds"] = compute
+    report["seconds"] = time.perf_counter() - t_all
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (out / f"{args.name}.md").write_text(text)
+    plot(report, out / f"{args.name}_pareto.png")
+    partial = out / f"{args.name}.partial.json"
+    if partial.exists():
+        partial.unlink()
+    print(text)
+    log(f"wrote {out}/{args.name}.json, .md, _pareto.png in {report['seconds']:.0f} s "
+        f"({compute:.0f} s of teacher-forced compute incl. loaded runs)")
+    return 0
+
+
+def _save_partial(report, args):
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{args.name}.partial.json").write_text(json.dumps(report, indent=1))
+
+
+def compare_runs(report: dict, default_series: str | None) -> None:
+    """Frontier comparisons on every run of ``report`` (``run["comparisons"]``, ``report["comparison_summary"]``):
+    OEA and XShare vs ``default_series`` (skipped when ``None``), OEA vs the paper's LYNX; and the price-unit
+    twin check (``run["batch_equals_token"]``)."""
     titles = {"oea_vs_default": "OEA vs the default's series", "xshare_vs_default": "XShare vs the default's series",
               "oea_vs_paper": "OEA vs LYNX as the paper specifies it"}
     summary: dict = {key: {} for key in titles}
@@ -710,27 +788,6 @@ def main(argv=None) -> int:
                     t["ce"] == r["ce"] and t["unique_experts_after"] == r["unique_experts_after"])
         run["batch_equals_token"] = twins
     report["comparison_summary"] = {k: v for k, v in summary.items() if v}
-    report["compute_seconds"] = compute
-    report["seconds"] = time.perf_counter() - t_all
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (out / f"{args.name}.md").write_text(text)
-    plot(report, out / f"{args.name}_pareto.png")
-    partial = out / f"{args.name}.partial.json"
-    if partial.exists():
-        partial.unlink()
-    print(text)
-    log(f"wrote {out}/{args.name}.json, .md, _pareto.png in {report['seconds']:.0f} s "
-        f"({compute:.0f} s of teacher-forced compute incl. loaded runs)")
-    return 0
-
-
-def _save_partial(report, args):
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.partial.json").write_text(json.dumps(report, indent=1))
 
 
 def summarize_default(report: dict, choice: dict, rule_model: str, sizes: list[int], budget: float) -> dict:

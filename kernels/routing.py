@@ -76,7 +76,7 @@ def _single_program(fn, config=SINGLE_PROGRAM):
 
 def block_sizes(num_tokens: int, num_experts: int, top_k: int) -> dict:
     """Block sizes of the routing kernels for ``T`` tokens, ``N`` experts, ``k`` slots (one source of truth:
-    every launcher here and the AOT compile test, ``tests/test_kernels_aot.py``, use it).
+    every launcher here and the AOT compile test, ``tests/accelerator/test_kernels_aot.py``, use it).
 
     Returns ``{"BLOCK_N", "BLOCK_T", "BLOCK_P", "BLOCK_K", "REMAP_BLOCK_T"}``: ``BLOCK_N`` = next power
     of two ``>= N`` (a whole row per tile); ``BLOCK_T`` rows per tile so that a tile holds at most

@@ -9,7 +9,7 @@ These functions run the integer logic of each routing step in one compiled loop 
 (the relative weights and probabilities behind the mass rules) are computed by torch and passed in as
 fixed-point integers, so the results are exactly :mod:`.routing_torch`'s; the remaining float math
 (``ceil((s - max s) * alpha)`` in fp32, fp64 sums of exact products in a fixed order) is IEEE-identical.
-Tests compare every function with its torch twin element for element (tests/test_routing_cpu.py).
+Tests compare every function with its torch twin element for element (tests/kernels/test_routing_cpu.py).
 
 Returned by :func:`.backend.routing_ops` with ``host=True`` (CPU tensors in eager mode, ``routing_torch.host_reads_allowed``);
 on accelerators, under ``torch.compile`` and inside ``routing_torch.strict_sync_free()`` the torch ops run.
@@ -439,7 +439,7 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     """The default policy's whole decode step on CPU in eager mode, for a step whose every token decodes
     (``Step.decode`` is ``None``): LYNX cover (``lynx_critical_set`` with k 1, no consensus), :func:`mass_greedy_grow`,
     :func:`remap_topk`, the family's weight rule and (``telemetry``) the step's telemetry row -- the same
-    integers as those functions one by one (tests/test_fused_route.py), with one compiled call instead of a
+    integers as those functions one by one (tests/kernels/test_fused_route.py), with one compiled call instead of a
     dozen torch ops and host conversions (at small batches on CPU torch's per-op overhead dominates the routing).
 
     ``scores [T, N]`` fp32 selection scores, ``logits [T, N]`` router logits (any float dtype),

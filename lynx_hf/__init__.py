@@ -7,7 +7,14 @@
 """
 
 from .config import LynxConfig
-from .errors import LynxConfigError, LynxError, ModelConfigError, NotPatchedError, UnsupportedModelError
+from .errors import (
+    LynxConfigError,
+    LynxError,
+    LynxNoDecodeWarning,
+    ModelConfigError,
+    NotPatchedError,
+    UnsupportedModelError,
+)
 from .patcher import config_of, is_patched, patch, patched, reset_stats, stats, unpatch
 from .patches import supported_families
 from .telemetry import LynxStats
@@ -18,6 +25,7 @@ __all__ = [
     "LynxConfig",
     "LynxConfigError",
     "LynxError",
+    "LynxNoDecodeWarning",
     "LynxStats",
     "ModelConfigError",
     "NotPatchedError",

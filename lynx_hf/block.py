@@ -17,7 +17,7 @@ import warnings
 
 import torch
 
-from .core import PREFILL, RoutePlan, Step, host_reads_allowed, keep_routing, make_plan
+from .core import PREFILL, PREFILL_STEP, RoutePlan, Step, host_reads_allowed, keep_routing, make_plan
 from .telemetry import BlockTelemetry
 
 BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
@@ -40,6 +40,8 @@ class BlockRouting:
         self.experts = spec.experts_of(block)
         self.num_experts, self.top_k = spec.shape(block)
         self.rule = spec.weight_rule(block)  # None until verified (generic family spec, router not materialized)
+        # the generic spec's verified selection-bias rule (patches/selection.py), None: spec.selection_scores
+        self.selection = spec.selection_of(block)
         self.rule_status = RULE_VERIFIED if self.rule is not None else RULE_PENDING
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
@@ -154,12 +156,20 @@ class BlockRouting:
             return None
         step = self.step
         if step.kind == PREFILL:
+            self.check_entry(step)
             return None
         logits, weights, idx = self.spec.unpack(output)
         new_weights, new_idx = self.route(step, logits, weights, idx)
         if new_idx is idx:
             return None
         return self.spec.repack(output, logits, new_weights, new_idx)
+
+    def check_entry(self, step: Step) -> None:
+        """Self-check of the first patched block, in eager code: ran with no backbone forward in flight
+        (``StepTracker.check_outside_backbone``)."""
+        if step is PREFILL_STEP and not torch.compiler.is_compiling() and self.model_state.blocks \
+                and self.model_state.blocks[0] is self:
+            self.model_state.tracker.check_outside_backbone()
 
     def _verify_deferred(self, output) -> bool:
         """Generic spec, router not materialized at patch time (accelerate offload): verify its rule on its
@@ -178,6 +188,7 @@ class BlockRouting:
         try:
             self.rule = self.spec.deferred_rule(self.block, self.name, output)
             shape = self.spec.shape(self.block)
+            self.selection = self.spec.selection_of(self.block)
             if shape != (self.num_experts, self.top_k):  # the plan was made for the patch-time shape
                 self.num_experts, self.top_k = shape
                 self.plan = None
@@ -203,6 +214,11 @@ class BlockRouting:
         return new_weights, new_idx
 
     def _selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
+        """fp32 selection scores ``[T, N]`` of the router logits ``[T, N]`` (``-inf``: an expert the model's own
+        routing forbids): the block's selection-bias rule with the live bias, else the family spec's."""
+        if self.selection is not None:
+            bias = self.selection.bias(self.router, self.block, logits.shape[-1])
+            return self.selection.selection_scores(logits, bias)
         return self.spec.selection_scores(self.router, logits)
 
 
@@ -222,5 +238,6 @@ class SwappedForward:
         state = self.state
         step = state.step
         if step.kind == PREFILL:
+            state.check_entry(step)
             return state.original_forward(*args, **kwargs)
         return state.spec.decode_forward(state, step, *args, **kwargs)

@@ -50,7 +50,8 @@ def _config(args):
     options = {f.name: getattr(args, f.name) for f in fields(LynxConfig) if getattr(args, f.name, None) is not None}
     options.update({old: getattr(args, f"deprecated_{old}") for old in RENAMED
                     if getattr(args, f"deprecated_{old}", None) is not None})  # mapped with a FutureWarning
-    return LynxConfig.from_options(options)
+    base = LynxConfig.from_file(args.config) if getattr(args, "config", None) else None  # options override the file
+    return LynxConfig.from_options(options, base=base)
 
 
 def _load(model_path: Path, dtype: str):
@@ -199,7 +200,8 @@ def cmd_plot(args) -> int:
 #: checkout, else ./lynx_hf_results under the working directory)
 _SCRIPTS = {
     "eval": ("harness", "accuracy harness: teacher-forced decode, generation agreement, lm-eval"),
-    "sweep": ("sweep", "Pareto sweep LYNX vs OEA on the fixtures"),
+    "sweep": ("sweep", "Pareto sweep LYNX vs OEA vs XShare: --model PATH [--data ...] on your checkpoint (writes "
+                       "lynx_config.json), or the fixture sweep"),
     "bench": ("bench", "MoE-layer and end-to-end decode latency benchmark (--quick: a smoke run)"),
     "report": ("router_report", "router statistics of a checkpoint"),
 }
@@ -226,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--stats-json", default=None, help="write the stats summary to this JSON file")
     g.add_argument("--quiet", action="store_true", help="do not print the generated texts")
+    g.add_argument("--config", default=None, metavar="FILE", help="LynxConfig JSON file (LynxConfig.to_file, or the "
+                   "lynx_config.json of `lynx-hf sweep --model`); the --<field> options below override its fields")
     _policy_args(g)
     g.set_defaults(func=cmd_generate)
     p = sub.add_parser("plot", aliases=["stats"], help="turn a saved stats JSON into a PNG bar chart")

@@ -8,9 +8,12 @@ ones raise :class:`LynxConfigError` naming what replaces them (:data:`REMOVED`).
 from __future__ import annotations
 
 import functools
+import json
+import os
 import typing
 import warnings
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 from . import policies
 from .errors import LynxConfigError
@@ -25,6 +28,9 @@ RENAMED = {
     "k0": "oea_k0",
     "backend": "routing_backend (and expert_path='triton' for backend='triton')",
 }
+#: the one key of a config file (:meth:`LynxConfig.to_file`) that is not a field: free-form notes on what made
+#: the file (``lynx-hf sweep`` records the sweep's numbers there); ignored by :meth:`LynxConfig.from_file`
+FILE_NOTE_KEY = "_about"
 #: removed name -> the replacement named in the error
 REMOVED = {
     "mass_floor": "use mass_price (LYNX routing-mass growth; mass_price=None gives the paper's rule)",
@@ -141,6 +147,47 @@ class LynxConfig:
         values = _translate(values, stacklevel=4)
         parsed = {name: parse_option(name, value) for name, value in values.items()}
         return cls.from_dict({**(base or cls()).to_dict(), **parsed})
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, base: "LynxConfig | None" = None) -> "LynxConfig":
+        """A config from a JSON file holding one object of fields (what :meth:`to_file` and ``lynx-hf sweep``
+        write): ``{"policy": "lynx", "mass_price": 0.109375, ...}``. Fields left out take ``base``'s values
+        (default ``LynxConfig()``); values may be JSON-typed or strings, parsed as by :meth:`from_options`;
+        renamed fields (``k0``, ``backend``) are mapped with a ``FutureWarning``; the key ``"_about"``
+        (:data:`FILE_NOTE_KEY`, notes on what made the file) is ignored.
+
+        The one file format of ``lynx_hf.patch(model, "lynx_config.json")``, ``lynx-hf generate --config``,
+        lm-eval's ``model_args=...,lynx_config=FILE`` and the vLLM plugin's ``config_file``.
+
+        Raises ``FileNotFoundError`` when ``path`` is not a file and :class:`LynxConfigError` (its message
+        starts with the path) when the file is not JSON, not an object, or has an unknown, removed or
+        invalid field (named).
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no LynxConfig file at {path}")
+        try:
+            values = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise LynxConfigError(f"{path}: not a JSON file ({exc})") from None
+        if not isinstance(values, dict):
+            raise LynxConfigError(f"{path}: expected a JSON object of LynxConfig fields, got {type(values).__name__}")
+        values = {name: value for name, value in values.items() if name != FILE_NOTE_KEY}
+        try:
+            return cls.from_options(values, base=base)
+        except LynxConfigError as exc:
+            raise LynxConfigError(f"{path}: {exc}") from None
+
+    def to_file(self, path: str | os.PathLike, about: dict | str | None = None) -> Path:
+        """Write every field of this config to ``path`` as a JSON object (all fields, so a later change of a
+        default does not change what the file means); ``about``, if given, is stored under ``"_about"``
+        (ignored when read). Returns the path; :meth:`from_file` reads it back to an equal config."""
+        path = Path(path)
+        data = self.to_dict()
+        if about is not None:
+            data[FILE_NOTE_KEY] = about
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        return path
 
 
 def _deprecated_read(old: str, new: str) -> property:

@@ -35,20 +35,33 @@ counted on the host from the query lengths of the generation's forwards (the cac
 caller, if any, is read once when ``generate`` starts).
 
 State: eager forwards publish the step in a ``contextvars.ContextVar`` (per thread / task, so two
-threads generating on one model keep separate state, ``docs/cases.md`` C18); a forward traced by ``torch.compile``
-keeps it in a plain attribute that dynamo tracks inside the graph (a ContextVar cannot be traced).
+threads generating on one model keep separate state, ``docs/cases.md`` C18). Code that ``torch.compile`` traces
+reads a plain attribute instead (a ContextVar cannot be traced), which the pre-hook sets both when it is traced
+itself (whole-model compilation) and when it runs eagerly around compiled regions (accelerate's
+``compile_regions`` compiles the decoder layers, not the backbone, ``docs/cases.md`` C29).
+
+Self-check (``docs/cases.md`` C33): the pre-hook counts, on the host from what it already knows (shapes, the
+cache object, the classification; never a device value), the forwards it classified, the decode ones, and the
+forwards that look like decode steps but could not be classified as such (a cache on two or more rows and at
+most ``q_max`` query tokens, read as empty or unreadable; inside ``generate``, a cache that reads shorter than
+the prompt already fed). Two such forwards in a row with no decode step between them warn once
+(:class:`~lynx_hf.errors.LynxNoDecodeWarning`) when the policy remaps; so does, at the first one, a forward made
+inside the patched ``generate`` whose MoE blocks ran without the backbone's pre-hook (the backbone was never
+called). The counts are in ``lynx_hf.stats(model).summary()``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 
 import torch
 
-from .core import DECODE, MIXED, PREFILL_STEP, VERIFY, Step
+from .core import DECODE, MIXED, PREFILL, PREFILL_STEP, VERIFY, Step
+from .errors import LynxNoDecodeWarning
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
 
@@ -60,8 +73,9 @@ class Generation:
     ``prompt_length``: tokens of the prompt (``input_ids.shape[1]``, padding included); ``eos_ids``:
     stop tokens that finish a row (empty: no finished-row detection, e.g. beam search); ``verify``:
     the generation mode verifies candidates; ``held``: tokens the cache holds before the next forward,
-    counted on the host (used when the cache keeps its length on the device); ``finished [B]`` bool:
-    rows that fed a stop token.
+    counted on the host (used when the cache keeps its length on the device); ``fed``: tokens the cache
+    should hold after the forwards made so far (``held`` at the start plus their query lengths; host count,
+    for the self-check only); ``finished [B]`` bool: rows that fed a stop token.
     """
 
     model_state: object  # the ModelState whose generate set it
@@ -69,6 +83,7 @@ class Generation:
     eos_ids: tuple[int, ...]
     verify: bool
     held: int = 0
+    fed: int = 0
     eos_tensor: torch.Tensor | None = None
     finished: torch.Tensor | None = None
 
@@ -254,8 +269,8 @@ class StepTracker:
     """Per-model step state; install with :meth:`attach`, remove with :meth:`detach`.
 
     ``model_state`` is the patched model's state (it has ``config``). Picklable and deep-copyable: the copy
-    gets a fresh context variable and watches no continuous-batching manager (no forward is in flight
-    in a copy).
+    gets a fresh context variable, watches no continuous-batching manager (no forward is in flight
+    in a copy) and starts its self-check counts at zero.
     """
 
     _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
@@ -270,6 +285,15 @@ class StepTracker:
         self._traced: Step = PREFILL_STEP
         self._managers: weakref.WeakSet = weakref.WeakSet()
         self._managers_lock = threading.Lock()  # watch() in the caller's thread, reads in the engine's thread
+        self.reset_counts()
+
+    def reset_counts(self) -> None:
+        """Zero the self-check counts (:meth:`counts`); the warning may fire again."""
+        self.forwards = 0  # eager backbone forwards classified
+        self.decode_forwards = 0  # of them, with decode work (decode / verify / mixed)
+        self.unclassified_forwards = 0  # decode-looking forwards that could not be classified as decode
+        self._unclassified_run = 0  # unclassified forwards since the last decode forward
+        self._warned = False
 
     def __getstate__(self):
         return {"model_state": self.model_state}
@@ -280,7 +304,10 @@ class StepTracker:
 
     @property
     def step(self) -> Step:
-        """The step of the forward in flight in this context (``PREFILL_STEP`` outside any forward)."""
+        """The step of the forward in flight in this context (``PREFILL_STEP`` outside any forward). In code
+        ``torch.compile`` traces: the step the pre-hook last published in the plain attribute ``_traced``
+        (set inside the graph when the backbone itself is compiled, by the eager pre-hook around compiled
+        regions), shared by the threads of one model."""
         if torch.compiler.is_compiling():
             return self._traced
         frame = self._var.get()
@@ -323,9 +350,70 @@ class StepTracker:
             return None
         x = _query(args, kwargs)
         requests = self._requests(kwargs, x.device) if x is not None else None
-        step = detect_step(args, kwargs, self.model_state.config, self._generation(), requests)
+        generation = self._generation()
+        fed = generation.fed if generation is not None else 0
+        step = detect_step(args, kwargs, self.model_state.config, generation, requests)
         self._var.set(_Frame(step, self._var.get()))
+        self._traced = step  # compiled regions inside this eager backbone (accelerate's compile_regions) read it
+        self._count(step, x, kwargs, generation, fed)
         return None
+
+    # -- self-check ------------------------------------------------------------------------------------
+    def counts(self) -> dict:
+        """The self-check counts since patching (or ``reset_stats``): ``backbone_forwards`` (eager forwards
+        classified), ``decode_forwards`` (of them, with decode work), ``unclassified_forwards`` (forwards that
+        looked like decode steps and were not classified as such)."""
+        return {"backbone_forwards": self.forwards, "decode_forwards": self.decode_forwards,
+                "unclassified_forwards": self.unclassified_forwards}
+
+    def _count(self, step: Step, x, kwargs, generation: Generation | None, fed: int) -> None:
+        """Host-side bookkeeping of one eager forward (shapes and Python objects only: no device read)."""
+        self.forwards += 1
+        q_len = int(x.shape[1]) if x is not None and x.dim() >= 2 else 1
+        if generation is not None:
+            generation.fed = fed + q_len
+        if step.kind != PREFILL:
+            self.decode_forwards += 1
+            self._unclassified_run = 0
+            return
+        cache = next((kwargs[name] for name in _CACHE_KWARGS if kwargs.get(name) is not None), None)
+        if cache is None or x is None or x.dim() < 2 or int(x.shape[0]) < 2 or kwargs.get("use_cache") is False \
+                or q_len > self.model_state.config.q_max or "cu_seq_lens_q" in kwargs:
+            return
+        if generation is not None and fed < generation.prompt_length:
+            return  # the prompt, or a chunk of it
+        self.unclassified_forwards += 1
+        self._unclassified_run += 1
+        if self._unclassified_run >= 2:
+            length = cache_length(cache)
+            read = ("could not be read" if length is None else "is kept on the device"
+                    if isinstance(length, torch.Tensor) else f"reads {int(length)}")
+            where = (f"inside generate, after {fed} tokens were fed" if generation is not None
+                     else "outside generate")
+            self._warn(f"{self._unclassified_run} forwards in a row with a {type(cache).__name__} on "
+                       f"{int(x.shape[0])} rows and {q_len} query token(s) were classified as prefill: the "
+                       f"cache's length {read} ({where}). Likely cause: a cache class whose get_seq_length() "
+                       f"does not count the tokens it holds, or a forward that passes a fresh cache each step")
+
+    def check_outside_backbone(self) -> None:
+        """Called by the first MoE block when it runs with no eager backbone forward in flight: inside this
+        model's patched ``generate`` that means the backbone was never called (an entry point that bypasses
+        it), so no step of that generate can be classified: counted and warned about at once."""
+        if self._var.get() is not None or self._generation() is None:
+            return  # a block called on its own, outside any generate: nothing to classify
+        self.unclassified_forwards += 1
+        self._warn("the MoE blocks ran inside generate without the decoder backbone's forward "
+                   f"({type(self.model_state.backbone).__name__}) being called, so no step could be classified. "
+                   "Likely cause: an entry point or wrapper that calls the layers directly")
+
+    def _warn(self, what: str) -> None:
+        if self._warned or not _remaps(self.model_state):
+            return
+        self._warned = True
+        warnings.warn(LynxNoDecodeWarning(
+            f"lynx_hf: {type(self.model_state.model).__name__} is patched with policy "
+            f"{self.model_state.config.policy!r} but has seen no decode step it could remap: {what}. "
+            f"Counts so far: {self.counts()}. LYNX is not acting; see docs/decode-step.md."), stacklevel=4)
 
     def _post_hook(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
@@ -334,6 +422,7 @@ class StepTracker:
         frame = self._var.get()
         if frame is not None:
             self._var.set(frame.parent)
+            self._traced = PREFILL_STEP if frame.parent is None else frame.parent.step
         return None
 
     def attach(self, backbone: torch.nn.Module) -> None:
@@ -355,11 +444,18 @@ class StepTracker:
                     hooks.pop(key, None)
 
 
+def _remaps(model_state) -> bool:
+    from . import policies
+
+    return policies.get(model_state.config.policy).remaps
+
+
 def generation_scope(model_state, prompt_length: int, eos_ids, verify: bool, held: int = 0):
     """Context manager used by the patched ``generate``: publishes a :class:`Generation` for its forwards.
 
     ``held``: tokens the cache passed to ``generate`` already holds (0 for a fresh cache)."""
-    return _Scope(Generation(model_state, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify), int(held)))
+    return _Scope(Generation(model_state, int(prompt_length), tuple(int(i) for i in eos_ids), bool(verify), int(held),
+                             fed=int(held)))
 
 
 class _Scope:

@@ -23,3 +23,11 @@ class ModelConfigError(LynxError, ValueError):
 
 class NotPatchedError(LynxError, RuntimeError):
     """An operation that needs a patched model (``stats``, ``reset_stats``) got an unpatched one."""
+
+
+class LynxNoDecodeWarning(UserWarning):
+    """A model patched with a remapping policy runs forwards that look like decode steps but none could be
+    classified as one (a cache whose length cannot be read or reads empty, a backbone that is never called),
+    so the policy is not acting. Warned once per model (again after ``reset_stats``); the message names what
+    was seen and the likely cause, and ``lynx_hf.stats(model).summary()`` carries the counts
+    (``docs/cases.md`` C33)."""

@@ -5,8 +5,11 @@ After a remap the experts must read only the unique experts the step uses. trans
 switches ``grouped_mm`` to ``batched_mm``, which copies one expert matrix per (token, slot) and gains
 nothing from a remap. So, for a policy that remaps, ``patch`` calls :func:`install`: it registers the
 implementation ``"lynx"`` (:data:`IMPLEMENTATION`) in ``ALL_EXPERTS_FUNCTIONS`` and
-``ALL_FP8_EXPERTS_FUNCTIONS`` and sets it with ``model.set_experts_implementation``; :func:`remove`
-(``unpatch``, or a policy that does not remap) sets the previous one back. ``"lynx"`` chooses, per call:
+``ALL_FP8_EXPERTS_FUNCTIONS`` and sets it on the configs of the patched experts modules; :func:`remove`
+(``unpatch``, or a policy that does not remap) sets the previous one back once no patched model on that config
+needs it. The implementation a config had is recorded per config object (a config may be shared by several
+models, ``docs/cases.md`` C28): an experts module that is not a patched block's -- another model sharing the
+config -- runs it (:func:`original_implementation`). ``"lynx"`` chooses, per call:
 
 - not a decode step -> the implementation the model had (prefill bit-identical);
 - decode, ``expert_path="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import weakref
 
 import torch
 
@@ -247,9 +251,9 @@ def _grouped_names(experts) -> tuple[str, ...]:
 
 def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     state = self.__dict__.get(EXPERTS_ATTR)
-    if not hasattr(state, "experts_impls"):  # not in a patched block: the implementation it had (None: HF default)
+    if not hasattr(state, "experts_impls"):  # not in a patched block (another model sharing the config, too)
         interface, original = _dispatch(self)
-        name = state if isinstance(state, str) else ("grouped_mm" if "grouped_mm" in interface else "eager")
+        name = state if isinstance(state, str) else original_implementation(self)
         return interface.get_interface(name, original)(self, hidden_states, top_k_index, top_k_weights,
                                                        *args, **kwargs)
     own, grouped = state.experts_impls
@@ -280,6 +284,71 @@ def _wrapped_reason(wrappers) -> str:
             f"forward changes the weights the module computes with")
 
 
+# -- the implementation a config had before "lynx" ------------------------------------------------------------
+# A config object may be shared by several models (``from_config(model.config)``, two models built from one
+# config, a text model built from a VLM's ``text_config``), and transformers' experts dispatch reads the
+# implementation from it, so switching it to "lynx" reaches every model that shares it. What each config said
+# before is recorded here, keyed by the config object (configs are not hashable: by id, with a weak reference
+# that drops the entry with the config), with the number of patched models that need "lynx" on it; the config
+# is set back when the last of them is unpatched. "lynx" itself is never recorded as an original.
+_ORIGINALS: dict[int, list] = {}  # id(config) -> [weakref(config), implementation before "lynx", models holding it]
+
+
+def _entry(config):
+    entry = _ORIGINALS.get(id(config))
+    return entry if entry is not None and entry[0]() is config else None
+
+
+def _hold(config, before: str) -> str:
+    """Count one more patched model on ``config``; return the implementation ``config`` had before "lynx"
+    (the one recorded by the first holder, else ``before``)."""
+    entry = _entry(config)
+    if entry is None:
+        key = id(config)
+        entry = [weakref.ref(config, lambda _, key=key: _ORIGINALS.pop(key, None)), before, 0]
+        _ORIGINALS[key] = entry
+    entry[2] += 1
+    return entry[1]
+
+
+def _release(config) -> bool:
+    """One patched model less on ``config``; ``True`` when it was the last (the config may be set back)."""
+    entry = _entry(config)
+    if entry is None:
+        return True
+    entry[2] -= 1
+    if entry[2] > 0:
+        return False
+    _ORIGINALS.pop(id(config), None)
+    return True
+
+
+def _default_implementation(experts) -> str:
+    interface, _ = _dispatch(experts)
+    return "grouped_mm" if "grouped_mm" in interface else "eager"
+
+
+def original_implementation(experts) -> str:
+    """The experts implementation ``experts`` runs when it is not a patched block's: what its config says,
+    or, when the config says ``"lynx"`` (another model sharing the config is patched, or a copy of a patched
+    config), what the config said before, else transformers' default (``grouped_mm`` where the interface has
+    it, else ``eager``)."""
+    config = getattr(experts, "config", None)
+    current = getattr(config, "_experts_implementation", None)
+    if current is not None and current != IMPLEMENTATION:
+        return current
+    entry = _entry(config) if config is not None else None
+    return entry[1] if entry is not None else _default_implementation(experts)
+
+
+def adopt(state) -> None:
+    """Count a copied model state (``copy.deepcopy``, ``pickle``) as a holder of the configs it switched, so that
+    models sharing the copy's config find what it said before."""
+    for config, before in state.experts_impl_before or ():
+        if getattr(config, "_experts_implementation_internal", None) == IMPLEMENTATION:
+            _hold(config, before)
+
+
 def install(state) -> None:
     """Install ``"lynx"`` on the model of ``state`` (a ``lynx_hf.patcher.ModelState``) for a remapping policy.
 
@@ -290,7 +359,12 @@ def install(state) -> None:
     dispatch through the interface (Llama-4, custom experts) get ``kernel_reason`` from their family spec's
     ``kernel_storage(experts)`` if it has one, else a reason. Every other interface-dispatching experts
     module of the model (they share the config whose implementation changes) records the implementation it
-    had, so it keeps running it. Idempotent; undone exactly by :func:`remove`.
+    had, so it keeps running it. Only the configs of the patched experts modules are switched to ``"lynx"``;
+    what each had is read before, per config (:func:`original_implementation`: never ``"lynx"``, which a
+    config shared with a patched model already says), and kept in ``state.experts_impl_before`` as
+    ``[(config, implementation)]``. Experts modules of other models that share one of those configs dispatch
+    to ``"lynx"`` too and run the recorded implementation (they are not patched blocks). Idempotent; undone
+    exactly by :func:`remove`.
     """
     model = state.model
     blocks = []
@@ -311,9 +385,12 @@ def install(state) -> None:
     if state.experts_impl_before is not None or not blocks or not hasattr(model, "set_experts_implementation"):
         return
     register()
-    state.experts_impl_before = model.get_experts_implementation()
+    configs: dict[int, tuple] = {}  # id(config) -> (config, implementation before "lynx")
     for block, inner, wrappers in blocks:
-        block.original_impl = inner.config._experts_implementation
+        config = inner.config
+        if id(config) not in configs:
+            configs[id(config)] = (config, _hold(config, original_implementation(inner)))
+        block.original_impl = configs[id(config)][1]
         block.experts_impls = implementations(inner, block.original_impl)
         if wrappers:
             block.kernel_reason = block.grouped_reason = _wrapped_reason(wrappers)
@@ -324,17 +401,21 @@ def install(state) -> None:
         object.__setattr__(inner, EXPERTS_ATTR, block)
     for module in model.modules():
         if EXPERTS_ATTR not in module.__dict__ and uses_interface(module):
-            object.__setattr__(module, EXPERTS_ATTR, module.config._experts_implementation)
-    model.set_experts_implementation(IMPLEMENTATION)
+            object.__setattr__(module, EXPERTS_ATTR, original_implementation(module))
+    state.experts_impl_before = list(configs.values())
+    for config, _ in state.experts_impl_before:
+        config._experts_implementation_internal = IMPLEMENTATION  # this config only (sub-configs have their own)
 
 
 def remove(state) -> None:
-    """Undo :func:`install`: the implementations the model had, no attribute left on any module."""
+    """Undo :func:`install`: each config the model switched says what it said before, unless another patched
+    model still needs ``"lynx"`` on it (its experts, not patched any more, then run the recorded one) or the
+    user set another implementation since; no attribute left on any module."""
     before, state.experts_impl_before = state.experts_impl_before, None
     if before is None:
         return
-    current = state.model.get_experts_implementation()
-    if IMPLEMENTATION in current.values():
-        state.model.set_experts_implementation(before)
+    for config, implementation in before:
+        if _release(config) and config._experts_implementation_internal == IMPLEMENTATION:
+            config._experts_implementation_internal = implementation
     for module in state.model.modules():
         module.__dict__.pop(EXPERTS_ATTR, None)

@@ -8,6 +8,8 @@ lm-eval has no plugin entry point, so registration happens on import of this mod
 - the CLI: ``python -m lynx_hf.lm_eval run --model lynx --model_args pretrained=PATH,policy=lynx
   --tasks TASK --include_path eval/tasks --batch_size 16`` (forwards to lm-eval's own CLI).
 
+A configuration file (:meth:`LynxConfig.from_file`, e.g. the ``lynx_config.json`` of ``lynx-hf sweep --model``):
+``model_args="pretrained=PATH,lynx_config=FILE"``; single options beside it override its fields.
 LYNX options in ``model_args``: every :class:`~lynx_hf.LynxConfig` field (``policy``, ``tau``, ``mass_price``,
 ``oea_k0``, ``routing_backend``, ``expert_path``, ...; ``mass_price=None`` selects the paper's rule), parsed by
 :meth:`LynxConfig.from_options` like the CLI's. Deprecated: ``k0`` (now ``oea_k0``) and ``lynx_backend`` (the
@@ -37,17 +39,23 @@ _LYNX_ARGS = (*(f.name for f in fields(LynxConfig)), *(name for name in RENAMED 
 class LynxLM(HFLM):
     """``HFLM`` over a model patched with ``LynxConfig(**lynx options)``.
 
-    Raises :class:`lynx_hf.LynxConfigError` for a bad LYNX option (before the model is loaded) and
-    whatever :func:`lynx_hf.patch` raises for an unsupported model.
+    ``lynx_config``: a :class:`LynxConfig` or the path of a config file (its fields, overridden by the single
+    options). Raises :class:`lynx_hf.LynxConfigError` for a bad LYNX option or config file
+    (``FileNotFoundError`` when missing; both before the model is loaded) and whatever :func:`lynx_hf.patch`
+    raises for an unsupported model.
     """
 
-    def __init__(self, pretrained, *, lynx_backend: str | None = None, **kwargs) -> None:
+    def __init__(self, pretrained, *, lynx_config=None, lynx_backend: str | None = None, **kwargs) -> None:
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
         if "policy" in options and options["policy"] is None:  # lm-eval's model_args parser reads "none" as None
             options["policy"] = "none"
         if lynx_backend is not None:
             options["backend"] = lynx_backend  # deprecated: FutureWarning from from_options
-        self.lynx_config = LynxConfig.from_options(options)
+        if isinstance(lynx_config, LynxConfig):
+            base = lynx_config
+        else:  # a config file; the single options above override its fields
+            base = LynxConfig.from_file(lynx_config) if lynx_config is not None else None
+        self.lynx_config = LynxConfig.from_options(options, base=base)
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")  # HFLM assumes CUDA
         if kwargs.get("batch_size") == "auto":
             raise LynxConfigError("lynx: use a fixed batch_size (LYNX's effect depends on the decode batch)")

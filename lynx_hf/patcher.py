@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
+import types
 import warnings
 
 import torch
@@ -33,7 +36,12 @@ class ModelState:
         self.model = model
         self.tracker = StepTracker(self)
         self.blocks: list[BlockRouting] = []
-        self.experts_impl_before: dict | None = None  # set while the "lynx" experts implementation is installed
+        # [(config, implementation before "lynx")] while the "lynx" experts implementation is installed
+        self.experts_impl_before: list | None = None
+
+    def __setstate__(self, state):  # deepcopy / pickle: the copy holds the (copied) configs it switched
+        self.__dict__.update(state)
+        experts_impl.adopt(self)
 
     @property
     def modules(self) -> list[torch.nn.Module]:
@@ -41,108 +49,155 @@ class ModelState:
         return [block.block for block in self.blocks]
 
 
-class _PatchedGenerate:
-    """The patched model's ``generate``: records, for the forwards it makes (``lynx_hf.detection``), the prompt
-    length (``input_ids`` / ``inputs`` / ``inputs_embeds``, ``shape[1]``), the tokens the caller's
-    ``past_key_values`` already holds (read once, here), the stop tokens that finish a row and whether the
-    generation mode verifies candidates; then calls the original ``generate`` unchanged."""
+class _BoundMethod:
+    """An instance attribute shadowing one of the model's class methods, shaped like a bound method:
+    ``__self__`` is the model it is installed on and ``__func__`` a module-level function of
+    ``(model, *args, **kwargs)``. Code that copies a model and rebinds its bound methods to the copy
+    (accelerate's ``compile_regions`` builds a new root this way, ``docs/cases.md`` C29) therefore gets a method
+    of the copy, and ``copy.deepcopy`` / ``pickle`` carry ``__self__`` to the copy; each function finds the
+    :class:`ModelState` on the model it runs on."""
 
-    def __init__(self, state: ModelState) -> None:
-        self.state = state
+    def __init__(self, model: torch.nn.Module, func) -> None:
+        self.__self__ = model
+        self.__func__ = func
 
     def __call__(self, *args, **kwargs):
-        model = self.state.model
-        original = type(model).generate.__get__(model)
-        prompt = next((kwargs[name] for name in ("input_ids", "inputs")
-                       if isinstance(kwargs.get(name), torch.Tensor)), None)
-        if prompt is None and args and isinstance(args[0], torch.Tensor):
-            prompt = args[0]
-        if prompt is None and isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
-            prompt = kwargs["inputs_embeds"]
-        if prompt is None or prompt.dim() < 2:
-            return original(*args, **kwargs)
-        held = 0
-        cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
-        if cache is not None:
-            length = cache_length(cache)
-            held = int(length) if length is not None else 0  # once per call (a StaticCache: one host read)
-        with generation_scope(self.state, prompt.shape[1], _eos_ids(model, kwargs), _verifies(model, kwargs), held):
-            return original(*args, **kwargs)
+        return self.__func__(self.__self__, *args, **kwargs)
 
 
-class _PatchedInitContinuousBatching:
+def _patched_generate(model, *args, **kwargs):
+    """The patched model's ``generate``: records, for the forwards it makes (``lynx_hf.detection``), the prompt
+    length (``input_ids`` / ``inputs`` / ``inputs_embeds``, ``shape[1]``), the tokens the caller's
+    ``past_key_values`` already holds (read once, here), and the stop tokens that finish a row and whether the
+    generation mode verifies candidates, as ``generate`` itself resolves them (:func:`_generation_settings`);
+    then calls the class's ``generate`` on ``model`` unchanged."""
+    original = type(model).generate.__get__(model)
+    state = model.__dict__.get(MODEL_ATTR)
+    if state is None:  # a copy that kept the method but not the state
+        return original(*args, **kwargs)
+    prompt = next((kwargs[name] for name in ("input_ids", "inputs")
+                   if isinstance(kwargs.get(name), torch.Tensor)), None)
+    if prompt is None and args and isinstance(args[0], torch.Tensor):
+        prompt = args[0]
+    if prompt is None and isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
+        prompt = kwargs["inputs_embeds"]
+    if prompt is None or prompt.dim() < 2:
+        return original(*args, **kwargs)
+    held = 0
+    cache = next((kwargs[name] for name in ("cache", "past_key_values") if kwargs.get(name) is not None), None)
+    if cache is not None:
+        length = cache_length(cache)
+        held = int(length) if length is not None else 0  # once per call (a StaticCache: one host read)
+    eos_ids, verify = _generation_settings(model, args, kwargs)
+    with generation_scope(state, prompt.shape[1], eos_ids, verify, held):
+        return original(*args, **kwargs)
+
+
+def _patched_init_continuous_batching(model, *args, **kwargs):
     """The patched model's ``init_continuous_batching`` (the entry point of ``generate_batch``,
     ``cache_implementation="paged"`` and ``transformers serve``): the manager it returns is watched by the
     step tracker, whose hook then reads the scheduler's request states to tell a request's last prefill
     chunk from its decode tokens (``lynx_hf.detection``, rule 1)."""
-
-    def __init__(self, state: ModelState) -> None:
-        self.state = state
-
-    def __call__(self, *args, **kwargs):
-        model = self.state.model
-        manager = type(model).init_continuous_batching(model, *args, **kwargs)
-        self.state.tracker.watch(manager)
-        return manager
+    manager = type(model).init_continuous_batching(model, *args, **kwargs)
+    state = model.__dict__.get(MODEL_ATTR)
+    if state is not None:
+        state.tracker.watch(manager)
+    return manager
 
 
-_MODEL_METHODS = {"generate": _PatchedGenerate, "init_continuous_batching": _PatchedInitContinuousBatching}
+_MODEL_METHODS = {"generate": _patched_generate, "init_continuous_batching": _patched_init_continuous_batching}
 
 
 def _install_model_methods(state: ModelState) -> None:
     """Instance attributes shadowing the model's class methods (removed exactly by :func:`_remove_model_methods`)."""
     if not _has_generate(state.model):
         return
-    for name, wrapper in _MODEL_METHODS.items():
+    for name, func in _MODEL_METHODS.items():
         if callable(getattr(type(state.model), name, None)) and name not in state.model.__dict__:
-            object.__setattr__(state.model, name, wrapper(state))
+            object.__setattr__(state.model, name, _BoundMethod(state.model, func))
 
 
-def _remove_model_methods(state: ModelState) -> None:
-    for name, wrapper in _MODEL_METHODS.items():
-        if isinstance(state.model.__dict__.get(name), wrapper):
-            del state.model.__dict__[name]
+def _remove_model_methods(module: torch.nn.Module) -> None:
+    """Remove the methods :func:`_install_model_methods` put on ``module`` (or a copy of it rebound them to)."""
+    for name, func in _MODEL_METHODS.items():
+        if getattr(module.__dict__.get(name), "__func__", None) is func:
+            del module.__dict__[name]
 
 
-def _from_generation(model, kwargs, name):
-    if kwargs.get(name) is not None:
-        return kwargs[name]
-    gen_config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-    return getattr(gen_config, name, None)
+def _generation_settings(model, args, kwargs) -> tuple[list[int], bool]:
+    """``(eos_ids, verify)`` of one ``generate(*args, **kwargs)`` call on ``model``, from the generation config
+    ``generate`` itself builds (``GenerationMixin._prepare_generation_config``: the passed ``generation_config``,
+    its unset fields filled from ``model.generation_config``, then the call's keyword arguments, an explicit
+    ``None`` included) and the mode it picks (``GenerationConfig.get_generation_mode``).
 
-
-def _eos_ids(model, kwargs) -> list[int]:
-    """The stop tokens that finish a row (``eos_token_id`` of the call or generation config); none under
-    beam search, whose rows are beams that reorder."""
-    if (_from_generation(model, kwargs, "num_beams") or 1) > 1:
-        return []
-    value = _from_generation(model, kwargs, "eos_token_id")
+    ``eos_ids``: the stop tokens that finish a row (``eos_token_id``; none when it resolves to ``None``, i.e.
+    EOS stopping off, and none under beam search, whose rows are beams that reorder). ``verify``: the mode is
+    assisted generation (a draft model, prompt lookup, early exit or multi-token prediction with greedy or
+    sampling), whose forwards verify candidate tokens. Where that resolution is not available (a model
+    without it, a ``generate`` whose signature differs) the same merge is done here."""
+    resolved = assistant = None
+    try:
+        signature = inspect.signature(type(model).generate)
+        bound = signature.bind(model, *args, **kwargs)
+        params = dict(bound.arguments)
+        extra = {}
+        for name, param in signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_KEYWORD:
+                extra = dict(params.pop(name, {}))
+        assistant = params.get("assistant_model")
+        for name in ("tokenizer", "assistant_tokenizer"):  # generate takes these out before resolving
+            extra.pop(name, None)
+        resolved, _ = model._prepare_generation_config(params.get("generation_config"), **extra)
+        mode = str(getattr(resolved.get_generation_mode(assistant), "value", ""))
+    except Exception:  # noqa: BLE001 -- fall back to the same merge, done here
+        resolved, mode = _merged_generation_config(model, args, kwargs), None
+        assistant = kwargs.get("assistant_model")
+    num_beams = getattr(resolved, "num_beams", None) or 1
+    beams = "beam" in mode if mode is not None else num_beams > 1
+    if mode is not None:
+        verify = mode == "assisted_generation"
+    else:
+        verify = not beams and (assistant is not None or any(
+            getattr(resolved, name, None) not in (None, False)
+            for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")))
+    if beams:
+        return [], verify
+    value = getattr(resolved, "eos_token_id", None)
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     ids = value if isinstance(value, (list, tuple)) else [] if value is None else [value]
-    return [int(i) for i in ids if not isinstance(i, bool) and int(i) >= 0]
+    return [int(i) for i in ids if not isinstance(i, bool) and int(i) >= 0], verify
 
 
-def _verifies(model, kwargs) -> bool:
-    """Whether generate verifies candidate tokens, as ``GenerationConfig.get_generation_mode`` decides
-    assisted generation: a draft model (``assistant_model``), prompt lookup (``prompt_lookup_num_tokens``),
-    early exit (``assistant_early_exit``) or multi-token prediction (``use_mtp``), with greedy or
-    sampling (under beam search generate ignores them)."""
-    if (_from_generation(model, kwargs, "num_beams") or 1) > 1:
-        return False
-    if kwargs.get("assistant_model") is not None:
-        return True
-    return any(_from_generation(model, kwargs, name)
-               for name in ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"))
+def _merged_generation_config(model, args, kwargs):
+    """The fields :func:`_generation_settings` reads, merged as ``generate`` does: a keyword argument (an explicit
+    ``None`` too) over the passed ``generation_config`` over ``model.generation_config``."""
+    passed = kwargs.get("generation_config")
+    if passed is None and len(args) > 1 and not isinstance(args[1], torch.Tensor):
+        passed = args[1]
+    own = getattr(model, "generation_config", None)
+    merged = types.SimpleNamespace()
+    for name in ("num_beams", "eos_token_id", "prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp"):
+        if name in kwargs:
+            value = kwargs[name]
+        else:
+            value = getattr(passed, name, None)
+            if value is None:
+                value = getattr(own, name, None)
+        setattr(merged, name, value)
+    return merged
 
 
 def _as_config(config, overrides) -> LynxConfig:
     if config is None:
         return LynxConfig.from_dict(overrides)  # unknown names -> LynxConfigError listing the fields
+    if isinstance(config, (str, os.PathLike)):  # a config file (LynxConfig.to_file, lynx-hf sweep's lynx_config.json)
+        config = LynxConfig.from_file(config)
     if isinstance(config, dict):
         return LynxConfig.from_dict({**config, **overrides})
     if not isinstance(config, LynxConfig):
-        raise LynxConfigError(f"config must be a LynxConfig, a dict or None, got {type(config).__name__}")
+        raise LynxConfigError(f"config must be a LynxConfig, a dict, a config file path or None, got "
+                              f"{type(config).__name__}")
     if overrides:
         return LynxConfig.from_dict({**config.to_dict(), **overrides})
     return config
@@ -184,11 +239,14 @@ def _backbone_and_model(model: torch.nn.Module, names: list[str]):
     return backbone, top
 
 
-def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides) -> torch.nn.Module:
+def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike | None = None,
+          **overrides) -> torch.nn.Module:
     """Patch every supported MoE block of ``model`` in place and return ``model``.
 
     ``config``: a :class:`LynxConfig` (default ``LynxConfig()``: policy ``"lynx"``), a dict of its
-    fields, or ``None``; keyword ``overrides`` set single fields (``patch(m, policy="oea")``).
+    fields, the path (``str`` / ``PathLike``) of a JSON config file (:meth:`LynxConfig.from_file`, e.g. the
+    ``lynx_config.json`` that ``lynx-hf sweep`` writes), or ``None``; keyword ``overrides`` set single fields
+    on top of it (``patch(m, policy="oea")``, ``patch(m, "lynx_config.json", telemetry=False)``).
     ``model`` may be a transformers model or any module holding one (a PEFT ``PeftModel``, a
     ``torch.compile`` wrapper): the model that actually runs is patched. Patching a patched model only
     swaps the config (re-validated; the telemetry restarts if it changed).
@@ -200,9 +258,11 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
     implementation ``"lynx"`` (``lynx_hf.experts``).
 
     Raises :class:`UnsupportedModelError` when ``model`` has no block of a supported family (the
-    message lists the families and any MoE-looking classes found), :class:`ModelConfigError` when a
+    message lists the families and any MoE-looking classes found) or when the module holding its blocks is a
+    container that is never called (its decode steps could not be classified), :class:`ModelConfigError` when a
     block's routing settings are inconsistent or refuse the policy (``docs/cases.md`` C10, C26),
-    :class:`LynxConfigError` for a bad config or a routing backend / expert path that cannot run on the
+    :class:`LynxConfigError` for a bad config (a config file: also when it is not JSON or has an unknown
+    field; ``FileNotFoundError`` when it is missing) or a routing backend / expert path that cannot run on the
     model's device. Deprecated field names in ``overrides`` (``k0``, ``backend``) are mapped with a
     ``FutureWarning`` (``lynx_hf.config.RENAMED``).
     """
@@ -240,6 +300,11 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | None = None, **ove
         warnings.warn(f"lynx_hf: unsupported MoE-looking blocks left unpatched: {sorted(lookalikes)}", stacklevel=2)
 
     backbone, generating = _backbone_and_model(inner, [name for name, _, _ in found])
+    if getattr(type(backbone), "forward", None) is torch.nn.Module.forward:
+        raise UnsupportedModelError(
+            f"the MoE blocks of {type(inner).__name__} are not all under one module with a forward of its own (the "
+            f"deepest module holding them, {type(backbone).__name__}, is never called), so lynx_hf cannot classify "
+            f"their decode steps; patch the model that runs them")
     state = ModelState(cfg, backbone, generating)
     for name, module, spec in found:
         block = BlockRouting(state, spec, name or type(module).__name__, module)
@@ -266,6 +331,7 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
     for block in state.blocks:
         block.spec.validate(block.block, block.name, cfg)
     state.config = cfg
+    state.tracker.reset_counts()
     for block in state.blocks:
         block.telemetry.reset()  # telemetry describes one config
         block.resolve()
@@ -300,7 +366,8 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`patch` exactly: original forwards and experts implementation restored, hooks removed,
-    no attribute left. A model that is not patched is returned unchanged."""
+    no attribute left. A model that is not patched is returned unchanged. A copy that shares the patched
+    model's modules (accelerate's ``compile_regions`` root) may be given too: both are unpatched."""
     state = _find_state(model)
     if state is None:
         return model
@@ -309,8 +376,11 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state.tracker.detach(state.backbone)
     for block in state.blocks:
         block.uninstall()
-    _remove_model_methods(state)
-    del state.model.__dict__[MODEL_ATTR]
+    holders = [state.model] + [m for m in _unwrap(model).modules()
+                               if m is not state.model and m.__dict__.get(MODEL_ATTR) is state]
+    for holder in holders:
+        _remove_model_methods(holder)
+        holder.__dict__.pop(MODEL_ATTR, None)
     return model
 
 
@@ -351,11 +421,14 @@ def stats(model: torch.nn.Module) -> LynxStats:
     state = _state(model)
     layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary()}
               for b in state.blocks]
-    return LynxStats(policy=state.config.policy, layers=layers)
+    return LynxStats(policy=state.config.policy, layers=layers, detection=state.tracker.counts())
 
 
 def reset_stats(model: torch.nn.Module) -> None:
-    """Zero the telemetry of a patched model. Raises :class:`NotPatchedError`."""
-    for block in _state(model).blocks:
+    """Zero the telemetry and the decode-step detector's counts of a patched model (its no-decode warning may
+    fire again). Raises :class:`NotPatchedError`."""
+    state = _state(model)
+    state.tracker.reset_counts()
+    for block in state.blocks:
         block.telemetry.reset()
 

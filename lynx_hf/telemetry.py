@@ -114,10 +114,15 @@ class BlockTelemetry:
 
 @dataclass
 class LynxStats:
-    """What :func:`lynx_hf.stats` returns: per-block summaries plus model-level means."""
+    """What :func:`lynx_hf.stats` returns: per-block summaries plus model-level means.
+
+    ``detection``: the decode-step detector's self-check counts (``lynx_hf.detection.StepTracker.counts``:
+    ``backbone_forwards``, ``decode_forwards``, ``unclassified_forwards``); empty where no detector ran
+    (the vLLM plugin)."""
 
     policy: str
     layers: list[dict] = field(default_factory=list)
+    detection: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         """Means over MoE blocks of the per-block means per decode step.
@@ -132,7 +137,13 @@ class LynxStats:
         verification forwards of assisted / prompt-lookup decoding), ``prefill_tokens_in_mixed_steps``
         (prefill tokens that shared a forward with decode tokens: continuous batching),
         ``finished_row_tokens`` (tokens of finished rows, not counted above), ``num_moe_layers``,
-        ``policy`` and ``per_layer`` (list of per-block dicts).
+        ``policy`` and ``per_layer`` (list of per-block dicts). With the HF patcher also the detector's
+        counts (eager forwards only; a forward traced by ``torch.compile`` is not counted):
+        ``backbone_forwards`` (forwards of the decoder backbone classified), ``decode_forwards`` (of them,
+        with decode work) and ``unclassified_forwards`` (forwards that looked like decode steps -- a cache
+        on two or more rows, at most ``q_max`` query tokens -- but were classified as prefill because the
+        cache's length could not be read or read short, plus forwards inside ``generate`` whose MoE blocks
+        ran without the backbone; see :class:`lynx_hf.errors.LynxNoDecodeWarning`).
         """
         seen = [layer for layer in self.layers if layer["decode_steps"] > 0]
         n = max(len(seen), 1)
@@ -153,5 +164,6 @@ class LynxStats:
             "verify_tokens": first.get("verify_tokens", 0),
             "prefill_tokens_in_mixed_steps": first.get("prefill_tokens_in_mixed_steps", 0),
             "finished_row_tokens": first.get("finished_row_tokens", 0),
+            **self.detection,
             "per_layer": self.layers,
         }

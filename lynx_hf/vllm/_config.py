@@ -8,6 +8,9 @@ Sources, in order (the first that is set wins):
 Keys are :class:`~lynx_hf.LynxConfig` fields, plus the plugin-only keys in :data:`PLUGIN_KEYS`. Values
 may be JSON-typed (``0.5``, ``null``, ``true``) or strings (``"0.5"``, ``"None"``, ``"true"``): they go
 through :meth:`LynxConfig.from_options`, the parsing path of the CLI and of lm-eval's ``model_args``.
+``"config_file": PATH`` reads a config file first (:meth:`LynxConfig.from_file`, e.g. the ``lynx_config.json``
+of ``lynx-hf sweep --model``); the other keys override its fields. ``LYNX_VLLM_CONFIG`` may also be the file's
+path itself (a value that does not start with ``{`` or ``[``): ``LYNX_VLLM_CONFIG=lynx_config.json``.
 Nothing set (or ``LYNX_VLLM_CONFIG`` empty) means the plugin is off. This module imports no vLLM.
 """
 
@@ -23,7 +26,7 @@ from ..errors import LynxConfigError
 ENV_VAR = "LYNX_VLLM_CONFIG"
 ADDITIONAL_CONFIG_KEY = "lynx"
 #: keys of the plugin's own, not LynxConfig fields
-PLUGIN_KEYS = ("stats_path", "stats_every")
+PLUGIN_KEYS = ("stats_path", "stats_every", "config_file")
 
 
 @dataclass(frozen=True)
@@ -49,10 +52,13 @@ class PluginConfig:
 def parse(value, source: str = ENV_VAR) -> PluginConfig | None:
     """``PluginConfig`` from a JSON string or a dict; ``None`` for ``None`` / ``""``.
 
+    A string that does not start with ``{`` or ``[`` (JSON) is the path of a config file (as ``{"config_file": value}``).
     Raises :class:`~lynx_hf.LynxConfigError` naming ``source`` for bad JSON, a non-object, an unknown
-    key or a bad value."""
+    key, a bad value or a config file that is missing or invalid."""
     if value is None or (isinstance(value, str) and not value.strip()):
         return None
+    if isinstance(value, str) and not value.lstrip().startswith(("{", "[")):
+        value = {"config_file": value.strip()}
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -63,6 +69,7 @@ def parse(value, source: str = ENV_VAR) -> PluginConfig | None:
     if not isinstance(value, dict):
         raise LynxConfigError(f"{source} must be a JSON object of LynxConfig fields, got {value!r}")
     values = dict(value)
+    config_file = values.pop("config_file", None)
     stats_path = values.pop("stats_path", None)
     stats_every = values.pop("stats_every", 0)
     if isinstance(stats_every, str) and stats_every.strip().isdigit():
@@ -71,8 +78,13 @@ def parse(value, source: str = ENV_VAR) -> PluginConfig | None:
         raise LynxConfigError(f"{source}: stats_path must be a string path, got {stats_path!r}")
     if isinstance(stats_every, bool) or not isinstance(stats_every, int) or stats_every < 0:
         raise LynxConfigError(f"{source}: stats_every must be an int >= 0, got {stats_every!r}")
+    if config_file is not None and not isinstance(config_file, str):
+        raise LynxConfigError(f"{source}: config_file must be a string path, got {config_file!r}")
     try:
-        lynx = LynxConfig.from_options(values)
+        base = LynxConfig.from_file(config_file) if config_file is not None else None
+        lynx = LynxConfig.from_options(values, base=base)
+    except FileNotFoundError as exc:
+        raise LynxConfigError(f"{source}: config_file: {exc}") from None
     except LynxConfigError as exc:
         raise LynxConfigError(f"{source}: {exc}") from None
     return PluginConfig(lynx=lynx, stats_path=stats_path, stats_every=stats_every)

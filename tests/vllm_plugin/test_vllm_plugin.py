@@ -36,13 +36,13 @@ if not _have_vllm():
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from helpers.sync_detector import SyncDetector  # noqa: E402
 from lynx_hf import LynxConfigError, UnsupportedModelError  # noqa: E402
 from lynx_hf.core import WeightRule  # noqa: E402
 from lynx_hf.eval import DATA_DIR, FIXTURES_DIR  # noqa: E402
 from lynx_hf.kernels.routing_torch import routing_weights, strict_sync_free  # noqa: E402
 from lynx_hf.vllm import _config, _hooks  # noqa: E402
 from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
-from sync_detector import SyncDetector  # noqa: E402  (tests/sync_detector.py)
 
 FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
 FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"

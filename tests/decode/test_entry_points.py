@@ -1,0 +1,333 @@
+"""Every entry point remaps as specified or says why not (CASES C28-C31, C33).
+
+Each input is compared with the equivalent call: a model sharing its config object with a patched one (C28)
+against the first model and the unpatched model; accelerate's regional compilation in both orders (C29)
+against eager LYNX; a partial ``generation_config`` (C30) and ``eos_token_id=None`` (C31) against the
+equivalent keyword call; and the no-decode self-check (C33) where decode detection is deliberately broken,
+silent where it is not."""
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import lynx_hf
+from helpers import families as fam
+from lynx_hf import detection
+from lynx_hf.errors import LynxNoDecodeWarning, UnsupportedModelError
+
+NEW = 4
+
+
+def _generate(model, ids, mask, **kw):
+    kw.setdefault("max_new_tokens", NEW)
+    kw.setdefault("do_sample", False)
+    return model.generate(input_ids=ids, attention_mask=mask, output_scores=True, return_dict_in_generate=True, **kw)
+
+
+def _same_run(a, b, atol=0.0):
+    """Same tokens and the same scores (bit-identical unless ``atol``: a traced graph may round differently)."""
+    assert torch.equal(a.sequences, b.sequences)
+    assert len(a.scores) == len(b.scores)
+    for x, y in zip(a.scores, b.scores):
+        assert torch.equal(x, y) if not atol else torch.allclose(x, y, rtol=0.0, atol=atol)
+
+
+def _telemetry(model):
+    summary = lynx_hf.stats(model).summary()
+    return {k: v for k, v in summary.items() if k != "per_layer"}
+
+
+# -- C28: config objects shared between models ------------------------------------------------------------
+def test_C28_model_from_a_patched_models_config_patches_and_matches_the_first():
+    ids, mask = fam.prompts(6, 5)
+    first = fam.build("qwen2_moe")
+    plain = _generate(first, ids, mask)
+    implementation = first.config._experts_implementation
+    lynx_hf.patch(first)
+    want = _generate(first, ids, mask)
+    want_stats = _telemetry(first)
+
+    second = AutoModelForCausalLM.from_config(first.config).eval()  # shares the config, which says "lynx"
+    assert second.config is first.config
+    second.load_state_dict(first.state_dict())
+    _same_run(_generate(second, ids, mask), plain)  # unpatched: its own experts implementation, not "lynx"
+
+    lynx_hf.patch(second)  # used to record "lynx" as its original implementation: RecursionError
+    got = _generate(second, ids, mask)
+    _same_run(got, want)
+    assert _telemetry(second) == want_stats
+    assert want_stats["unique_experts_after"] < want_stats["unique_experts_before"]
+
+    lynx_hf.unpatch(first)  # the second model still needs "lynx" on the shared config
+    lynx_hf.reset_stats(second)
+    _same_run(_generate(second, ids, mask), want)
+    _same_run(_generate(first, ids, mask), plain)
+    lynx_hf.unpatch(second)
+    assert first.config._experts_implementation == implementation
+    _same_run(_generate(second, ids, mask), plain)
+
+
+@pytest.fixture
+def spy_implementation():
+    """An experts implementation ``"spy"`` (transformers' ``grouped_mm``, recording which modules ran it)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_experts_forward
+
+    seen = []
+
+    def spy(module, *args, **kwargs):
+        seen.append(module)
+        return grouped_mm_experts_forward(module, *args, **kwargs)
+
+    ALL_EXPERTS_FUNCTIONS._global_mapping["spy"] = spy
+    yield seen
+    del ALL_EXPERTS_FUNCTIONS._global_mapping["spy"]
+
+
+def test_C28_unpatched_sibling_sharing_the_config_keeps_its_own_implementation(spy_implementation):
+    ids, mask = fam.prompts(6, 5)
+    patched = fam.build("mixtral")
+    sibling = type(patched)(patched.config).eval()  # two models built from one config object
+    sibling.load_state_dict(patched.state_dict())
+    patched.config._experts_implementation = "spy"
+    plain = _generate(sibling, ids, mask)
+
+    lynx_hf.patch(patched, policy="lynx")
+    spy_implementation.clear()
+    _same_run(_generate(sibling, ids, mask), plain)
+    experts = {id(m) for m in sibling.modules() if type(m).__name__.endswith("Experts")}
+    assert experts and {id(m) for m in spy_implementation} == experts  # the sibling ran "spy", every step
+    assert not lynx_hf.is_patched(sibling)
+
+    spy_implementation.clear()
+    remapped = _generate(patched, ids, mask)
+    assert {id(m) for m in spy_implementation} & {id(m) for m in patched.modules()}  # its prefill too
+    stats = _telemetry(patched)
+    assert stats["decode_steps"] == NEW - 1 and stats["unique_experts_after"] < stats["unique_experts_before"]
+    assert not torch.equal(torch.stack(remapped.scores), torch.stack(plain.scores))
+    lynx_hf.unpatch(patched)
+    assert patched.config._experts_implementation == "spy"
+    _same_run(_generate(patched, ids, mask), plain)
+
+
+def _tiny_vlm():
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(vocab_size=fam.VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=256,
+                rope_scaling={"rope_type": "default", "mrope_section": [2, 1, 1]})
+    vision = dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=4,
+                  temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16, deepstack_visual_indexes=[])
+    vlm = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(text_config=text, vision_config=vision)).eval()
+    with torch.no_grad():
+        for name, p in vlm.named_parameters():
+            if name.endswith("gate.weight"):
+                p.mul_(20.0)
+    return vlm
+
+
+def test_C28_text_model_built_from_a_patched_vlms_text_config():
+    from transformers import DynamicCache, Qwen3VLMoeTextModel
+
+    vlm = _tiny_vlm()
+    ids, mask = fam.prompts(6, 5, left_pad=False)
+    text = Qwen3VLMoeTextModel(vlm.config.text_config).eval()
+    text.load_state_dict(vlm.model.language_model.state_dict())
+
+    def decode(model):
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True)
+            step = model(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+        return out.last_hidden_state, step.last_hidden_state
+
+    plain = decode(text)
+    implementation = text.config._experts_implementation
+    lynx_hf.patch(vlm)
+    assert text.config is vlm.config.text_config and text.config._experts_implementation == "lynx"
+    assert all(torch.equal(a, b) for a, b in zip(decode(text), plain))  # the unpatched text model: its own
+    lynx_hf.patch(text)  # no RecursionError
+    prefill, step = decode(text)
+    assert torch.equal(prefill, plain[0])  # prefill bit-identical
+    stats = _telemetry(text)
+    assert stats["decode_steps"] == 1 and stats["unique_experts_after"] < stats["unique_experts_before"]
+    assert not torch.equal(step, plain[1])
+    lynx_hf.unpatch(vlm)
+    lynx_hf.unpatch(text)
+    assert text.config._experts_implementation == implementation
+    assert all(torch.equal(a, b) for a, b in zip(decode(text), plain))
+
+
+# -- C29: accelerate's regional compilation, either order ---------------------------------------------------
+class CountingBackend:
+    """A ``torch.compile`` backend that runs the traced graph as is and counts graphs and calls."""
+
+    def __init__(self):
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, graph, example_inputs):
+        self.graphs += 1
+
+        def run(*args):
+            self.calls += 1
+            return graph.forward(*args)
+
+        return run
+
+
+@pytest.mark.parametrize("order", ["patch_then_compile_regions", "compile_regions_then_patch"])
+def test_C29_compiled_regions_run_and_remap_like_eager_lynx(order):
+    from accelerate.utils import compile_regions
+
+    ids, mask = fam.prompts(6, 5)
+    eager = fam.build("mixtral")
+    lynx_hf.patch(eager)
+    want = _generate(eager, ids, mask)
+    want_stats = _telemetry(eager)
+
+    model = fam.build("mixtral")
+    backend = CountingBackend()
+    torch._dynamo.reset()
+    # every call of a region must run a compiled graph (no silent eager fallback at the recompile limit)
+    with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        if order == "patch_then_compile_regions":
+            lynx_hf.patch(model)
+            compiled = compile_regions(model, backend=backend)
+        else:
+            compiled = compile_regions(model, backend=backend)
+            lynx_hf.patch(compiled)
+        assert compiled is not model
+        got = _generate(compiled, ids, mask)
+    layers = model.config.num_hidden_layers
+    assert backend.graphs > 0 and backend.calls >= NEW * layers  # the compiled layers ran in every forward
+    _same_run(got, want, atol=1e-5)
+    stats = _telemetry(compiled)
+    assert stats.pop("policy") == want_stats.pop("policy")
+    assert stats == pytest.approx(want_stats, rel=1e-6)  # counts exact; routing mass summed in another order
+    assert stats["decode_steps"] == NEW - 1 and stats["unique_experts_after"] < stats["unique_experts_before"]
+    lynx_hf.unpatch(compiled)
+    assert not lynx_hf.is_patched(compiled) and not lynx_hf.is_patched(model)
+    torch._dynamo.reset()
+
+
+# -- C30 / C31: generation settings as generate resolves them ------------------------------------------------
+def _model_whose_eos_a_row_emits(ids, mask):
+    """A tiny model whose ``generation_config.eos_token_id`` is a token one row generates early (so that EOS
+    stops that row), and a token no row generates."""
+    model = fam.build("qwen2_moe")
+    free = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    new = free[:, ids.shape[1]:]
+    model.generation_config.eos_token_id = int(new[0, 1])
+    never = max(t for t in range(3, fam.VOCAB) if not (free == t).any())
+    return model, int(new[0, 1]), never
+
+
+def test_C30_partial_generation_config_reads_the_models_eos_like_the_keyword_call():
+    ids, mask = fam.prompts(6, 5)
+    model, eos, _ = _model_whose_eos_a_row_emits(ids, mask)
+    lynx_hf.patch(model)
+    keyword = _generate(model, ids, mask, max_new_tokens=6)
+    keyword_stats = _telemetry(model)
+    assert keyword_stats["finished_row_tokens"] > 0  # the model's EOS stopped a row
+    lynx_hf.reset_stats(model)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False)  # no EOS field: generate fills it from the model
+    passed = model.generate(input_ids=ids, attention_mask=mask, generation_config=config, output_scores=True,
+                            return_dict_in_generate=True)
+    _same_run(passed, keyword)
+    assert _telemetry(model) == keyword_stats
+    lynx_hf.reset_stats(model)
+    positional = model.generate(ids, config, attention_mask=mask, output_scores=True, return_dict_in_generate=True)
+    _same_run(positional, keyword)
+    assert _telemetry(model) == keyword_stats
+
+
+def test_C31_eos_none_keeps_rows_that_emit_the_models_eos_live():
+    ids, mask = fam.prompts(6, 5)
+    model, eos, never = _model_whose_eos_a_row_emits(ids, mask)
+    lynx_hf.patch(model)
+    off = _generate(model, ids, mask, max_new_tokens=6, eos_token_id=None)
+    off_stats = _telemetry(model)
+    assert (off.sequences[:, ids.shape[1]:] == eos).any()  # a row emitted the model's EOS and went on
+    lynx_hf.reset_stats(model)
+    equivalent = _generate(model, ids, mask, max_new_tokens=6, eos_token_id=never)
+    _same_run(off, equivalent)
+    assert _telemetry(model) == off_stats
+    assert off_stats["finished_row_tokens"] == 0
+
+
+# -- C33: the no-decode self-check ---------------------------------------------------------------------------
+def test_C33_unreadable_cache_length_warns_once_with_counts(monkeypatch):
+    ids, mask = fam.prompts(6, 5)
+    model = fam.build("mixtral")
+    lynx_hf.patch(model)
+    monkeypatch.setattr(detection, "cache_length", lambda cache: None)  # detection cannot read any cache
+    with pytest.warns(LynxNoDecodeWarning, match="could not be read") as record:
+        _generate(model, ids, mask)
+        _generate(model, ids, mask)
+    assert len([w for w in record if issubclass(w.category, LynxNoDecodeWarning)]) == 1  # once
+    stats = _telemetry(model)
+    assert stats["decode_steps"] == 0 and stats["decode_forwards"] == 0
+    assert stats["backbone_forwards"] == 2 * NEW and stats["unclassified_forwards"] == 2 * (NEW - 1)
+
+
+def test_C33_cache_reading_empty_warns_outside_generate_and_not_under_policy_none(monkeypatch):
+    from transformers import DynamicCache
+
+    ids, mask = fam.prompts(6, 5)
+    model = fam.build("mixtral")
+
+    def decode_loop():
+        out = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), use_cache=True)
+        step_mask = mask
+        for _ in range(3):
+            step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
+                        cache=out.cache, use_cache=True)
+
+    monkeypatch.setattr(detection, "cache_length", lambda cache: 0)
+    lynx_hf.patch(model, policy="none")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LynxNoDecodeWarning)
+        decode_loop()  # policy none does not remap: nothing to warn about
+    assert _telemetry(model)["unclassified_forwards"] == 3
+    lynx_hf.patch(model, policy="lynx")
+    with pytest.warns(LynxNoDecodeWarning, match="reads 0"):
+        decode_loop()
+
+
+def test_C33_backbone_never_called_warns_at_the_first_forward():
+    ids, mask = fam.prompts(6, 5)
+    model = fam.build("mixtral")
+    lynx_hf.patch(model)
+    state = lynx_hf.patcher._state(model)
+    state.tracker.detach(state.backbone)  # the backbone's forward no longer reaches the detector
+    with pytest.warns(LynxNoDecodeWarning, match="without the decoder backbone"):
+        _generate(model, ids, mask, max_new_tokens=1)
+    assert _telemetry(model)["unclassified_forwards"] == 1
+    state.tracker.attach(state.backbone)
+    lynx_hf.unpatch(model)
+
+
+def test_C33_blocks_under_a_container_that_is_never_called_are_refused_at_patch_time():
+    both = torch.nn.ModuleList([fam.build("mixtral"), fam.build("mixtral", seed=1)])
+    with pytest.raises(UnsupportedModelError, match="never called"):
+        lynx_hf.patch(both)
+    assert not lynx_hf.is_patched(both)
+    assert all(not hook for m in both.modules() for hook in (m._forward_hooks, m._forward_pre_hooks))
+
+
+@pytest.mark.parametrize("prompt_length", [1, 5])
+def test_C33_silent_where_decode_is_detected(prompt_length):
+    ids, mask = fam.prompts(6, prompt_length, left_pad=prompt_length > 1)
+    model = fam.build("mixtral")
+    lynx_hf.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LynxNoDecodeWarning)
+        _generate(model, ids, mask)
+    stats = _telemetry(model)
+    assert stats["decode_forwards"] == stats["decode_steps"] == NEW - 1
+    assert stats["backbone_forwards"] == NEW
+    assert stats["unclassified_forwards"] == 0  # a one-token prompt is known to be the prompt inside generate

@@ -1,0 +1,26 @@
+"""Hypothesis strategies shared by the kernel tests (the numba twins, the fused CPU decode step)."""
+
+import math
+
+import numpy as np
+import torch
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+# logits from a small grid (many exact ties) or continuous values; -inf marks forbidden experts
+_VALUES = st.one_of(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),
+                    st.floats(-6, 6, allow_nan=False, width=32), st.just(-math.inf))
+
+
+@st.composite
+def routing_scores(draw, tokens=(1, 12), experts=(2, 24), max_k=5, k_below_n=False):
+    """``(scores [T, N] fp32, own top-k idx [T, k] int64, k)``: values from ``_VALUES`` (ties, -inf), every row
+    with at least k allowed experts; ``k_below_n`` keeps k < N (the fused decode step's tests)."""
+    t = draw(st.integers(*tokens))
+    n = draw(st.integers(*experts))
+    k = draw(st.integers(1, min(n - 1 if k_below_n else n, max_k)))
+    s = draw(arrays(np.float32, (t, n), elements=_VALUES))
+    s[:, :k] = np.where(np.isfinite(s[:, :k]), s[:, :k], 0.0)  # every row keeps >= k allowed experts
+    scores = torch.from_numpy(s)
+    idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    return scores, idx, k

@@ -1,0 +1,249 @@
+"""Public API: config validation, typed errors, patch/unpatch exactness, save/load round-trip (C6)."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+import lynx_hf
+from helpers import families as fam
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("policy", "fast"), ("phase", "always"), ("routing_backend", "cuda"), ("expert_path", "cuda"), ("alpha", 0.0),
+     ("alpha", -1.0), ("alpha", float("nan")), ("beta", -1), ("beta", 1.5), ("tau", -0.1), ("tau", float("inf")),
+     ("oea_k0", 0), ("oea_k0", True), ("q_max", 0), ("telemetry", "yes"), ("mass_price", -1.0),
+     ("mass_price", float("inf")), ("alpha", float("inf")), ("beta", 65), ("price_unit", "tokens"),
+     ("xshare_budget", 0), ("xshare_fraction", 0.0), ("xshare_warmup", -1)],
+)
+def test_config_rejects_bad_field_naming_it(field, value):
+    with pytest.raises(lynx_hf.LynxConfigError, match=field) as info:
+        lynx_hf.LynxConfig(**{field: value})
+    assert isinstance(info.value, ValueError) and isinstance(info.value, lynx_hf.LynxError)
+
+
+def test_config_from_dict_rejects_unknown_field():
+    with pytest.raises(lynx_hf.LynxConfigError, match="gamma"):
+        lynx_hf.LynxConfig.from_dict({"policy": "lynx", "gamma": 1})
+    model = fam.build("mixtral")
+    with pytest.raises(lynx_hf.LynxConfigError, match="kk0"):  # keyword overrides are checked the same way
+        lynx_hf.patch(model, kk0=2)
+    assert not lynx_hf.is_patched(model)
+
+
+def test_stats_restart_when_the_config_changes():
+    """stats describe one config: swapping it (patch again, or leaving a nested patched()) restarts them."""
+    model = fam.build("mixtral")
+    ids, mask = fam.prompts(8, 5)
+    lynx_hf.patch(model, policy="none")
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 3
+    lynx_hf.patch(model, policy="none")  # same config: nothing restarts
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 3
+    lynx_hf.patch(model, policy="lynx")
+    restarted = lynx_hf.stats(model).summary()
+    assert restarted["policy"] == "lynx" and restarted["decode_steps"] == 0 and restarted["decode_tokens"] == 0
+    assert restarted["unique_experts_before"] == restarted["unique_experts_after"] == 0.0
+    assert all(layer["decode_steps"] == 0 and layer["decode_tokens"] == 0 for layer in restarted["per_layer"])
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 2
+    lynx_hf.unpatch(model)
+
+
+def test_patch_dense_model_raises_unsupported_listing_families():
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(lynx_hf.UnsupportedModelError) as info:
+        lynx_hf.patch(model)
+    for family in ("qwen2_moe", "mixtral", "deepseek_v2", "llama4"):
+        assert family in str(info.value)
+    assert not lynx_hf.is_patched(model)
+
+
+def test_patch_unknown_moe_lookalike_names_its_class():
+    class FancyMoeBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(4, 3)
+            self.experts = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+
+    model = nn.Sequential(FancyMoeBlock())
+    with pytest.raises(lynx_hf.UnsupportedModelError, match="FancyMoeBlock"):
+        lynx_hf.patch(model)
+
+
+def test_patch_non_module_raises():
+    with pytest.raises(lynx_hf.UnsupportedModelError):
+        lynx_hf.patch("Qwen/Qwen1.5-MoE-A2.7B")
+
+
+def test_stats_on_unpatched_model_raises():
+    model = fam.build("mixtral")
+    with pytest.raises(lynx_hf.NotPatchedError):
+        lynx_hf.stats(model)
+    with pytest.raises(lynx_hf.NotPatchedError):
+        lynx_hf.reset_stats(model)
+
+
+def _forward_ids(model):
+    return {k: id(v) for k, v in vars(model).items()}
+
+
+def test_patch_twice_only_swaps_config():
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="lynx"))
+    forwards = {n: m.__dict__.get("forward") for n, m in model.named_modules()}
+    hooks = len(model._forward_pre_hooks)
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="oea", oea_k0=2))
+    assert lynx_hf.config_of(model).policy == "oea"
+    assert {n: m.__dict__.get("forward") for n, m in model.named_modules()} == forwards
+    assert len(model._forward_pre_hooks) == hooks
+    lynx_hf.unpatch(model)
+    assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_patched_context_manager_restores_on_error():
+    model = fam.build("mixtral")
+    with pytest.raises(RuntimeError, match="boom"):
+        with lynx_hf.patched(model, policy="oea"):
+            assert lynx_hf.is_patched(model)
+            raise RuntimeError("boom")
+    assert not lynx_hf.is_patched(model)
+    lynx_hf.patch(model, policy="lynx")
+    with lynx_hf.patched(model, policy="none"):
+        assert lynx_hf.config_of(model).policy == "none"
+    assert lynx_hf.config_of(model).policy == "lynx"  # previous config restored, still patched
+    lynx_hf.unpatch(model)
+
+
+def _intercepted(model):
+    """Modules lynx_hf changed: a swapped forward (Llama-4) or a forward hook on the router (the others),
+    reported by the block's name."""
+    names = []
+    for n, m in model.named_modules():
+        routers = [c for c in (getattr(m, "gate", None), getattr(m, "router", None)) if isinstance(c, nn.Module)]
+        if "forward" in vars(m) or any(c._forward_hooks for c in routers):
+            names.append(n)
+    return names
+
+
+def test_only_moe_blocks_are_patched_dense_layers_untouched():
+    model = fam.build("qwen2_moe")  # layer 1 is dense (mlp_only_layers)
+    lynx_hf.patch(model)
+    patched = _intercepted(model)
+    assert patched == ["model.layers.0.mlp", "model.layers.2.mlp"]
+    lynx_hf.unpatch(model)
+    assert _intercepted(model) == []
+    model = fam.build("deepseek_v2")  # first_k_dense_replace=1
+    lynx_hf.patch(model)
+    assert _intercepted(model) == ["model.layers.1.mlp", "model.layers.2.mlp"]
+    lynx_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("family", fam.REPRESENTATIVE)
+def test_C6_save_pretrained_round_trip_while_patched(family, tmp_path):
+    """C6: patch -> save_pretrained -> from_pretrained round-trips keys and tensors exactly."""
+    model = fam.build(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    lynx_hf.patch(model)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    after = loaded.state_dict()
+    assert set(after) == set(before)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+    assert not lynx_hf.is_patched(loaded)
+    lynx_hf.unpatch(model)
+
+
+def test_two_models_do_not_share_state():
+    a, b = fam.build("mixtral", seed=0), fam.build("mixtral", seed=1)
+    lynx_hf.patch(a, policy="lynx")
+    lynx_hf.patch(b, policy="none")
+    ids, mask = fam.prompts(8, 5)
+    a.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(a).summary()["decode_steps"] == 2
+    assert lynx_hf.stats(b).summary()["decode_steps"] == 0
+    assert lynx_hf.config_of(b).policy == "none"
+    lynx_hf.unpatch(a), lynx_hf.unpatch(b)
+
+
+def test_deepcopy_of_patched_model_is_independent():
+    model = lynx_hf.patch(fam.build("mixtral"))
+    clone = copy.deepcopy(model)
+    lynx_hf.unpatch(model)
+    assert lynx_hf.is_patched(clone) and not lynx_hf.is_patched(model)
+    ids, mask = fam.prompts(8, 5)
+    clone.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    assert lynx_hf.stats(clone).summary()["decode_steps"] == 2
+
+
+class _Boom(Exception):
+    pass
+
+
+def test_exception_mid_generate_then_unpatch_leaves_model_exactly_as_before():
+    """Nothing lost: an exception raised inside a decode step (here from a logits processor at the
+    third step) leaves no phase state behind, and unpatch restores outputs, modules, hooks, state_dict."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class RaiseAt(LogitsProcessor):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == 3:
+                raise _Boom()
+            return scores
+
+    model = fam.build("deepseek_v2")
+    keys = list(model.state_dict().keys())
+    hooks = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    ids, mask = fam.prompts(4, 5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
+    lynx_hf.patch(model, policy="lynx")
+    with pytest.raises(_Boom):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                       logits_processor=LogitsProcessorList([RaiseAt()]))
+    state = model.__dict__["_lynx_state"]
+    assert state.tracker._var.get() is None and state.tracker.step.kind == "prefill"  # reset by the always-called hook
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 2
+    lynx_hf.unpatch(model)
+    assert list(model.state_dict().keys()) == keys
+    assert {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()} == hooks
+    assert all("forward" not in vars(m) and "_lynx_block" not in vars(m) and "_lynx_experts" not in vars(m) for m in model.modules())
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), ref)
+
+
+def test_same_inputs_same_outputs_run_after_run():
+    model = lynx_hf.patch(fam.build("qwen2_moe"), policy="lynx")
+    ids, mask = fam.prompts(16, 6)
+    runs = [model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           output_scores=True, return_dict_in_generate=True) for _ in range(2)]
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].scores, runs[1].scores))
+    lynx_hf.unpatch(model)
+
+
+def test_installed_layout_does_not_shadow_kernels(tmp_path):
+    """patches/ and kernels/ are installed inside lynx_hf; no top-level ``kernels`` module is ours
+    (HF's ``kernels`` distribution must never be shadowed)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import lynx_hf.kernels
+    import lynx_hf.patches
+
+    repo = Path(__file__).resolve().parents[2]
+    assert Path(lynx_hf.kernels.__file__).parent == repo / "kernels"
+    assert Path(lynx_hf.patches.__file__).parent == repo / "patches"
+    probe = ("import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+             "print('none' if s is None else s.origin)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert str(repo / "kernels") not in out.stdout

@@ -1,0 +1,136 @@
+"""The lynx-hf CLI driven as a subprocess: outputs and exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from helpers import families as fam
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "lynx_hf", *args], capture_output=True, text=True, env=ENV,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "qwen2moe"
+    fam.save_checkpoint("qwen2_moe", path)
+    prompts = path.parent / "prompts.txt"
+    prompts.write_text("w5 w9 w11\nw7 w3\nw12 w13 w14 w15\nw50\n")
+    return path, prompts
+
+
+def test_generate_prints_per_layer_table_and_writes_stats(checkpoint, tmp_path):
+    path, prompts = checkpoint
+    stats = tmp_path / "stats.json"
+    res = run("generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "8",
+              "--max-new-tokens", "4", "--stats-json", str(stats))
+    assert res.returncode == 0, res.stderr
+    assert "experts before" in res.stdout and "model.layers.0.mlp" in res.stdout and "model.layers.2.mlp" in res.stdout
+    assert "token agreement" in res.stdout
+    summary = json.loads(stats.read_text())
+    assert summary["decode_steps"] == 3 and summary["num_moe_layers"] == 2
+    assert summary["unique_experts_after"] <= summary["unique_experts_before"]
+    png = tmp_path / "stats.png"
+    res = run("plot", str(stats), "--out", str(png))
+    assert res.returncode == 0, res.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_generate_policy_none_agrees_fully(checkpoint):
+    path, prompts = checkpoint
+    res = run("generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "4",
+              "--max-new-tokens", "3", "--policy", "none", "--quiet")
+    assert res.returncode == 0, res.stderr
+    assert "token agreement with unpatched greedy decode: 1.000; identical continuations: 1.000" in res.stdout
+
+
+@pytest.mark.parametrize("args,message", [
+    (["generate", "--model", "/no/such/dir"], "no local checkpoint"),
+    (["generate", "--tau", "-1"], "tau"),
+    (["plot", "/no/such.json"], "no stats JSON"),
+])
+def test_errors_are_one_line_and_nonzero(args, message, checkpoint):
+    path, prompts = checkpoint
+    if args[0] == "generate" and "--model" not in args:
+        args = args + ["--model", str(path), "--prompts", str(prompts)]
+    res = run(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], res.stderr
+
+
+def test_dense_model_is_refused_with_one_line(tmp_path):
+    cfg = LlamaConfig(vocab_size=fam.VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    fam.tokenizer().save_pretrained(tmp_path)
+    res = run("generate", "--model", str(tmp_path))
+    assert res.returncode == 2 and "no MoE block of a supported family" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+
+
+def test_help_of_each_subcommand():
+    for sub in ("generate", "plot", "eval", "sweep", "bench", "report"):
+        res = run(sub, "--help")
+        assert res.returncode == 0 and f"usage: lynx-hf {sub}" in res.stdout, (sub, res.stdout[:200], res.stderr)
+
+
+def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
+    """`lynx-hf eval` (lynx_hf.eval.harness) end to end on the committed fixture with tiny settings: teacher-forced
+    decode, generation agreement and the local lm-eval tasks; its built-in checks must all PASS."""
+    from lynx_hf.eval import DEFAULT_FIXTURE
+
+    res = run("eval", "--model", str(DEFAULT_FIXTURE), "--sequences", "8", "--batch-size", "8", "--decode", "4",
+              "--gen-prompts", "4", "--gen-tokens", "4", "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1",
+              "--threads", "1", "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "FAIL" not in res.stdout and res.stdout.count("PASS") >= 4
+    report = json.loads((tmp_path / "harness_qwen2moe-tiny.json").read_text())
+    assert {"teacher_forced", "generation", "lm_eval", "checks"} <= set(report)
+    assert len(report["checks"]) >= 4 and all(report["checks"].values()), report["checks"]
+
+
+# a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words);
+# also lm-eval's model_args (tools/test_lm_eval.py)
+NON_DEFAULT = {"policy": "oea", "phase": "decode", "alpha": "2.5", "beta": "3", "tau": "2.0",
+               "mass_price": "None", "price_unit": "batch", "oea_k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
+               "xshare_warmup": "2", "q_max": "2", "verify": "false", "routing_backend": "torch", "expert_path": "model",
+               "telemetry": "false"}
+NON_DEFAULT_CONFIG = dict(policy="oea", phase="decode", alpha=2.5, beta=3, tau=2.0, mass_price=None,
+                          price_unit="batch", oea_k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
+                          verify=False, routing_backend="torch", expert_path="model", telemetry=False)
+
+
+def test_every_option_reaches_the_config(checkpoint, monkeypatch):
+    """Each LynxConfig field has a `generate` option, and its value reaches the config `generate` patches
+    with (in-process, the real command path; `--mass-price None` selects the paper's rule)."""
+    from dataclasses import fields
+
+    import lynx_hf
+    from lynx_hf import cli
+
+    names = {f.name for f in fields(lynx_hf.LynxConfig)}
+    assert set(NON_DEFAULT) == set(NON_DEFAULT_CONFIG) == names  # a new field needs a value here
+    want = lynx_hf.LynxConfig(**NON_DEFAULT_CONFIG)
+    assert all(getattr(want, n) != getattr(lynx_hf.LynxConfig(), n) for n in names)  # every value non-default
+    path, prompts = checkpoint
+    seen = []
+    real_patch = lynx_hf.patch
+    monkeypatch.setattr(lynx_hf, "patch",
+                        lambda model, config=None, **kw: seen.append(config) or real_patch(model, config, **kw))
+    options = [x for name, value in NON_DEFAULT.items() for x in (f"--{name.replace('_', '-')}", value)]
+    argv = ["generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "2", "--max-new-tokens", "2",
+            "--quiet", *options]
+    assert cli.main(argv) == 0
+    assert seen == [want]
+    seen.clear()
+    assert cli.main(argv[:9] + ["--mass-price", "0.75", "--tau", "3"]) == 0  # the others keep their defaults
+    assert seen == [lynx_hf.LynxConfig(mass_price=0.75, tau=3.0)]
