@@ -66,6 +66,11 @@ class FamilySpec:
     def weight_rule(self, block) -> WeightRule:
         return self.weight_rule_of(self.router_of(block), block)
 
+    def selection_of(self, block):
+        """A per-block selection rule (``patches/selection.py`` ``BiasedSelection``) that replaces
+        :attr:`selection_scores` for this block, or ``None`` (a dedicated spec states its own scores)."""
+        return None
+
     def validate(self, block, name: str, config) -> None:
         """Patch-time checks: k in 1..N, then the family's own (raise ``ModelConfigError``)."""
         from ..errors import ModelConfigError
