@@ -373,6 +373,9 @@ def bench_t_sweep(args, shape: tuple, log) -> dict:
         fits[variant] = {"T": xs, "ms": ys, "slope_ms_per_expert": slope, "intercept_ms": intercept, "r2": r2}
         log(f"  T-fit {variant}: time = {intercept:.2f} ms + {slope:.3f} ms x T  (R^2 = {r2:.4f}); "
             + " ".join(f"T{t}:{y:.1f}" for t, y in zip(xs, ys)))
+        if not r2 >= 0.8:  # time should grow with T; a poor fit means the timings are noise (a busy machine)
+            log(f"  CAUTION: the T-fit of {variant} explains little (R^2 {r2:.2f} < 0.8): these timings are "
+                "dominated by noise (another process on the CPU?); rerun alone before reading any ratio")
     block = None  # free the weights (the timing closures hold the cell)
     gc.collect()
     return fits

@@ -45,6 +45,25 @@ Policy = tuple[str, "LynxConfig | None"]
 # ----------------------------------------------------------------------------------------------
 # loading
 # ----------------------------------------------------------------------------------------------
+def add_run_args(parser) -> None:
+    """The options every checkpoint script shares: ``--threads`` (torch intra-op threads) and ``--out`` (results
+    folder: eval/results in the source checkout, else ./lynx_hf_results)."""
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS_DIR),
+                        help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+
+
+def start_run(args):
+    """Set the threads and load ``args.model``: ``(checkpoint name, model, tokenizer, start time in s)``."""
+    import time
+
+    torch.set_num_threads(args.threads)
+    name = Path(args.model).resolve().name
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model)
+    return name, model, tok, t0
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device | None = None):
     """``(model, tokenizer)`` from a local checkpoint folder (never the hub); tokenizer left-padding.
 

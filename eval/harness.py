@@ -33,7 +33,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
 
@@ -155,19 +154,15 @@ def main(argv=None) -> int:
     p.add_argument("--xshare-match", default=None, metavar="SWEEP_JSON",
                    help="add XShare with the budget of the sweep's default at this fixture and --batch-size (rounded)")
     p.add_argument("--xshare-warmup", type=int, default=1, help="XShare warm-up (each token's top experts kept first)")
-    p.add_argument("--k0", default=None, help="OEA k0 list, e.g. 2,1 (default k-1..1)")
+    p.add_argument("--oea-k0", "--k0", dest="k0", default=None, help="OEA k0 list, e.g. 2,1 (default k-1..1)")
     p.add_argument("--gen-prompts", type=int, default=16)
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--skip-lm-eval", action="store_true")
     p.add_argument("--lm-batch-size", type=int, default=16)
     p.add_argument("--lm-limit", type=int, default=None, help="items per lm-eval task (default all)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+    ev.add_run_args(p)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    name = Path(args.model).resolve().name
-    t_all = time.perf_counter()
-    model, tok = ev.load_model(args.model)
+    name, model, tok, t_all = ev.start_run(args)
     num_experts, top_k = ev.moe_shape(model)
     match = None
     xbudget = args.xshare_budget

@@ -71,6 +71,13 @@ MUTANTS: tuple[Mutant, ...] = (
          EQ + "test_lynx_reduces_unique_experts_at_batch_16"),
     ),
     Mutant(
+        "v2_group_mask_dropped",
+        "DeepSeek-V2 group_limited_greedy: selection scores without the group mask (remaps may leave the groups)",
+        (("patches/deepseek_v2.py", "    return logits.masked_fill(~allowed, float(\"-inf\"))\n",
+          "    return logits\n"),),
+        ("tests/families/test_group_limits.py::test_C34_remapped_experts_stay_in_the_tokens_allowed_groups",),
+    ),
+    Mutant(
         "fused_remap_noop",
         "the default policy's one-call CPU step: critical set := the batch's whole union (no mass growth)",
         (("kernels/routing_cpu.py", "    critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)\n",

@@ -25,7 +25,6 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-import torch  # noqa: E402
 
 from . import evaluation as ev  # noqa: E402
 
@@ -77,13 +76,9 @@ def main(argv=None) -> int:
     p.add_argument("--windows", type=int, default=128, help="held-out windows (a multiple of 64)")
     p.add_argument("--length", type=int, default=128, help="tokens per window")
     p.add_argument("--skip", type=int, default=8, help="leading positions of each window left out")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+    ev.add_run_args(p)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    name = Path(args.model).resolve().name
-    t0 = time.perf_counter()
-    model, tok = ev.load_model(args.model)
+    name, model, tok, t0 = ev.start_run(args)
     windows = ev.heldout_windows(tok, args.length, args.windows)
     report = ev.router_statistics(model, windows, skip=args.skip)
     report.update(model=name, seconds=round(time.perf_counter() - t0, 1))

@@ -128,6 +128,19 @@ def _row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE: tl.constexpr):
 
 
 @triton.jit
+def _score_tile(s_ptr, vote_ptr, t0, T, offs_n, nmask, stride_st, stride_sn, stride_v, HAS_VOTE: tl.constexpr,
+                BLOCK_T: tl.constexpr):
+    """Rows ``t0 .. t0 + BLOCK_T`` of the selection scores: ``(votes [BLOCK_T] bool, scores [BLOCK_T, BLOCK_N]
+    fp32)``, ``-inf`` outside the rows / experts in range (both passes of the LYNX kernel read the same tile)."""
+    offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+    tm = offs_t < T
+    rv = _row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE)
+    s = tl.load(s_ptr + offs_t[:, None] * stride_st + offs_n[None, :] * stride_sn,
+                mask=tm[:, None] & nmask[None, :], other=float("-inf"))
+    return rv, s
+
+
+@triton.jit
 def _seed_mask(seed_ptr, offs_n, nmask, stride_sd, HAS_SEED: tl.constexpr):
     """``[BLOCK_N]`` int32 0/1: the seed (zeros without one)."""
     if HAS_SEED:
@@ -183,11 +196,8 @@ def _lynx_critical_kernel(
         offs_j = tl.arange(0, BLOCK_J)
         counts = tl.zeros([BLOCK_J, BLOCK_N], dtype=tl.int32)
         for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tm = offs_t < T
-            rv = _row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE)
-            s = tl.load(s_ptr + offs_t[:, None] * stride_st + offs_n[None, :] * stride_sn,
-                        mask=tm[:, None] & nmask[None, :], other=float("-inf"))
+            rv, s = _score_tile(s_ptr, vote_ptr, t0, T, offs_n, nmask, stride_st, stride_sn, stride_v, HAS_VOTE,
+                                BLOCK_T)
             b = tl.where(rv[:, None], _bins_f(s, alpha, cand_b), float("-inf"))
             for j in tl.static_range(BETA + 1):
                 c = tl.sum((b == -j).to(tl.int32), axis=0)
@@ -204,11 +214,8 @@ def _lynx_critical_kernel(
         key = score + tl.where(seeded > 0, offset, 0.0)
         crit = seeded
         for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tm = offs_t < T
-            rv = _row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE)
-            s = tl.load(s_ptr + offs_t[:, None] * stride_st + offs_n[None, :] * stride_sn,
-                        mask=tm[:, None] & nmask[None, :], other=float("-inf"))
+            rv, s = _score_tile(s_ptr, vote_ptr, t0, T, offs_n, nmask, stride_st, stride_sn, stride_v, HAS_VOTE,
+                                BLOCK_T)
             bin0 = (_bins_f(s, alpha, cand_b) == 0) & rv[:, None]
             ck = tl.where(bin0, key[None, :], -1.0)
             has = tl.max(bin0.to(tl.int32), axis=1) > 0

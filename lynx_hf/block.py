@@ -75,6 +75,7 @@ class BlockRouting:
         from .patches import SPECS
 
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
+        state.setdefault("selection", None)  # a state pickled before selection rules existed
         self.__dict__.update(state)
         if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
             from .experts import register

@@ -17,7 +17,7 @@ from .config import LynxConfig
 from .detection import StepTracker, cache_length, generation_scope
 from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
 from .kernels.backend import resolve_backend
-from .patches import find_spec, looks_like_moe, supported_families
+from .patches import find_spec, looks_like_moe, supported_families, why_unsupported
 from .telemetry import LynxStats
 
 MODEL_ATTR = "_lynx_state"  # on the module whose generate runs (or the backbone): the ModelState
@@ -282,15 +282,18 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
         _reconfigure(state, cfg)
         return model
 
-    found, lookalikes = [], set()
+    found, lookalikes, reasons = [], set(), {}
     for name, module in inner.named_modules():
         spec = find_spec(module)
         if spec is not None:
             found.append((name, module, spec))
         elif looks_like_moe(module):
             lookalikes.add(type(module).__name__)
+            reasons.setdefault(type(module).__name__, why_unsupported(module))
     if not found:
-        hint = f" It has MoE-looking blocks of unsupported classes: {sorted(lookalikes)}." if lookalikes else ""
+        hint = (f" It has MoE-looking blocks of unsupported classes: {sorted(lookalikes)}. Why: "
+                f"{'; '.join(reasons[c] for c in sorted(reasons))}." if lookalikes else
+                " No module has an `experts` child or an MoE-like class name.")
         raise UnsupportedModelError(
             f"{type(inner).__name__} has no MoE block of a supported family.{hint} Supported: {_families_text()}."
         )
@@ -305,6 +308,13 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
             f"the MoE blocks of {type(inner).__name__} are not all under one module with a forward of its own (the "
             f"deepest module holding them, {type(backbone).__name__}, is never called), so lynx_hf cannot classify "
             f"their decode steps; patch the model that runs them")
+    if cfg.phase == "auto" and any(module is backbone for _, module, _ in found):
+        # a lone block (or a decoder layer holding one) never receives the KV cache: every forward would read as
+        # prefill and nothing would be remapped, silently (docs/cases.md C33)
+        raise UnsupportedModelError(
+            f"{type(inner).__name__} holds a single MoE block ({type(backbone).__name__}) and no decoder backbone, so "
+            f"its forwards carry no KV cache and lynx_hf cannot tell decode steps from prefill; patch the model (or "
+            f"its decoder backbone) that runs the block, or force decode with LynxConfig(phase='decode')")
     state = ModelState(cfg, backbone, generating)
     for name, module, spec in found:
         block = BlockRouting(state, spec, name or type(module).__name__, module)

@@ -50,8 +50,7 @@ import torch
 from ..errors import ModelConfigError
 from .base import FamilySpec, WeightRule
 from .deepseek_v2 import check_groups
-
-_TINY = torch.finfo(torch.float32).tiny
+from .selection import BiasedSelection
 
 
 def _check(block, gate, name, config):
@@ -71,23 +70,22 @@ def _check(block, gate, name, config):
         )
 
 
+def selection_rule(gate) -> BiasedSelection:
+    """The model's selection as the shared selection-bias rule (``patches/selection.py``)."""
+    return BiasedSelection("sigmoid", "router", "e_score_correction_bias", int(gate.num_group), int(gate.topk_group),
+                           "top2_sum")
+
+
 def allowed_mask(gate, scores_for_choice: torch.Tensor) -> torch.Tensor:
     """``[T, N]`` bool: the experts of each token's ``topk_group`` best groups (the model's ops)."""
-    per_group = gate.num_experts // gate.num_group
-    group_scores = scores_for_choice.view(-1, gate.num_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)
-    group_idx = torch.topk(group_scores, k=gate.topk_group, dim=-1, sorted=False)[1]
-    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    return group_mask.repeat_interleave(per_group, dim=-1)
+    allowed = selection_rule(gate).allowed(scores_for_choice)
+    return torch.ones_like(scores_for_choice, dtype=torch.bool) if allowed is None else allowed
 
 
 def selection_scores(gate, router_logits: torch.Tensor) -> torch.Tensor:
-    """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups."""
-    logits = router_logits.float()
-    bias = gate.e_score_correction_bias
-    scores_for_choice = logits.sigmoid() + bias  # exactly the model's corrected scores
-    allowed = allowed_mask(gate, scores_for_choice)
-    shifted = (scores_for_choice - bias.min().float()).clamp_min(_TINY)
-    return torch.log(shifted).masked_fill(~allowed, float("-inf"))
+    """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups
+    (:meth:`BiasedSelection.selection_scores`). ``router_logits [T, N]`` -> ``[T, N]`` fp32."""
+    return selection_rule(gate).selection_scores(router_logits, gate.e_score_correction_bias.float())
 
 
 SPEC = FamilySpec(

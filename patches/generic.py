@@ -2,47 +2,60 @@
 
 A block qualifies (structurally, no class names) when it has
 
-- a child ``gate`` or ``router`` that, called on flattened hidden states ``[T, H]``, returns
-  ``(router_logits [T, N], routing_weights [T, k], selected_experts [T, k])``, and
-- a child ``experts`` built by ``transformers.integrations.moe.use_experts_implementation``
-  (stacked ``gate_up_proj``/``down_proj`` 3-D weights, ``num_experts``, called as
-  ``experts(hidden, top_k_index, top_k_weights)``),
+- a child ``gate`` or ``router`` that returns ``(router_logits [T, N], routing_weights [T, k],
+  selected_experts [T, k])``, called by the block on its hidden states (and, for some families, a selection
+  bias the block owns: MiniMax-M2, LFM2-MoE, AFMoE pass it as an argument), and
+- a child ``experts`` of stacked 3-D weights (``gate_up_proj`` or, not gated, ``up_proj``, and ``down_proj``) with
+  an int ``num_experts``, called as ``experts(hidden, top_k_index, top_k_weights)`` (built by
+  ``transformers.integrations.moe.use_experts_implementation``, or with a forward of its own: Beam, Step-3.7),
 
 and no dedicated family spec claims it (the generic spec is last in ``SPECS``).
 
-Weight rule: inferred, then verified. The router/block/config attributes state what they can
-(``norm_topk_prob`` -> renormalize, ``routed_scaling_factor`` -> scale, ``scoring_func``-like
-fields or an ``e_score_correction_bias`` -> sigmoid); what they do not state (e.g. GraniteMoE's and
-MiniMax's always-on renormalization, which no attribute names) is enumerated (softmax/sigmoid,
-renormalize or not). At patch time (:meth:`GenericSpec.validate`) the router runs, without
-grad, on a fixed random probe of ``[16, H]`` hidden states in the router's dtype, and a rule is
-accepted only if (1) the model's own experts are the top-k of its router logits (no correction bias,
-no group limits, no sampling), and (2) the rule, applied by ``routing_weights`` to the model's
-own logits and indices and cast to the router's weight dtype, reproduces the router's own weights
-(to 4 ulps of that dtype; the closest fitting candidate wins). Otherwise ``patch`` refuses with
-:class:`lynx_hf.UnsupportedModelError` naming the block class (e.g. PhiMoE's sparsemixer). A router
-whose weights are not materialized at patch time (meta / offloaded) is verified on its first decode call
-instead, on the real outputs; if that fails the block keeps the model's own routing (a warning says so).
+The routing rule is inferred, then verified (:meth:`GenericSpec.validate`). The probe: ``[1, T, H]`` hidden
+states (:func:`probe_hidden`: 64 random tokens plus 16 at each of six smaller scales down to 1e-6, so logit
+gaps get smaller than any selection bias, in the router's dtype) run through the *block* with a hook on its
+router, which records the router's own inputs and output (a block that cannot run on hidden states alone: the
+router is called directly, on ``[T, H]``, then ``[1, T, H]``). Two parts:
 
-Never a raw error: the probe's hidden size comes from the config's ``hidden_size`` (else the
-router weight, else the expert layout, transposed or not: GPT-OSS stores ``gate_up_proj [N, H, 2I]``), in
-the router's dtype (not the experts': fp8 experts); a router that fails on hidden states alone (it needs
-other inputs), returns another tuple, ids out of range or non-finite logits is refused with
-:class:`lynx_hf.UnsupportedModelError` naming the block, the router class and the reason.
+1. **Selection.** A selection bias is looked for by name (``e_score_correction_bias``, ``expert_bias``, ...,
+   ``N`` elements) on the router and its submodules (ERNIE-4.5's ``moe_statics``), on the block, and among the
+   tensors the block passes to the router. With one, the rule is :class:`BiasedSelection` (``score(logits) +
+   bias``, grouped where ``n_group`` / ``topk_group`` say so; score function stated by a ``scoring_func``-like
+   field, else sigmoid then softmax; group score top-2 sum then max); without one, plain top-k of the logits
+   (or of their softmax / sigmoid, in fp32 or the logits' dtype: the model's own ops). A rule is accepted only
+   if its top-k reproduces the router's own ids **exactly** on every probe token (the corrected scores of the
+   chosen set equal the k best, value for value: exact ties are no mismatch, any bias or group effect is).
+2. **Weights.** The router/block/config state what they can (``norm_topk_prob`` -> renormalise,
+   ``routed_scaling_factor`` / ``route_scale`` -> scale, a ``scoring_func``-like field -> softmax or sigmoid);
+   the rest is enumerated (softmax / sigmoid, renormalise or not, the stated scale, 1 (the block scales after
+   the experts) or the ratio the probe shows). A rule must reproduce the router's own weights, applied by
+   ``routing_weights`` to the model's own logits and ids and cast to the router's weight dtype, to 4 ulps of
+   that dtype (fp32 round-off for fp32 routers).
+
+Otherwise ``patch`` refuses with :class:`lynx_hf.UnsupportedModelError` naming the block and router classes,
+the rule that did not fit (how many probe tokens, which candidates) and what would be needed. A router whose
+weights are not materialized at patch time (meta / offloaded) is verified on its first call of at least 16
+tokens instead, on the real outputs; if that fails the block keeps the model's own routing (a warning says so).
+
+Never a raw error: the probe's hidden size comes from the config's ``hidden_size`` (else the router weight,
+else the expert layout, transposed or not: GPT-OSS stores ``gate_up_proj [N, H, 2I]``), in the router's dtype
+(not the experts': fp8 experts); a router that fails on the probe, returns another tuple, ids out of range or
+non-finite logits is refused with the reason.
 
 Experts: whatever their storage, the block's own forward calls them with the remapped routing; a sparse
 path reads their weights only when ``lynx_hf.experts`` finds them plain (GPT-OSS's transposed, biased,
 clamped-SwiGLU experts run transformers' own implementation).
 
-Selection scores: the fp32 router logits (pre-softmax / pre-sigmoid, ``docs/design.md``).
+Selection scores handed to the policies: the fp32 router logits for plain top-k routers; for selection-bias
+routers :meth:`BiasedSelection.selection_scores` (``log(score + bias - min(bias))``, ``-inf`` outside the
+token's allowed groups), so LYNX / OEA / XShare choose among the experts the model's routing allows, ranked
+as the model ranks them.
 
 Decode: like every family, the block's own forward runs; the core's router hook post-processes the
 router's output and the experts run through transformers' experts interface (``lynx_hf.experts``).
 
-Verified by the test suite (tests/test_adapters_extra.py, transformers 5.23): GraniteMoE
-(``GraniteMoeMoE``: softmax over the chosen k, weights in the hidden dtype), FlexOlmo
-(``FlexOlmoSparseMoeBlock``: softmax over N, no renormalization), HunYuan-V1-MoE
-(``HunYuanMoEV1Moe``: softmax renormalized, shared MLP); refused: PhiMoE (sparsemixer).
+Verified by the test suite (tests/families/: test_every_family.py, test_family_specs.py, test_family_matrix.py
+over every MoE family transformers ships, test_selection_bias.py).
 """
 
 from __future__ import annotations
@@ -56,20 +69,41 @@ from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..kernels.routing_torch import routing_weights
 from .base import FamilySpec
+from .selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
 
-_PROBE_TOKENS = 16
+_PROBE_TOKENS = 16  # the fewest tokens a deferred verification trusts (real router outputs)
+_PROBE_RANDOM = 64  # unit-scale random tokens of the patch-time probe
+_PROBE_SCALES = (1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6)  # then 16 tokens at each smaller scale: tiny logit gaps
 _ROUTER_NAMES = ("gate", "router")
 _SCORE_FN_FIELDS = ("scoring_func", "score_func", "score_function", "gating_func", "router_score_function")
+_SCALE_FIELDS = ("routed_scaling_factor", "route_scale", "routed_scale", "moe_routed_scaling_factor")
+_GROUP_FIELDS = ("n_group", "num_group", "num_expert_group", "n_expert_groups")
+_TOPK_GROUP_FIELDS = ("topk_group", "num_limited_groups", "topk_groups")
+#: attribute names of a selection bias (load-balancing correction added to the scores before top-k)
+BIAS_NAMES = ("e_score_correction_bias", "expert_bias", "score_correction_bias", "expert_score_bias",
+              "router_bias", "selection_bias")
 
 
 @dataclass(frozen=True)
 class InferredRule:
-    """A verified weight rule of one block (``kind`` is a ``WEIGHT_RULES`` name) and the router's k."""
+    """A verified rule of one block: the weight rule (``kind`` a ``WEIGHT_RULES`` name, ``renormalize``,
+    ``scale``), the router's k and the selection (``None``: plain top-k of the logits)."""
 
     kind: str
     renormalize: bool
     scale: float
     top_k: int
+    selection: BiasedSelection | None = None
+
+
+def probe_hidden(hidden_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
+    """The patch-time probe ``[T, H]``: :data:`_PROBE_RANDOM` unit-scale tokens, then 16 at each of
+    :data:`_PROBE_SCALES` (seeded). On the small ones the router's logit gaps are far below any selection bias,
+    so a bias decides the top-k there and a rule that ignores it cannot reproduce the ids."""
+    g = torch.Generator().manual_seed(0)
+    parts = [torch.randn(_PROBE_RANDOM, hidden_dim, generator=g)]
+    parts += [torch.randn(_PROBE_TOKENS, hidden_dim, generator=g) * scale for scale in _PROBE_SCALES]
+    return torch.cat(parts).to(device=device, dtype=dtype)
 
 
 def block_parts(module: torch.nn.Module):
@@ -93,11 +127,24 @@ def block_parts(module: torch.nn.Module):
 
 
 def _is_standard_experts(experts) -> bool:
-    """Built by ``use_experts_implementation``: it sets ``has_gate``/``is_transposed`` and ``config``."""
-    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    return (isinstance(gate_up, torch.Tensor) and isinstance(down, torch.Tensor) and gate_up.dim() == 3
-            and down.dim() == 3 and isinstance(getattr(experts, "num_experts", None), int)
-            and hasattr(experts, "has_gate") and hasattr(experts, "is_transposed"))
+    """Stacked experts called as ``experts(hidden, top_k_index, top_k_weights)``: 3-d ``gate_up_proj`` (gated) or
+    ``up_proj`` (not gated: NemotronH, built with ``use_experts_implementation(has_gate=False)``) beside a 3-d
+    ``down_proj``, and an int ``num_experts``. Built by ``use_experts_implementation`` (``has_gate`` /
+    ``is_transposed`` set) or with a forward of their own (Beam, Step-3.7): either way the block calls them with
+    the routing the router hook returns."""
+    up = _up_weight(experts)
+    down = getattr(experts, "down_proj", None)
+    return (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3
+            and isinstance(getattr(experts, "num_experts", None), int))
+
+
+def _up_weight(experts):
+    """``gate_up_proj`` (gated experts), else ``up_proj`` (up / down only), else ``None``."""
+    for name in ("gate_up_proj", "up_proj"):
+        value = getattr(experts, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
 
 
 def _hidden_dim(block, router, experts) -> int | None:
@@ -110,7 +157,7 @@ def _hidden_dim(block, router, experts) -> int | None:
     weight = getattr(router, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[-1])
-    gate_up = experts.gate_up_proj
+    gate_up = _up_weight(experts)
     return int(gate_up.shape[-2] if getattr(experts, "is_transposed", False) else gate_up.shape[-1])
 
 
@@ -126,10 +173,94 @@ def _stated(block, router, experts, names):
     return None
 
 
+def _find_biases(block, router, num_experts: int) -> list[tuple[str, str, torch.Tensor]]:
+    """``[(owner, path, tensor)]``: float tensors of ``num_experts`` elements named like a selection bias
+    (:data:`BIAS_NAMES`) on the router (recursively: ERNIE-4.5 keeps it in ``gate.moe_statics``), then on the
+    block itself (not inside its experts or shared experts)."""
+    found = []
+    for owner, module, recurse in (("router", router, True), ("block", block, False)):
+        for path, tensor in itertools.chain(module.named_parameters(recurse=recurse),
+                                            module.named_buffers(recurse=recurse)):
+            if (path.rsplit(".", 1)[-1] in BIAS_NAMES and tensor.is_floating_point()
+                    and tensor.numel() == num_experts):
+                found.append((owner, path, tensor))
+    return found
+
+
+def _path_of(block, tensor) -> str | None:
+    """The dotted path of ``tensor`` among the block's parameters and buffers, else ``None``."""
+    for path, t in itertools.chain(block.named_parameters(), block.named_buffers()):
+        if t is tensor:
+            return path
+    return None
+
+
+def _capture(block, router, probe):
+    """Run the block on ``probe`` (``[1, T, H]``) with a hook on its router; fall back to calling the router on
+    ``[T, H]``, then ``[1, T, H]``. Returns ``((args, kwargs, output) | None, [failure texts])``: the router's
+    first call as the block makes it (inputs and output)."""
+    calls, failures = [], []
+
+    def hook(module, args, kwargs, output):
+        if not calls:
+            calls.append((args, kwargs, output))
+
+    handle = router.register_forward_hook(hook, with_kwargs=True, prepend=True)
+    try:
+        with torch.no_grad():
+            try:
+                block(probe.unsqueeze(0))
+            except Exception as exc:  # noqa: BLE001 - a foreign block: any failure means "call the router"
+                failures.append(f"the block on [1, {probe.shape[0]}, {probe.shape[1]}]: {type(exc).__name__}: {exc}")
+            for x in (probe, probe.unsqueeze(0)):
+                if calls:
+                    break
+                try:
+                    router(x)
+                except Exception as exc:  # noqa: BLE001 - reported in the refusal
+                    failures.append(f"the router on {list(x.shape)}: {type(exc).__name__}: {exc}")
+    finally:
+        handle.remove()
+    return (calls[0] if calls else None), failures
+
+
+def _needs(router) -> str:
+    """What a router that fails on hidden states alone needs, from its ``forward`` signature (for messages)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(router.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return "other inputs"
+    required = [p.name for p in params if p.default is inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any("input_ids" in name for name in required):
+        return f"other inputs: input_ids (hash routing; its forward takes {required})"
+    return f"other inputs ({required})" if required else "other inputs"
+
+
+def _plain_mismatch(logits: torch.Tensor, idx: torch.Tensor) -> tuple[str, int] | None:
+    """Plain top-k: ``None`` if the ids are the top-k of the logits, their softmax or their sigmoid (in fp32 or
+    the logits' dtype, exact ties allowed), else ``(description, tokens that do not fit the closest)``."""
+    top_k = idx.shape[-1]
+    best = None
+    dtypes = (torch.float32,) if logits.dtype == torch.float32 else (torch.float32, logits.dtype)
+    for name, dtype in itertools.product(("logits", "softmax", "sigmoid"), dtypes):
+        x = logits.to(dtype)
+        score = x if name == "logits" else (torch.softmax(x, dim=-1) if name == "softmax" else x.sigmoid())
+        chosen = score.gather(1, idx).sort(dim=-1, descending=True).values
+        bad = int((chosen != score.topk(top_k, dim=-1).values).any(dim=-1).sum())
+        if bad == 0:
+            return None
+        if best is None or bad < best[1]:
+            best = (f"top-{top_k} of {name} ({str(dtype).replace('torch.', '')})", bad)
+    return best
+
+
 class GenericSpec(FamilySpec):
     """Any block with the standard router/experts contract that no dedicated spec claims."""
 
-    #: tokens a router output needs before a deferred verification trusts it (the patch-time probe's size)
+    #: tokens a router output needs before a deferred verification trusts it
     probe_tokens = _PROBE_TOKENS
 
     def __init__(self, exclude=()) -> None:
@@ -156,17 +287,19 @@ class GenericSpec(FamilySpec):
             return experts.num_experts, rule.top_k
         top_k = _stated(block, router, experts, ("top_k", "num_experts_per_tok", "moe_topk"))
         if not isinstance(top_k, int):
-            raise UnsupportedModelError(f"{type(block).__name__}: cannot find the router's top_k")
+            raise UnsupportedModelError(
+                f"{type(block).__name__} (router {type(router).__name__}): cannot find the router's top_k (no "
+                f"top_k / num_experts_per_tok / moe_topk on the router, the block or the config)")
         return experts.num_experts, top_k
 
     def validate(self, block, name, config):
-        """Infer the weight rule and verify it on a probe (raises :class:`UnsupportedModelError`, never a raw
-        error: a router that cannot run on hidden states alone, a probe that fails, an output of another
-        form are each refused with the block's class and the reason)."""
+        """Infer the routing rule and verify it on the probe (raises :class:`UnsupportedModelError`, never a raw
+        error: a router that cannot run on the probe, an output of another form, a selection or weights no rule
+        reproduces are each refused with the block and router classes and the reason)."""
         router, experts = block_parts(block)
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         weight = next(router.parameters(), None)
-        if weight is None or weight.device.type == "meta" or experts.gate_up_proj.device.type == "meta":
+        if weight is None or weight.device.type == "meta" or _up_weight(experts).device.type == "meta":
             self._rules[id(block)] = None  # not materialized here: verify on the first decode call
         else:
             hidden_dim = _hidden_dim(block, router, experts)
@@ -176,33 +309,43 @@ class GenericSpec(FamilySpec):
                     f"layout unknown); the generic family spec cannot probe its router"
                 )
             dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 else torch.float32
-            probe = torch.randn(_PROBE_TOKENS, hidden_dim, generator=torch.Generator().manual_seed(0))
-            try:
-                with torch.no_grad():
-                    output = router(probe.to(device=weight.device, dtype=dtype))
-            except Exception as exc:  # noqa: BLE001 - any failure of a foreign router is a refusal, not a crash
+            probe = probe_hidden(hidden_dim, dtype, weight.device)
+            call, failures = _capture(block, router, probe)
+            if call is None:
                 raise UnsupportedModelError(
-                    f"{who}: calling the router on hidden states [{_PROBE_TOKENS}, {hidden_dim}] alone failed "
-                    f"({type(exc).__name__}: {exc}); a router that needs other inputs or another layout cannot be "
-                    f"patched by the generic family spec (a dedicated family spec is needed)"
-                ) from exc
-            self._rules[id(block)] = self.verify(block, name, output)
+                    f"{who}: calling the router on hidden states [{probe.shape[0]}, {hidden_dim}] failed "
+                    f"({'; '.join(failures)}); it needs {_needs(router)}, which the generic family spec cannot "
+                    f"supply (a dedicated family spec is needed)"
+                )
+            args, kwargs, output = call
+            passed = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
+            self._rules[id(block)] = self.verify(block, name, output, passed=passed)
         super().validate(block, name, config)
+
     def weight_rule(self, block):
-        """The verified rule (``None``: verification deferred to the first decode call)."""
-        rule = self._rules.pop(id(block), None)
+        """The verified weight rule (``None``: verification deferred to the first decode call)."""
+        rule = self._rules.get(id(block))
         return None if rule is None else WeightRule(rule.kind, rule.renormalize, rule.scale)
+
+    def selection_of(self, block):
+        """The verified selection rule (:class:`BiasedSelection`, ``None``: plain top-k or not verified yet);
+        the last question :class:`lynx_hf.block.BlockRouting` asks, so the stored rule is dropped here."""
+        rule = self._rules.pop(id(block), None)
+        return None if rule is None else rule.selection
 
     def deferred_rule(self, block, name, output) -> WeightRule:
         rule = self.verify(block, name, output)
+        self._rules[id(block)] = rule  # read by selection_of right after
         return WeightRule(rule.kind, rule.renormalize, rule.scale)
 
-    def verify(self, block, name, output) -> InferredRule:
-        """The rule that reproduces ``output`` (the router's own), or raise ``UnsupportedModelError``."""
+    def verify(self, block, name, output, passed=()) -> InferredRule:
+        """The rule that reproduces ``output`` (the router's own ``(logits [T, N], weights [T, k], ids [T, k])``;
+        ``passed``: the tensors the block passed to the router besides the hidden states), or raise
+        ``UnsupportedModelError``."""
         router, experts = block_parts(block)
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         try:
-            return self._verify(who, block, router, experts, output)
+            return self._verify(who, block, router, experts, output, passed)
         except UnsupportedModelError:
             raise
         except Exception as exc:  # noqa: BLE001 - a foreign router's output that breaks the check is a refusal
@@ -211,7 +354,66 @@ class GenericSpec(FamilySpec):
                 f"cannot patch it (a dedicated family spec is needed)"
             ) from exc
 
-    def _verify(self, who, block, router, experts, output) -> InferredRule:
+    def _selection(self, who, block, router, experts, logits, idx, passed) -> BiasedSelection | None:
+        """The selection rule that reproduces the router's ids ``idx`` exactly (``None``: plain top-k)."""
+        num_experts, top_k = logits.shape[-1], idx.shape[-1]
+        biases = [(owner, path) for owner, path, _ in _find_biases(block, router, num_experts)]
+        for tensor in passed:  # a bias the block passes to the router (MiniMax-M2, LFM2-MoE, AFMoE)
+            if not (tensor.is_floating_point() and tensor.numel() == num_experts):
+                continue
+            path = _path_of(block, tensor)
+            if path is None:
+                raise UnsupportedModelError(
+                    f"{who}: the block passes the router a tensor of {num_experts} values that is not one of its "
+                    f"parameters or buffers; a selection bias must live on the router or the block to be read in "
+                    f"decode (a dedicated family spec is needed)")
+            biases = [("block", path, True)] + [b for b in biases if b != ("block", path)]
+        n_group = _stated(block, router, experts, _GROUP_FIELDS)
+        topk_group = _stated(block, router, experts, _TOPK_GROUP_FIELDS)
+        grouped = isinstance(n_group, int) and n_group > 1 and isinstance(topk_group, int)
+        if grouped and (num_experts % n_group or not 1 <= topk_group <= n_group):
+            raise UnsupportedModelError(
+                f"{who}: group routing n_group={n_group}, topk_group={topk_group} does not fit {num_experts} experts "
+                f"(n_group must divide N, topk_group be in 1..n_group)")
+        if not biases:
+            plain = _plain_mismatch(logits, idx)
+            if plain is None:
+                return None
+            if not grouped:
+                raise UnsupportedModelError(
+                    f"{who}: the router's experts are not the top-{top_k} of its logits on {plain[1]} of "
+                    f"{logits.shape[0]} probe tokens (closest rule: {plain[0]}) and no selection bias was found "
+                    f"(looked for {', '.join(BIAS_NAMES)} on the router and the block, and for tensors the block "
+                    f"passes to it); a selection rule with sampling, noise or a bias kept elsewhere needs a "
+                    f"dedicated family spec")
+        score_fn = _stated(block, router, experts, _SCORE_FN_FIELDS)
+        score_fns = ([score_fn.lower(), "logits"] if isinstance(score_fn, str) and score_fn.lower() in SCORE_FNS
+                     else SCORE_FNS)
+        candidates = []
+        for bias in biases or [("none", "", False)]:
+            owner, path, passes = (*bias, False)[:3]
+            for fn in score_fns:
+                for group_score in (GROUP_SCORES if grouped else GROUP_SCORES[:1]):
+                    candidates.append(BiasedSelection(fn, owner, path, n_group if grouped else 1,
+                                                      topk_group if grouped else 1, group_score, passes))
+        offloaded = [f"{o}.{p}" for o, p, t in _find_biases(block, router, num_experts) if t.device.type == "meta"]
+        if offloaded:
+            raise UnsupportedModelError(
+                f"{who}: its selection bias {offloaded} is not materialized (offloaded), so the selection scores "
+                f"could not be read in decode; load the model without offloading the router to patch it")
+        tried = []
+        for selection in candidates:
+            bias = selection.bias(router, block, num_experts).to(logits.device)
+            bad = int(selection.mismatches(logits, bias, idx).sum())
+            if bad == 0:
+                return selection
+            tried.append(f"{selection.describe()}: {bad} of {logits.shape[0]} tokens differ")
+        raise UnsupportedModelError(
+            f"{who}: no selection rule reproduces the router's own experts exactly on the probe ({'; '.join(tried)}); "
+            f"its selection is not a (biased, grouped) top-k the generic family spec knows (a dedicated family spec "
+            f"is needed)")
+
+    def _verify(self, who, block, router, experts, output, passed=()) -> InferredRule:
         num_experts = experts.num_experts
         if not (isinstance(output, (tuple, list)) and len(output) == 3
                 and all(isinstance(t, torch.Tensor) for t in output)):
@@ -220,6 +422,8 @@ class GenericSpec(FamilySpec):
                 f"the generic family spec cannot patch it (a dedicated family spec is needed)"
             )
         logits, weights, idx = output
+        if logits.dim() == 3:  # a router that keeps [B, S, N]
+            logits = logits.reshape(-1, logits.shape[-1])
         if (logits.dim() != 2 or logits.shape[-1] != num_experts or idx.dim() != 2 or weights.shape != idx.shape
                 or idx.dtype.is_floating_point or not weights.dtype.is_floating_point
                 or idx.shape[0] != logits.shape[0]):
@@ -228,51 +432,51 @@ class GenericSpec(FamilySpec):
                 f"not [T, N={num_experts}], [T, k], [T, k]; the generic family spec cannot patch it"
             )
         top_k = idx.shape[-1]
-        scores = logits.float()
         idx = idx.long()
         if top_k < 1 or bool((idx < 0).any()) or bool((idx >= num_experts).any()):
             raise UnsupportedModelError(
                 f"{who}: the router's expert ids are not in 0..{num_experts - 1} (k={top_k}); the generic family spec "
                 f"cannot patch it"
             )
-        if not bool(torch.isfinite(scores).all()):
+        if not bool(torch.isfinite(logits.float()).all()):
             raise UnsupportedModelError(
                 f"{who}: the router's logits on a probe input are not finite (uninitialized weights?); the generic "
                 f"family spec cannot verify its rule"
             )
-        distinct = bool((idx.sort(dim=-1).values.diff(dim=-1) != 0).all()) if top_k > 1 else True
-        chosen = scores.gather(1, idx).sort(dim=-1, descending=True).values
-        best = scores.topk(top_k, dim=-1).values
-        if not distinct or not torch.allclose(chosen, best, rtol=1e-6, atol=1e-6):
+        if top_k > 1 and not bool((idx.sort(dim=-1).values.diff(dim=-1) != 0).all()):
             raise UnsupportedModelError(
-                f"{who}: the router's experts are not the top-{top_k} of its logits (a selection bias, group "
-                f"limits or sampling?); the generic family spec cannot reproduce its selection"
-            )
+                f"{who}: the router chose the same expert twice for a token; the generic family spec cannot "
+                f"reproduce its selection")
+        selection = self._selection(who, block, router, experts, logits, idx, passed)
         renorm = _stated(block, router, experts, ("norm_topk_prob",))
-        scale = _stated(block, router, experts, ("routed_scaling_factor",))
+        scale = _stated(block, router, experts, _SCALE_FIELDS)
         score_fn = _stated(block, router, experts, _SCORE_FN_FIELDS)
-        if isinstance(score_fn, str) and score_fn.lower() in ("sigmoid", "softmax"):
+        if selection is not None and selection.owner != "none" and selection.score != "logits":
+            kinds = ["sigmoid" if selection.score == "sigmoid" else "softmax_all"]
+        elif isinstance(score_fn, str) and score_fn.lower() in ("sigmoid", "softmax"):
             kinds = ["sigmoid" if score_fn.lower() == "sigmoid" else "softmax_all"]
-        elif getattr(router, "e_score_correction_bias", None) is not None:
-            kinds = ["sigmoid"]
         else:
             kinds = ["softmax_all", "sigmoid"]
         renorms = [bool(renorm)] if renorm is not None else [False, True]
-        scales = [float(scale)] if scale is not None else [1.0]
+        scales = [float(scale)] if isinstance(scale, (int, float)) and not isinstance(scale, bool) else []
+        scales.append(1.0)  # no scale, or one the block applies after the experts (Beam, MiniMax-M3-VL)
         tol = 4 * torch.finfo(weights.dtype).eps
         fits, errors = [], []
-        for kind, renormalize, factor in itertools.product(kinds, renorms, scales):
-            ours = routing_weights(logits, idx, kind, renormalize, factor).to(weights.dtype).float()
-            err = ((ours - weights.float()).abs() / weights.float().abs().clamp_min(1e-30)).max().item()
-            if torch.allclose(ours, weights.float(), rtol=tol, atol=tol * 1e-3):
-                fits.append((err, len(fits), InferredRule(kind, renormalize, factor, top_k)))
-            errors.append(f"{kind}(renormalize={renormalize}, scale={factor}): max rel err {err:.3g}")
+        for kind, renormalize in itertools.product(kinds, renorms):
+            unscaled = routing_weights(logits, idx, kind, renormalize, 1.0).float()
+            ratio = (weights.float() / unscaled.clamp_min(1e-30)).median().item()
+            for factor in dict.fromkeys([*scales, ratio]):  # the stated scale, 1, the ratio the probe shows
+                ours = routing_weights(logits, idx, kind, renormalize, factor).to(weights.dtype).float()
+                err = ((ours - weights.float()).abs() / weights.float().abs().clamp_min(1e-30)).max().item()
+                if torch.allclose(ours, weights.float(), rtol=tol, atol=tol * 1e-3):
+                    fits.append((err, len(fits), InferredRule(kind, renormalize, factor, top_k, selection)))
+                errors.append(f"{kind}(renormalize={renormalize}, scale={factor:.6g}): max rel err {err:.3g}")
         if fits:  # the closest fit; on an exact tie the attribute-stated / first candidate
             return min(fits, key=lambda fit: fit[:2])[2]
+        chose = "plain top-k" if selection is None else selection.describe()
         raise UnsupportedModelError(
-            f"{who}: no inferred weight rule reproduces the router's own weights on a probe input "
-            f"({'; '.join(errors)}); the generic family spec cannot patch it (a dedicated family spec is needed)"
+            f"{who}: the selection ({chose}) fits, but no inferred weight rule reproduces the router's own weights "
+            f"on the probe to 4 ulps of {str(weights.dtype).replace('torch.', '')} ({'; '.join(errors)}); the weights are "
+            f"not a softmax / sigmoid of the chosen logits, renormalised and scaled (a dedicated family spec is "
+            f"needed)"
         )
-
-
-

@@ -319,6 +319,27 @@ def test_C33_blocks_under_a_container_that_is_never_called_are_refused_at_patch_
     assert all(not hook for m in both.modules() for hook in (m._forward_hooks, m._forward_pre_hooks))
 
 
+@pytest.mark.parametrize("part", ["decoder_layer", "moe_block"])
+def test_C33_a_lone_block_or_decoder_layer_is_refused_unless_decode_is_forced(part):
+    """A decoder layer (or its MoE block) patched on its own: the detection hook would sit on the block, whose
+    forward never receives the KV cache, so every step would read as prefill (a silent no-op)."""
+    model = fam.build("mixtral")
+    module = model.model.layers[0] if part == "decoder_layer" else model.model.layers[0].mlp
+    with pytest.raises(UnsupportedModelError, match="single MoE block"):
+        lynx_hf.patch(module)
+    assert not lynx_hf.is_patched(module)
+    assert all(not hook for m in model.modules() for hook in (m._forward_hooks, m._forward_pre_hooks))
+    block = model.model.layers[0].mlp
+    hidden = torch.randn(1, 12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = block(hidden)
+        lynx_hf.patch(module, phase="decode")  # decode emulation needs no cache: accepted
+        block(hidden)
+        assert lynx_hf.stats(module).summary()["decode_steps"] == 1
+        lynx_hf.unpatch(module)
+        assert torch.equal(block(hidden), ref) and not lynx_hf.is_patched(module)
+
+
 @pytest.mark.parametrize("prompt_length", [1, 5])
 def test_C33_silent_where_decode_is_detected(prompt_length):
     ids, mask = fam.prompts(6, prompt_length, left_pad=prompt_length > 1)

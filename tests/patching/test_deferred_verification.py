@@ -11,7 +11,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import lynx_hf
-from lynx_hf.errors import UnsupportedModelError
 
 DISK = {"model.embed_tokens": "cpu", "model.layers.0": "disk", "model.layers.1": "disk", "model.norm": "cpu",
         "model.rotary_emb": "cpu", "lm_head": "cpu"}
@@ -52,8 +51,8 @@ def _expert_ids(model):
 
 def test_one_token_calls_never_verify_a_group_limited_router():
     mem, disk = _glm_grouped()
-    with pytest.raises(UnsupportedModelError):  # in memory the probe refuses it
-        lynx_hf.patch(mem)
+    with lynx_hf.patched(mem):  # in memory the probe verifies its selection-bias rule (patches/selection.py)
+        assert all(b.selection is not None and b.selection.n_group > 1 for b in mem.__dict__["_lynx_state"].blocks)
     lynx_hf.patch(disk, policy="lynx")
     blocks = disk.__dict__["_lynx_state"].blocks
     assert blocks and all(b.rule is None and b.rule_status == "pending" for b in blocks)  # deferred
@@ -62,18 +61,19 @@ def test_one_token_calls_never_verify_a_group_limited_router():
         warnings.simplefilter("ignore")
         disk.generate(one, max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert all(b.rule_status == "pending" for b in blocks)  # 4 prefill tokens and 1 decode token: not enough to verify
-    # a batch of 8 x 4 prompt tokens: the prefill call verifies (32 tokens) and refuses, with a warning
+    # a batch of 8 x 4 prompt tokens: the prefill call verifies (32 tokens) the selection-bias rule (the bias buffer
+    # stays in memory under accelerate's offload), with no warning
     eight = torch.randint(3, 128, (8, 4), generator=torch.Generator().manual_seed(100))
     seen, hooks = _expert_ids(disk)
-    with pytest.warns(UserWarning, match="keeps the model's own routing"):
-        out = disk.generate(eight, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        disk.generate(eight, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     for h in hooks:
         h.remove()
-    assert all(b.rule is None and b.rule_status == "refused" for b in blocks)
-    # every row's experts lie in one group of 2 (topk_group=1), as the model's own routing requires
+    assert all(b.rule is not None and b.rule_status == "verified" and b.selection is not None for b in blocks)
+    # every row's experts (remapped ones included) lie in one group of 2 (topk_group=1), as the model's routing requires
     assert seen and all(bool(((r // 2) == (r[:, :1] // 2)).all()) for r in seen)
     lynx_hf.unpatch(disk)
-    assert torch.equal(disk.generate(eight, max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None), out)
 
 
 def test_a_refused_deferred_router_keeps_its_routing_on_every_later_step():

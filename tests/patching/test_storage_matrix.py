@@ -581,7 +581,6 @@ class FailingRouter(_Router):
 
 
 @pytest.mark.parametrize("router_cls,words", [
-    (NeedsMaskRouter, ("needs other inputs", "TypeError")),
     (CorrectionBiasRouter, ("not the top-",)),
     (TwoTupleRouter, ("does not return",)),
     (FourTupleRouter, ("does not return",)),
@@ -599,6 +598,21 @@ def test_generic_adapter_refuses_unusual_routers_with_a_typed_error(router_cls, 
     assert all(word in message for word in words), message
     assert not lynx_hf.is_patched(model)
     assert all(not m._forward_hooks and "forward" not in vars(m) for m in model.modules())
+
+
+def test_generic_adapter_probes_a_router_through_its_block():
+    """A router that needs an input besides the hidden states is probed as its block calls it (the block supplies the
+    mask), verified and patched; policy none stays bit-identical. Called alone it would fail (the reason is named)."""
+    model = fam.build("mixtral")
+    for layer in model.model.layers:
+        layer.mlp = CustomMoeBlock(NeedsMaskRouter(layer.mlp.gate), layer.mlp.experts)
+    ids, mask = fam.prompts(4, 5)
+    ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    with lynx_hf.patched(model, policy="none"):
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False), ref)
+    from lynx_hf.patches.generic import _needs
+
+    assert "token_mask" in _needs(model.model.layers[0].mlp.gate)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
