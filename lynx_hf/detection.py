@@ -117,7 +117,18 @@ def cache_length(cache):
             return int(cache[0][0].shape[-2])
         return None
     try:
-        return get()
+        length = get()
+        if isinstance(length, int) and length == 0 and len(getattr(cache, "layers", ()) or ()) > 1:
+            # a hybrid cache that keeps its linear-attention states beside ``layers`` (MiniMax's
+            # ``linear_cache``) leaves layer 0 empty: the length is that of the first layer holding keys
+            for layer in range(1, len(cache.layers)):
+                try:
+                    length = get(layer)
+                except (ValueError, TypeError, AttributeError, IndexError):
+                    break
+                if not isinstance(length, int) or length:
+                    break
+        return length
     except (ValueError, TypeError, AttributeError, IndexError):
         pass
     linear = list(getattr(cache, "is_linear", None) or [])

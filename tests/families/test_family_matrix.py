@@ -13,9 +13,7 @@ from lynx_hf.eval import family_matrix as fm
 
 CASES = fm.discover()
 #: implementations whose failure is known and tracked (model type -> why); they xfail, and fail once fixed
-KNOWN = {
-    "minimax": "its hybrid lightning-attention cache reports no decode steps to lynx_hf's step detection (CASES C33)",
-}
+KNOWN: dict = {}
 #: at least this many implementations patch (transformers 5.24: see docs/families-matrix.md)
 MIN_PATCHED = 55
 STATUS: dict = {}  # model type -> status, filled by the per-family test (which runs first)
