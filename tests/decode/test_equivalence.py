@@ -43,14 +43,20 @@ def test_forward_without_cache_is_bit_identical(family, policy):
     assert torch.equal(plain, model(ids).logits)
 
 
-@pytest.mark.parametrize("family", fam.PATCHABLE)
-def test_policy_none_decode_is_bit_identical(family):
+def _unpatched_and_patched(family, batch, policy):
+    """``(model, ids, unpatched generate, patched generate, stats summary)`` of a tiny ``family`` model."""
     model = fam.build(family)
-    ids, mask = fam.prompts(8, 6)
+    ids, mask = fam.prompts(batch, 6)
     ref = _generate(model, ids, mask)
-    with lynx_hf.patched(model, policy="none"):
+    with lynx_hf.patched(model, policy=policy):
         out = _generate(model, ids, mask)
         summary = lynx_hf.stats(model).summary()
+    return model, ids, ref, out, summary
+
+
+@pytest.mark.parametrize("family", fam.PATCHABLE)
+def test_policy_none_decode_is_bit_identical(family):
+    model, ids, ref, out, summary = _unpatched_and_patched(family, 8, "none")
     assert torch.equal(out.sequences, ref.sequences)
     for a, b in zip(out.scores, ref.scores):
         assert torch.equal(a, b)
@@ -66,12 +72,7 @@ def test_policy_none_decode_is_bit_identical(family):
 @pytest.mark.parametrize("family", fam.REPRESENTATIVE)
 def test_lynx_decode_changes_logits_only_after_prefill(family):
     """The first generated token comes from prefill: identical under LYNX; later ones may differ."""
-    model = fam.build(family)
-    ids, mask = fam.prompts(16, 6)
-    ref = _generate(model, ids, mask)
-    with lynx_hf.patched(model, policy="lynx"):
-        out = _generate(model, ids, mask)
-        summary = lynx_hf.stats(model).summary()
+    model, ids, ref, out, summary = _unpatched_and_patched(family, 16, "lynx")
     assert torch.equal(out.scores[0], ref.scores[0])
     assert torch.equal(out.sequences[:, : ids.shape[1] + 1], ref.sequences[:, : ids.shape[1] + 1])
     assert summary["decode_steps"] == 4
