@@ -1,4 +1,4 @@
-"""Decode latency benchmarks at real MoE shapes (issue 4): MoE-layer micro-benchmark, latency vs
+"""Decode latency benchmarks at real MoE shapes: MoE-layer micro-benchmark, latency vs
 unique experts, end-to-end TPOT. Random bf16 weights; every comparison runs in ONE process,
 interleaved (round-robin over variants, rotating the start each round), reported as medians and
 ratios. Timings on a shared machine are noisy: read ratios, not absolute times.
@@ -17,7 +17,7 @@ Sections
    the router weight W so that router(hidden) = L (least squares, exact for B <= H up to bf16
    rounding). Sources of L: "real" = i.i.d. normal logits scaled by a temperature calibrated so that
    the mean top-1 router probability is 0.42 (the trained fixture's routers: mean top-1 p 0.34-0.50,
-   rank k-1 p < 0.1 for > 90 % of tokens, DESIGN.md), "uniform" = U[0, 1) logits (near-flat routing:
+   rank k-1 p < 0.1 for > 90 % of tokens, docs/design.md), "uniform" = U[0, 1) logits (near-flat routing:
    the worst case). Per cell: median time, ratio to HF grouped_mm, T before/after (unique experts),
    the ideal ratio T_after/T_before, and the routing overhead = median time of the block's whole
    decode-step routing post-process (BlockRouting.route: selection scores, policy, remap, weight

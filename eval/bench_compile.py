@@ -1,4 +1,4 @@
-"""Compiled decode on CPU (issue 12 item 3): one decode step of a batch through a StaticCache, eager vs
+"""Compiled decode on CPU: one decode step of a batch through a StaticCache, eager vs
 ``torch.compile(fullgraph=True)`` (inductor), unpatched vs LYNX (default config), interleaved rounds in one
 process, medians and ratios to eager unpatched.
 

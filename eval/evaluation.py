@@ -1,4 +1,4 @@
-"""Accuracy harness for patched MoE models (DESIGN.md "Evaluation"; issue 3 items 3-5).
+"""Accuracy harness for patched MoE models (docs/design.md "Evaluation").
 
 Everything here runs offline on local checkpoints and the committed held-out data
 (``eval/data/valid_docs.jsonl``, ``valid_code.jsonl``, ``prompts.txt``):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One prepared GPU check of lynx_hf (issue 12, item 6): one script, under 8 minutes on one H200.
+"""One prepared GPU check of lynx_hf: one script, under 8 minutes on one H200.
 
 Sections (run in this order; each is skipped with a printed note when the time budget is nearly spent):
 

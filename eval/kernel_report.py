@@ -15,7 +15,7 @@ For each compiled kernel it reads registers, spill / stack bytes and local memor
 (``cuobjdump --dump-resource-usage``), shared memory from the compile metadata, and whether the PTX
 declares ``.local`` memory. Output: a markdown table (``kernel_report.md`` in ``--out``) and/or JSON.
 
-Matrix (issue 12, item 4): Qwen2-57B-A14B (H 3584, I 2560, N 64, k 8), DeepSeek-V2-Lite (H 2048,
+Matrix: Qwen2-57B-A14B (H 3584, I 2560, N 64, k 8), DeepSeek-V2-Lite (H 2048,
 I 1408, N 64, k 6), Mixtral-8x7B (H 4096, I 14336, N 8, k 2), Qwen3-30B-A3B (H 2048, I 768, N 128,
 k 8), DeepSeek-V3 (H 7168, I 2048, N 256, k 8); decode batches T in {1, 16, 64}; sm_80 and sm_90;
 plus the expert kernels in Llama-4 Scout's layout (transposed, weight on the input; bf16);

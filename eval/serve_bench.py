@@ -1,4 +1,4 @@
-"""vLLM serving benchmark on CPU (issue 13): decode TPOT and throughput, unpatched vLLM vs the lynx_hf plugin
+"""vLLM serving benchmark on CPU: decode TPOT and throughput, unpatched vLLM vs the lynx_hf plugin
 with LYNX default and OEA k0=1, at several numbers of concurrent requests. Runs in the vLLM environment
 (.venv-vllm, built by .ci/vllm_env.sh).
 

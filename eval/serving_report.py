@@ -1,4 +1,4 @@
-"""Serving report: LYNX in the generation modes a server runs (issue 14), none vs LYNX (default) vs OEA k0=1.
+"""Serving report: LYNX in the generation modes a server runs, none vs LYNX (default) vs OEA k0=1.
 
     python -m lynx_hf.eval.serving_report              # fixture A, writes eval/results/serving.md / .json
     python -m lynx_hf.eval.serving_report --quick      # fewer tokens (a smoke run, not for the README)
@@ -210,7 +210,7 @@ def verification(model, prompts, new_tokens, mode: dict, label: str) -> dict:
 
 def markdown(report: dict) -> str:
     a = report["args"]
-    out = ["# Serving report (issue 14)", "",
+    out = ["# Serving report", "",
            f"Fixture `{report['model']}`, fp32, CPU ({a['threads']} threads), greedy. Command: `{report['command']}` "
            f"({report['seconds']} s). Unique experts: mean per MoE layer per step, among the step's decode tokens "
            "(continuous batching) or over all tokens of a verify forward; 'before' = the model's own routing of the "

@@ -172,7 +172,7 @@ def series_of(r: dict) -> str | None:
 
 
 def is_paper_lynx(r: dict) -> bool:
-    """LYNX as the paper (and DESIGN.md) specifies it: no mass floor, no mass price."""
+    """LYNX as the paper (and docs/design.md) specifies it: no mass floor, no mass price."""
     return series_of(r) == "paper"
 
 
@@ -344,7 +344,7 @@ def markdown(report: dict) -> str:
                          f"{row['unique_experts_after']:.2f} | {100 * (1 - row['unique_ratio_vs_none']):.1f} % | "
                          f"{100 * row['delta_ce_rel']:+.2f} | {100 * row['delta_ce_rel_se']:.2f} | "
                          f"{'yes' if row['delta_ce_rel'] <= s['ce_budget'] else '**no**'} |")
-        lines += ["", "Checks (issue 16): " + "; ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in d["checks"].items()), ""]
+        lines += ["", "Checks: " + "; ".join(f"{k}: {'PASS' if v else 'FAIL'}" for k, v in d["checks"].items()), ""]
         lines += ["### Each candidate series' rule-chosen point at every fixture and B (dCE %, unique experts)", "",
                   "| series | point | " + " | ".join(f"{_label(m)} B={b}" for m, b in d["cells"]) + " | worst dCE % |",
                   "|---|---|" + "---|" * (len(d["cells"]) + 1)]
