@@ -107,9 +107,9 @@ def cache_length(cache):
     ``Cache.get_seq_length()`` (transformers >= 5) reads the first layer that holds attention KV, so
     hybrid caches whose first layers are linear-attention / Mamba states (``is_linear``) or hold nothing
     (``DummyLayer``) report the attention length; sliding-window layers report every token seen
-    (``cumulative_length``), not the window. A cache that cannot resolve its first attention layer
-    itself is read at the first layer that is neither linear nor empty. Legacy tuple caches: the key
-    length of layer 0.
+    (``cumulative_length``), not the window. A cache whose layer 0 cannot be read or reads empty is read
+    at the first layer that is neither linear nor empty and holds keys (0 when none does). Legacy tuple
+    caches: the key length of layer 0.
     """
     get = getattr(cache, "get_seq_length", None)
     if get is None:
@@ -118,29 +118,26 @@ def cache_length(cache):
         return None
     try:
         length = get()
-        if isinstance(length, int) and length == 0 and len(getattr(cache, "layers", ()) or ()) > 1:
-            # a hybrid cache that keeps its linear-attention states beside ``layers`` (MiniMax's
-            # ``linear_cache``) leaves layer 0 empty: the length is that of the first layer holding keys
-            for layer in range(1, len(cache.layers)):
-                try:
-                    length = get(layer)
-                except (ValueError, TypeError, AttributeError, IndexError):
-                    break
-                if not isinstance(length, int) or length:
-                    break
-        return length
     except (ValueError, TypeError, AttributeError, IndexError):
-        pass
+        length = None
+    if length is not None and not (isinstance(length, int) and length == 0):
+        return length
+    # layer 0 could not be read, or reads empty: the first readable attention layer that holds keys answers
+    # (caches that cannot resolve their first attention layer; MiniMax's keeps its linear-attention states
+    # beside ``layers`` and leaves the first layers empty)
     linear = list(getattr(cache, "is_linear", None) or [])
     dummy = list(getattr(cache, "is_dummy", None) or [])
-    for layer in range(len(linear)):
-        if linear[layer] or (layer < len(dummy) and dummy[layer]):
+    for layer in range(max(len(linear), len(getattr(cache, "layers", ()) or ()))):
+        if (layer < len(linear) and linear[layer]) or (layer < len(dummy) and dummy[layer]):
             continue
         try:
-            return get(layer)
+            found = get(layer)
         except (ValueError, TypeError, AttributeError, IndexError):
-            return None
-    return None
+            break
+        if not (isinstance(found, int) and found == 0):
+            return found
+        length = found
+    return length
 
 
 # -- continuous batching --------------------------------------------------------------------------------

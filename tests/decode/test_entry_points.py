@@ -352,3 +352,16 @@ def test_C33_silent_where_decode_is_detected(prompt_length):
     assert stats["decode_forwards"] == stats["decode_steps"] == NEW - 1
     assert stats["backbone_forwards"] == NEW
     assert stats["unclassified_forwards"] == 0  # a one-token prompt is known to be the prompt inside generate
+
+
+def test_cache_length_reads_the_first_layer_holding_keys():
+    """A cache whose layer 0 is empty while a later layer holds keys (MiniMax keeps its linear-attention states
+    beside ``layers``): ``get_seq_length()`` reads 0, the length is the later layer's; an empty cache reads 0."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    keys = torch.zeros(2, 1, 5, 4)
+    cache.update(keys, keys, layer_idx=1)
+    assert cache.get_seq_length() == 0
+    assert detection.cache_length(cache) == 5
+    assert detection.cache_length(DynamicCache()) == 0
