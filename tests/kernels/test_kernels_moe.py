@@ -48,6 +48,18 @@ def _experts(N, H, I, g, transposed, dtype=torch.float32):
     return gu.to(dtype), dn.to(dtype)
 
 
+def _problem(T, H, I, N, k, seed):
+    """A random sparse-MoE problem: ``x [T, H]``, routing ``idx [T, k]``, weights ``w [T, k]``, experts
+    ``gate_up [N, 2I, H]`` / ``down [N, H, I]`` (fp32), drawn in that order from one generator seeded ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    idx = _routing(T, N, k, g)
+    w = torch.rand(T, k, generator=g)
+    gu, dn = _experts(N, H, I, g, False)
+    return x, idx, w, gu, dn
+
+
+
 # ---------------------------------------------------------------------------------------------
 # alignment
 
@@ -139,12 +151,8 @@ def test_C16_sparse_moe_matches_reference(T, H, I, N, k, tr, woi, mode, bn, bk):
 # C15: kernel tails at batch 1, hidden sizes 64/200/1000/2880, every element written.
 @pytest.mark.parametrize("H", [64, 200, 1000, 2880])
 def test_C15_hidden_size_tails_batch1(H):
-    g = torch.Generator().manual_seed(H)
     T, I, N, k = 1, 16, 4, 2
-    x = torch.randn(T, H, generator=g)
-    idx = _routing(T, N, k, g)
-    w = torch.rand(T, k, generator=g)
-    gu, dn = _experts(N, H, I, g, False)
+    x, idx, w, gu, dn = _problem(T, H, I, N, k, seed=H)
     blk = 128 if H >= 1000 else 32
     got = sparse_moe(x, idx, w, gu, dn, block_n=blk, block_k=blk)
     assert torch.isfinite(got).all()
@@ -153,12 +161,8 @@ def test_C15_hidden_size_tails_batch1(H):
 
 def test_upper_bound_grid_programs_exit():
     # the CUDA path launches the data-independent upper bound of blocks; extra programs must exit
-    g = torch.Generator().manual_seed(1)
     T, H, I, N, k = 3, 32, 16, 8, 2
-    x = torch.randn(T, H, generator=g)
-    idx = _routing(T, N, k, g)
-    w = torch.rand(T, k, generator=g)
-    gu, dn = _experts(N, H, I, g, False)
+    x, idx, w, gu, dn = _problem(T, H, I, N, k, seed=1)
     got = sparse_moe(x, idx, w, gu, dn, block_n=32, block_k=32, exact_grid=False)
     torch.testing.assert_close(got, naive_sparse_moe(x, idx, w, gu, dn), atol=ATOL, rtol=RTOL)
 
@@ -216,12 +220,8 @@ def test_naive_reference_against_dense_loop():
 
 
 def test_invalid_arguments():
-    g = torch.Generator().manual_seed(5)
     T, H, I, N, k = 2, 32, 16, 4, 2
-    x = torch.randn(T, H, generator=g)
-    idx = _routing(T, N, k, g)
-    w = torch.rand(T, k, generator=g)
-    gu, dn = _experts(N, H, I, g, False)
+    x, idx, w, gu, dn = _problem(T, H, I, N, k, seed=5)
     for fn in (sparse_moe, naive_sparse_moe):
         with pytest.raises(ValueError):
             fn(x[0], idx, w, gu, dn)  # 1-d hidden
@@ -342,11 +342,7 @@ def test_moe_block_config_values(T, k, N, block_m):
 # (T, H, I, N, k): shapes where the default configuration picks block_m 32 / 64 (several hot experts)
 @pytest.mark.parametrize("T,H,I,N,k", [(40, 32, 16, 4, 2), (70, 32, 16, 4, 4)])
 def test_sparse_moe_default_blocks_large_groups(T, H, I, N, k):
-    g = torch.Generator().manual_seed(T + N)
-    x = torch.randn(T, H, generator=g)
-    idx = _routing(T, N, k, g)
-    w = torch.rand(T, k, generator=g)
-    gu, dn = _experts(N, H, I, g, False)
+    x, idx, w, gu, dn = _problem(T, H, I, N, k, seed=T + N)
     assert moe_block_config(T, k, N, H, I, torch.float32)["block_m"] in (32, 64)
     got = sparse_moe(x, idx, w, gu, dn, exact_grid=False)  # block sizes from moe_block_config
     assert torch.isfinite(got).all()
