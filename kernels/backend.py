@@ -46,6 +46,18 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     )
 
 
+def _remap_with(remap_topk):
+    """The ops' ``remap``: ``remap_topk`` (the torch op or its numba twin) picks the ids, the torch weight rule
+    (``routing_torch.routing_weights``) weights them."""
+    from . import routing_torch as rt
+
+    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
+        idx = remap_topk(scores, critical, top_k, check=False)
+        return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
+
+    return remap
+
+
 @functools.lru_cache(maxsize=None)
 def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
     """The routing ops of ``backend`` (``"torch"`` or ``"triton"``) under one set of names:
@@ -69,24 +81,17 @@ def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
             from . import routing_cpu as rc
 
             if rc.AVAILABLE:
-                def remap_cpu(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
-                    idx = rc.remap_topk(scores, critical, top_k, check=False)
-                    return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
-
                 return types.SimpleNamespace(
                     name="torch", lynx_critical_set=rc.lynx_critical_set, oea_critical_set=rc.oea_critical_set,
                     mass_greedy_grow=rc.mass_greedy_grow, xshare_critical_set=rc.xshare_critical_set,
-                    remap=remap_cpu, lynx_mass_decode=rc.lynx_mass_decode,
+                    remap=_remap_with(rc.remap_topk), lynx_mass_decode=rc.lynx_mass_decode,
                 )
             return routing_ops("torch", False)
 
-        def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
-            idx = rt.remap_topk(scores, critical, top_k, check=False)
-            return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
-
         return types.SimpleNamespace(
             name="torch", lynx_critical_set=rt.lynx_critical_set, oea_critical_set=rt.oea_critical_set,
-            mass_greedy_grow=rt.mass_greedy_grow, xshare_critical_set=rt.xshare_critical_set, remap=remap,
+            mass_greedy_grow=rt.mass_greedy_grow, xshare_critical_set=rt.xshare_critical_set,
+            remap=_remap_with(rt.remap_topk),
             lynx_mass_decode=None,
         )
     if backend != "triton":
