@@ -10,6 +10,7 @@ from .config import LynxConfig
 from .errors import (
     LynxConfigError,
     LynxError,
+    LynxHookError,
     LynxNoDecodeWarning,
     ModelConfigError,
     NotPatchedError,
@@ -25,6 +26,7 @@ __all__ = [
     "LynxConfig",
     "LynxConfigError",
     "LynxError",
+    "LynxHookError",
     "LynxNoDecodeWarning",
     "LynxStats",
     "ModelConfigError",

@@ -21,6 +21,13 @@ class ModelConfigError(LynxError, ValueError):
     cannot supply ``num_experts_per_tok`` experts, ``docs/cases.md`` C10); raised at patch time."""
 
 
+class LynxHookError(LynxError, RuntimeError):
+    """The vLLM plugin (``lynx_hf.vllm``) is configured in an engine but cannot tell which tokens decode: the
+    worker's model runner is not one whose input preparation it hooks (raised at engine start), or requests
+    are decoding while the hooked input preparation has reported no decode token for several consecutive
+    steps (raised in the engine's step). The message names the runner class and the hook it could not reach."""
+
+
 class NotPatchedError(LynxError, RuntimeError):
     """An operation that needs a patched model (``stats``, ``reset_stats``) got an unpatched one."""
 

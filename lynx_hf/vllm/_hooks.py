@@ -17,8 +17,16 @@ Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`ins
   per-token kinds are computed on the host from the persistent batch (:func:`token_kinds`) and copied
   into a persistent int8 buffer on the model's device (0 = padding / no model step, 1 = prefill,
   2 = decode) that the op reads as ``Step("mixed", decode=kinds == 2, live=kinds > 0)``.
-- ``GPUModelRunner.execute_model``: zeroes the buffer after the forward, so dummy / profiling /
-  capture runs (which do not go through ``_prepare_inputs``) see no decode token and stay untouched.
+- Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py: GPUModelRunner.prepare_inputs``, the GPU default
+  in 0.32): after the original, the same buffer from the ``InputBatch`` it returns (:func:`v2_token_kinds`).
+- ``execute_model`` of both runners: zeroes the buffer after the forward, so dummy / profiling /
+  capture runs (which do not go through the input preparation) see no decode token and stay untouched.
+- ``WorkerWrapperBase.initialize_from_config`` (every executor, after the model is loaded): a configured
+  plugin whose worker has a model runner it does not hook, or no hooked MoE layer, stops the engine start
+  (:func:`_check_start`). ``WorkerWrapperBase.execute_model``: the liveness rule
+  (:func:`_after_worker_step`): :data:`LIVENESS_STEPS` consecutive steps whose scheduler output holds
+  decode queries (:func:`decode_scheduled`) but whose input preparation reported no decode token raise
+  :class:`~lynx_hf.LynxHookError`.
 - ``WorkerBase.lynx_stats`` / ``lynx_reset_stats`` / ``lynx_configure``: telemetry and run-time
   reconfiguration for ``LLM.collective_rpc``.
 - ``EngineArgs.create_engine_config`` (driver): validates the configuration before any process
@@ -48,9 +56,9 @@ import numpy as np
 import torch
 
 from ..core import MIXED, RoutePlan, Step, WeightRule, host_reads_allowed, make_plan, record_step
-from ..errors import LynxConfigError, UnsupportedModelError
+from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
 from ..telemetry import BlockTelemetry, LynxStats, union_size
-from . import _config
+from . import _config, _routers
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -78,6 +86,8 @@ class _Layer:
     loaded: torch.Tensor | None = None
     gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (skipped)
     skipped: int = 0  # calls left untouched because the step's mask does not apply to their rows
+    scores: object = None  # selection scores (logits -> [T, N] fp32, -inf outside allowed groups); None: fp32 logits
+    router_rule: object = None  # the router class's rule (lynx_hf.vllm._routers.RouterRule); None: not derived
 
 
 @dataclass
@@ -103,6 +113,8 @@ class _Process:
     spec_tokens: int = 0  # speculative tokens per request (verification counts as decode work)
     rank: int = 0
     warned: set = field(default_factory=set)
+    seen_decode: int = 0  # steps the hooked input preparation classified with >= 1 decode token (never reset)
+    strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
 
 
 STATE = _Process()
@@ -202,9 +214,17 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
     cfg = STATE.config.lynx
     plan = layer.plan
     if plan is None or plan.device != router_logits.device:
-        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device)
-    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, _fp32_logits, router_logits, topk_weights,
-                                                topk_ids, host)
+        from ..gate import LayerShape  # the cost gate (LynxConfig.gate): H, I from the runner (_attach) if known
+
+        shape = getattr(layer, "gate_shape", None) or LayerShape(layer.num_experts, layer.top_k, None, None)
+        shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, router_logits.dtype,
+                           shape.expert_dtype, mixed_steps=cfg.phase != "decode")  # the op's steps carry masks
+        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape)
+    if plan.gate is not None and not plan.gate.on(router_logits.shape[0]):  # static T: a host-side branch
+        plan.gate.skip(router_logits.shape[0])
+        return topk_weights, topk_ids
+    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, layer.scores or _fp32_logits, router_logits,
+                                                topk_weights, topk_ids, host)
     if cfg.telemetry:
         _record(layer, step, topk_ids, topk_weights, new_ids, finite, host)
     return new_weights, new_ids
@@ -252,30 +272,21 @@ def _process_config():
 
 
 def weight_rule(router) -> WeightRule:
-    """The fp32 rule that reproduces ``router``'s own ``topk_weights`` on any expert set.
-
-    ``router``: a vLLM ``CPURouter`` or ``FusedTopKRouter``. Their softmax path computes
-    ``softmax(all N logits)`` picked at the chosen ids, renormalized over the k iff ``renormalize``
-    (``router.renormalize``; Qwen2-MoE False, Mixtral True); sigmoid scoring (``FusedTopKRouter``)
-    ``sigmoid(logit)``, renormalized iff ``renormalize``. Neither applies ``routed_scaling_factor``
-    in this path (vLLM's ``MoERunner`` scales the layer output), so ``scale`` is 1.
-    Raises :class:`~lynx_hf.UnsupportedModelError` for routing the plugin cannot remap: other router
-    classes, grouped top-k, a custom routing function, a score-correction bias, hash routing, or a
-    scoring function other than softmax / sigmoid.
+    """The fp32 rule that reproduces ``router``'s own ``topk_weights`` on any expert set: the weight part of
+    :func:`lynx_hf.vllm._routers.derive` (every router class and its rule are listed there; e.g. ``CPURouter``'s
+    plain softmax path: softmax over all N picked, renormalized iff ``renormalize``, no scaling factor; its
+    grouped path: times ``routed_scaling_factor``). Raises :class:`~lynx_hf.UnsupportedModelError` for routing
+    the plugin cannot remap (hash routing, ``sqrtsoftplus``, unknown custom routing functions, other router
+    classes).
     """
-    kind = type(router).__name__
-    if kind not in ("CPURouter", "FusedTopKRouter"):
-        raise UnsupportedModelError(f"lynx_hf.vllm: router {kind} is not supported (CPURouter, FusedTopKRouter)")
-    unsupported = [name for name in ("use_grouped_topk", "custom_routing_function", "e_score_correction_bias",
-                                     "_hash_indices_table")
-                   if not (getattr(router, name, None) is None or getattr(router, name, None) is False)]
-    if unsupported:
-        raise UnsupportedModelError(f"lynx_hf.vllm: {kind} with {unsupported} is not supported yet")
-    scoring = getattr(router, "scoring_func", "softmax")
-    if scoring not in ("softmax", "sigmoid"):
-        raise UnsupportedModelError(f"lynx_hf.vllm: scoring_func {scoring!r} is not supported")
-    return WeightRule("softmax_all" if scoring == "softmax" else "sigmoid",
-                      renormalize=bool(getattr(router, "renormalize", False)), scale=1.0)
+    return _routers.derive(router).weight
+
+
+def _remaps(cfg) -> bool:
+    """Whether ``cfg``'s policy (a PluginConfig) remaps routing."""
+    from ..policies import get
+
+    return get(cfg.lynx.policy).remaps
 
 
 def _monolithic(runner) -> bool:
@@ -300,6 +311,19 @@ def _attach(runner) -> None:
     layer = _Layer(index=len(STATE.layers), name=str(runner.layer_name), top_k=int(router.top_k),
                    num_experts=int(router.global_num_experts), rule=weight_rule(router),
                    runner=weakref.ref(runner))
+    # the router class's selection (scores, allowed groups; lynx_hf/vllm/_routers.py); read live at each call
+    layer.router_rule = _routers.derive(router)
+    layer.scores = _routers.selection_scores_fn(layer.router_rule, router)
+    _routers.check_groups(layer.router_rule, _remaps(cfg), layer.name)
+    # the cost gate's layer shape (lynx_hf.gate): H and I (this rank's shard) from the runner's FusedMoEConfig; where
+    # they are not there the gate cannot measure and keeps the policy on (reason "not measured")
+    from ..gate import LayerShape
+
+    moe = getattr(runner, "moe_config", None)
+    hidden, inter = getattr(moe, "hidden_dim", None), getattr(moe, "intermediate_size_per_partition", None)
+    layer.gate_shape = LayerShape(layer.num_experts, layer.top_k, int(hidden) if hidden else None,
+                                  int(inter) if inter and inter > 0 else None, torch.float32,
+                                  getattr(moe, "in_dtype", None))
     STATE.layers.append(layer)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         STATE.rank = torch.distributed.get_rank()
@@ -328,6 +352,8 @@ def configure(options) -> bool:
         runner = layer.runner() if layer.runner is not None else None
         if runner is not None and _monolithic(runner) and cfg.lynx.policy != "none":
             raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
+        if getattr(layer, "router_rule", None) is not None:
+            _routers.check_groups(layer.router_rule, _remaps(cfg), layer.name)
     STATE.config = cfg
     for layer in STATE.layers:
         layer.plan = None
@@ -379,8 +405,63 @@ def _set_step(runner, scheduler_output, num_scheduled_tokens) -> None:
                 drafts[index] = len(tokens)
     kinds = token_kinds(num_scheduled_tokens[:num_reqs], batch.num_computed_tokens_cpu[:num_reqs],
                         batch.num_prompt_tokens[:num_reqs], cfg.lynx.q_max, drafts)
+    _write_kinds(kinds, runner.device)
+
+
+def v2_token_kinds(input_batch, q_max: int, verify: bool) -> np.ndarray | None:
+    """Per-token kinds of one Model Runner V2 step, from the ``InputBatch`` its ``prepare_inputs`` returns
+    (``vllm/v1/worker/gpu/input_batch.py``), in its token order: requests in batch order
+    (``sort_batch_req_ids``: verification and decode first, then short extends, then prefills), each
+    contiguous (``query_start_loc``). A request is past its prompt iff not ``is_prefilling_np`` (V2's
+    ``num_computed_prefill_tokens < prefill_len``; ``prefill_len`` also counts the output tokens a resumed
+    request recomputes, so those stay prefill work); then :func:`token_kinds`'s rule (query <= ``q_max``, or
+    exactly ``1 + drafts`` when ``verify``). Under adaptive verification the host knows only the trimmed
+    total (the device reallocates drafts among verification requests): the leading verification requests
+    take the remaining tokens as one block, decode iff ``verify``. ``None``: a layout this rule does not
+    describe (verification requests not leading)."""
+    num_reqs = int(input_batch.num_reqs)
+    query = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
+    past_prompt = ~np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
+    drafts = input_batch.num_draft_tokens_per_req
+    drafts = np.zeros(num_reqs, np.int64) if drafts is None else np.asarray(drafts[:num_reqs], dtype=np.int64)
+    kinds = token_kinds(query, past_prompt.astype(np.int64), np.ones(num_reqs, np.int64), q_max,
+                        drafts if verify else None)
+    total = int(input_batch.num_tokens)
+    if kinds.shape[0] == total:
+        return kinds
+    verifying = drafts > 0  # adaptive verification trimmed the drafts of these (leading) requests
+    lead = int(verifying.sum())
+    if not verifying[:lead].all():
+        return None
+    rest = kinds[int(query[:lead].sum()):]
+    block = total - int(rest.shape[0])
+    if block < 0:
+        return None
+    return np.concatenate([np.full(block, DECODE if verify else PREFILL, dtype=np.int8), rest])
+
+
+def _set_step_v2(runner, input_batch) -> None:
+    """Model Runner V2: the step mask from the ``InputBatch`` its ``prepare_inputs`` just built."""
+    step = STATE.step
+    step.active = False
+    cfg = STATE.config
+    if cfg is None or not STATE.layers:
+        return
+    if getattr(runner, "pcp_manager", None) is not None:  # partitioned prefill: refused at start (_check_start)
+        return
+    kinds = v2_token_kinds(input_batch, cfg.lynx.q_max, cfg.lynx.verify)
+    if kinds is None:
+        _warn_once("v2_layout", "lynx_hf.vllm: a Model Runner V2 step whose verification requests do not lead the "
+                   "batch; left untouched")
+        return
+    _write_kinds(kinds, runner.device)
+
+
+def _write_kinds(kinds: np.ndarray, device) -> None:
+    """Write one step's per-token kinds into the persistent buffer (padding after them)."""
+    step = STATE.step
     total = int(kinds.shape[0])
-    kind = _buffer(torch.device(runner.device), total)
+    kind = _buffer(torch.device(device), total)
     if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
         _warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
         return
@@ -396,8 +477,98 @@ def _set_step(runner, scheduler_output, num_scheduled_tokens) -> None:
     STATE.steps += 1
     if step.num_decode:
         STATE.decode_steps += 1
+        STATE.seen_decode += 1
         if step.num_prefill:
             STATE.mixed_steps += 1
+
+
+# --------------------------------------------------------------------------- liveness and start checks
+
+#: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
+LIVENESS_STEPS = 4
+#: the model runner classes whose input preparation is hooked (filled by :func:`install`)
+HOOKED_RUNNERS: dict = {}
+
+
+def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:
+    """Whether the scheduler scheduled a decode query this step, read from the ``SchedulerOutput`` alone (the
+    same for every model runner): a running, not resumed, request that has output tokens (so is past its
+    prompt; ``num_output_tokens`` counts async placeholders) with a query of at most ``q_max`` tokens, or
+    exactly ``1 + drafts`` when ``verify``."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is None:
+        return False
+    scheduled = scheduler_output.num_scheduled_tokens
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+    resumed = getattr(cached, "resumed_req_ids", None) or ()
+    for req_id, outputs in zip(cached.req_ids, cached.num_output_tokens):
+        if outputs <= 0 or req_id in resumed:
+            continue
+        query = scheduled.get(req_id, 0)
+        if 0 < query <= q_max:
+            return True
+        drafts = len(spec.get(req_id, ()))
+        if verify and drafts and query == drafts + 1:
+            return True
+    return False
+
+
+def _hooked_names() -> str:
+    return ", ".join(f"{cls.__module__}.{cls.__qualname__}.{name}" for cls, name in HOOKED_RUNNERS.items())
+
+
+def _after_worker_step(worker, scheduler_output, seen_before: int) -> None:
+    """Liveness (after each worker step): requests decode but the hooked input preparation reported no decode
+    token for :data:`LIVENESS_STEPS` consecutive such steps -> :class:`~lynx_hf.LynxHookError`."""
+    cfg = STATE.config
+    if cfg is None or not STATE.layers or cfg.lynx.phase == "decode":
+        return
+    if STATE.seen_decode != seen_before:
+        STATE.strikes = 0
+        return
+    if not decode_scheduled(scheduler_output, cfg.lynx.q_max, cfg.lynx.verify):
+        return
+    STATE.strikes += 1
+    if STATE.strikes >= LIVENESS_STEPS:
+        runner = getattr(worker, "model_runner", None)
+        kind = type(runner)
+        raise LynxHookError(
+            f"lynx_hf.vllm: requests are decoding but the plugin classified no decode token in {STATE.strikes} "
+            f"consecutive steps: the input preparation of model runner {kind.__module__}.{kind.__qualname__} "
+            f"did not reach the plugin's hook (hooked: {_hooked_names()}). Policy {cfg.lynx.policy!r} would "
+            "run without acting; stopping (vLLM version / model runner not supported by lynx_hf.vllm).")
+
+
+def _check_start(worker) -> None:
+    """Engine start (after the model is loaded, every worker, every way an engine starts): a configured plugin
+    is active in this worker or the start fails. Raises :class:`~lynx_hf.LynxHookError` when the model runner
+    is not one whose input preparation is hooked, :class:`~lynx_hf.UnsupportedModelError` when no MoE layer
+    was hooked (single pipeline stage) or Model Runner V2 partitions prefill (prefill context parallel)."""
+    if not STATE.resolved:
+        additional = getattr(getattr(worker, "vllm_config", None), "additional_config", None)
+        STATE.config = _config.resolve(additional if isinstance(additional, dict) else None)
+        STATE.resolved = True
+    cfg = STATE.config
+    if cfg is None:
+        return
+    runner = getattr(worker, "model_runner", None)
+    kind = type(runner)
+    if runner is None or not isinstance(runner, tuple(HOOKED_RUNNERS)):
+        raise LynxHookError(
+            f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but this worker's model runner "
+            f"{kind.__module__}.{kind.__qualname__} is not one whose input preparation the plugin hooks "
+            f"({_hooked_names()}), so it cannot tell which tokens decode")
+    if not STATE.layers:
+        parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
+        if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
+            _warn_once("no_layers", "lynx_hf.vllm: this pipeline stage has no MoE layer; nothing to remap here")
+            return
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but no MoE layer of this model was hooked "
+            "(no vLLM MoERunner was built: a dense model, or MoE layers outside vLLM's fused-MoE)")
+    if getattr(runner, "pcp_manager", None) is not None:
+        raise UnsupportedModelError("lynx_hf.vllm: prefill context parallel on Model Runner V2 partitions each "
+                                    "step's tokens across ranks; the plugin's step mask does not describe them")
 
 
 def _end_step() -> None:
@@ -436,6 +607,8 @@ def snapshot() -> dict:
                  "rule": {"rule": layer.rule.kind, "renormalize": layer.rule.renormalize, "scale": layer.rule.scale},
                  "skipped_calls": layer.skipped, "gathered": bool(layer.gathered)}
         entry.update(layer.telemetry.summary())
+        entry["gate"] = layer.plan.gate.summary() if layer.plan is not None and layer.plan.gate is not None else \
+            {"gate": STATE.config.lynx.gate if STATE.config else "always", "by_tokens": {}, "steps_skipped": 0}
         loaded = [0.0, 0.0, 0.0] if layer.loaded is None else layer.loaded.tolist()
         steps = loaded[0]
         entry["loaded_experts_before"] = loaded[1] / steps if steps else None
@@ -448,6 +621,7 @@ def snapshot() -> dict:
     for key in ("loaded_experts_before", "loaded_experts_after"):
         summary[key] = sum(entry[key] for entry in seen) / len(seen) if seen else None
     summary["skipped_calls"] = sum(entry["skipped_calls"] for entry in layers)
+    summary["gate_steps_skipped"] = sum(entry["gate"]["steps_skipped"] for entry in layers)
     return {"rank": STATE.rank, "pid": os.getpid(), "config": cfg.to_dict() if cfg else None,
             "steps": STATE.steps, "decode_steps": STATE.decode_steps, "mixed_steps": STATE.mixed_steps,
             "layers": layers, "summary": summary}
@@ -458,6 +632,8 @@ def reset() -> None:
         layer.telemetry.reset()
         layer.loaded = None
         layer.skipped = 0
+        if layer.plan is not None and layer.plan.gate is not None:
+            layer.plan.gate.reset()
     STATE.steps = STATE.decode_steps = STATE.mixed_steps = 0
 
 
@@ -518,10 +694,20 @@ def install() -> None:
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-        from vllm.v1.worker.worker_base import WorkerBase
+        from vllm.v1.worker.worker_base import WorkerBase, WorkerWrapperBase
 
-        for cls, name in ((MoERunner, "__init__"), (GPUModelRunner, "_prepare_inputs"),
-                          (GPUModelRunner, "execute_model"), (EngineArgs, "create_engine_config")):
+        try:  # Model Runner V2 (the GPU default in vLLM 0.32); its classes import on CPU too
+            from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
+        except ImportError as exc:
+            logger.warning("lynx_hf.vllm: Model Runner V2 not importable (%s); an engine using it fails at start", exc)
+            GPUModelRunnerV2 = None
+
+        needed = [(MoERunner, "__init__"), (GPUModelRunner, "_prepare_inputs"), (GPUModelRunner, "execute_model"),
+                  (EngineArgs, "create_engine_config"), (WorkerWrapperBase, "execute_model"),
+                  (WorkerWrapperBase, "initialize_from_config")]
+        if GPUModelRunnerV2 is not None:
+            needed += [(GPUModelRunnerV2, "prepare_inputs"), (GPUModelRunnerV2, "execute_model")]
+        for cls, name in needed:
             if not callable(getattr(cls, name, None)):
                 raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in this vLLM")
 
@@ -542,18 +728,41 @@ def install() -> None:
 
         _prepare_inputs.__wrapped__ = prepare_inputs
         GPUModelRunner._prepare_inputs = _prepare_inputs
+        HOOKED_RUNNERS[GPUModelRunner] = "_prepare_inputs"
+        _wrap_execute_model(GPUModelRunner)
 
-        execute_model = GPUModelRunner.execute_model
+        if GPUModelRunnerV2 is not None:
+            prepare_inputs_v2 = GPUModelRunnerV2.prepare_inputs
 
-        def _execute_model(self, *args, **kwargs):
-            STATE.step.active = False
-            try:
-                return execute_model(self, *args, **kwargs)
-            finally:
-                _end_step()
+            def prepare_inputs_hooked(self, *args, **kwargs):
+                input_batch = prepare_inputs_v2(self, *args, **kwargs)
+                _set_step_v2(self, input_batch)
+                return input_batch
 
-        _execute_model.__wrapped__ = execute_model
-        GPUModelRunner.execute_model = _execute_model
+            prepare_inputs_hooked.__wrapped__ = prepare_inputs_v2
+            GPUModelRunnerV2.prepare_inputs = prepare_inputs_hooked
+            HOOKED_RUNNERS[GPUModelRunnerV2] = "prepare_inputs"
+            _wrap_execute_model(GPUModelRunnerV2)
+
+        worker_execute = WorkerWrapperBase.execute_model
+
+        def _worker_execute(self, scheduler_output, *args, **kwargs):
+            seen = STATE.seen_decode
+            out = worker_execute(self, scheduler_output, *args, **kwargs)
+            _after_worker_step(self.worker, scheduler_output, seen)
+            return out
+
+        _worker_execute.__wrapped__ = worker_execute
+        WorkerWrapperBase.execute_model = _worker_execute
+
+        initialize_from_config = WorkerWrapperBase.initialize_from_config
+
+        def _initialize_from_config(self, *args, **kwargs):
+            _check_start(self.worker)  # the model is loaded: MoE layers hooked, model runner built
+            return initialize_from_config(self, *args, **kwargs)
+
+        _initialize_from_config.__wrapped__ = initialize_from_config
+        WorkerWrapperBase.initialize_from_config = _initialize_from_config
 
         create_engine_config = EngineArgs.create_engine_config
 
@@ -569,6 +778,22 @@ def install() -> None:
             WorkerBase.lynx_reset_stats = _worker_lynx_reset_stats
             WorkerBase.lynx_configure = _worker_lynx_configure
         _INSTALLED = True
+
+
+def _wrap_execute_model(cls) -> None:
+    """``cls.execute_model``: the step mask is cleared after every forward (dummy / profiling / capture runs,
+    which skip the input preparation, see padding only)."""
+    execute_model = cls.execute_model
+
+    def _execute_model(self, *args, **kwargs):
+        STATE.step.active = False
+        try:
+            return execute_model(self, *args, **kwargs)
+        finally:
+            _end_step()
+
+    _execute_model.__wrapped__ = execute_model
+    cls.execute_model = _execute_model
 
 
 def _validate_engine_args(engine_args) -> None:
@@ -587,5 +812,6 @@ def _validate_engine_args(engine_args) -> None:
         engine_args.additional_config = {**additional, _config.ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
 
 
-__all__ = ["install", "snapshot", "reset", "configure", "write_stats", "weight_rule", "token_kinds", "STATE",
+__all__ = ["install", "snapshot", "reset", "configure", "write_stats", "weight_rule", "token_kinds", "v2_token_kinds",
+           "decode_scheduled", "LIVENESS_STEPS", "HOOKED_RUNNERS", "STATE",
            "PADDING", "PREFILL", "DECODE"]

@@ -13,6 +13,10 @@ SPEC: ``{"model": dir, "eager": bool, "lynx": {...} | null (additional_config["l
   ``steps_before_wave`` steps run (its requests are decoding by then), wave 1 is added and its prompt
   is prefilled in steps that also decode wave 0 (mixed steps); greedy, ``ignore_eos``, prompt logprobs;
 
+- ``{"name", "kind": "unhooked", "prompts": [str], "max_tokens": int}``: the plugin's step hooks are switched
+  off in every worker (``collective_rpc``), then ``LLM.generate``: records the error the liveness rule raises
+  (``{"error_type", "error"}``; an in-process engine core raises it as is). The engine is unusable afterwards: last run;
+
 and optionally ``"configure": {...}`` (``lynx_hf.vllm.configure`` before the run). Telemetry is read
 and reset after each run. One engine per process: vLLM spawns workers (main guard) and one engine per
 process keeps tests independent.
@@ -63,6 +67,24 @@ def _staggered(llm, run, SamplingParams) -> dict:
             "prompt_logprobs": [_prompt_logprobs(finished[r]) for r in ids]}
 
 
+def _disable_step_hooks(worker) -> int:
+    """Run in each worker: the hooked input preparation of both model runners reaches no step mask."""
+    from lynx_hf.vllm import _hooks
+
+    _hooks._set_step = lambda *args, **kwargs: None
+    _hooks._set_step_v2 = lambda *args, **kwargs: None
+    return 1
+
+
+def _unhooked(llm, run, SamplingParams) -> dict:
+    llm.collective_rpc(_disable_step_hooks)
+    try:
+        llm.generate(run["prompts"], SamplingParams(temperature=0.0, max_tokens=run["max_tokens"]))
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        return {"error_type": type(exc).__name__, "error": str(exc)}
+    return {"error_type": None, "error": None}
+
+
 def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as fh:
         spec = json.load(fh)
@@ -84,6 +106,9 @@ def main(spec_path: str, out_path: str) -> None:
             lynx_vllm.configure(llm, run["configure"])
         lynx_vllm.reset_stats(llm)
         t = time.perf_counter()
+        if run["kind"] == "unhooked":
+            result["runs"][run["name"]] = _unhooked(llm, run, SamplingParams)
+            continue
         if run["kind"] == "batch":
             outs = llm.generate(run["prompts"], SamplingParams(temperature=0.0, max_tokens=run["max_tokens"]))
             entry = {"tokens": [list(o.outputs[0].token_ids) for o in outs]}

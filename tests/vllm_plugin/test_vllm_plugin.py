@@ -190,9 +190,11 @@ def test_weight_rule_reproduces_vllm_cpu_router(renormalize):
 def test_weight_rule_refuses_routing_it_cannot_reproduce():
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-    grouped = CPURouter(top_k=2, global_num_experts=8, use_grouped_topk=True, num_expert_group=2, topk_group=1)
-    biased = CPURouter(top_k=2, global_num_experts=8, e_score_correction_bias=torch.zeros(8))
-    for router in (grouped, biased):
+    # grouped top-k, biases and Llama-4 routing are supported (tests/vllm_plugin/test_vllm_families.py)
+    hashed = CPURouter(top_k=2, global_num_experts=8, scoring_func="sqrtsoftplus", hash_indices_table=torch.zeros(4, 2))
+    sqrtsoftplus = CPURouter(top_k=2, global_num_experts=8, scoring_func="sqrtsoftplus",
+                             e_score_correction_bias=torch.zeros(8))
+    for router in (hashed, sqrtsoftplus):
         with pytest.raises(UnsupportedModelError, match="not supported"):
             _hooks.weight_rule(router)
 
