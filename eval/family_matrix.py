@@ -2,10 +2,12 @@
 
 Enumerated from transformers itself (``CONFIG_MAPPING_NAMES``, not a hand list): every model type whose config
 (or, for a multimodal family, whose ``text_config``) has more than one expert (``num_experts``,
-``n_routed_experts``, ``num_local_experts``, ...), built as its causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``),
-else as its text decoder (``MODEL_MAPPING_NAMES`` of the text config's model type). One model class is one
-implementation (``sarvam_moe`` builds a ``Glm4MoeForCausalLM``: counted once). Encoder-decoder and encoder-only
-MoE models (Switch, NLLB-MoE) are listed as not decoders.
+``n_routed_experts``, ``num_local_experts``, ...) or declares such a field / an MoE switch with a dense default
+(dots.llm1, Hunyuan-V1-MoE, Gemma-4), built as its causal LM (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``; a multimodal
+family's text causal LM, not its ``...ForConditionalGeneration``), else as its text decoder. One model class is one
+implementation (``sarvam_moe`` builds a ``Glm4MoeForCausalLM``: counted once). Encoder-decoders (Switch, NLLB-MoE),
+encoder-only models (mapped to encoder heads and no generation head: the OpenAI privacy filter) and types without
+a decoder class are listed as not decoders and not counted (docs/families.md "Census").
 
 Each implementation is built tiny from its config class (:func:`tiny_config`: 2 layers, hidden 32, 8 experts,
 top-2, 2 groups where the family groups; random weights, routers scaled x20 for realistic confidence, every
@@ -41,6 +43,14 @@ import torch
 #: config fields whose value > 1 marks an MoE config
 MOE_FIELDS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts", "num_routed_experts",
               "n_experts")
+#: boolean config fields that turn a family's MoE block on (default off: Gemma-4)
+MOE_SWITCHES = ("enable_moe_block",)
+#: transformers' auto mappings of text-generation heads / of encoder-only heads (:func:`_encoder_only`)
+GENERATION_HEADS = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+                    "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                    "MODEL_FOR_VISION_2_SEQ_MAPPING_NAMES")
+ENCODER_HEADS = ("MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+                 "MODEL_FOR_MASKED_LM_MAPPING_NAMES")
 #: selection-bias tensors set non-zero after building (as trained checkpoints have them)
 BIAS_NAMES = ("e_score_correction_bias", "expert_bias")
 VOCAB = 96
@@ -60,6 +70,7 @@ TINY = dict(
     expert_layer_offset=0, full_attention_interval=2, mamba_d_head=8, mamba_head_dim=8, ssm_state_size=8, mamba_d_state=8, n_groups=1,
     expand=2, conv_kernel=4, mamba_d_conv=4, chunk_size=16, sliding_window=64,
     linear_head_dim=8, linear_num_heads=4, ffn_hidden_size=32, expert_ffn_hidden_size=16, zero_expert_num=2,
+    unpadded_vocab_size=VOCAB, enable_moe_block=True, top_k_experts=2,  # Inkling2's LM head width (default 200058: generate would pick ids past the embedding)
 )
 #: tiny-config values a family needs beyond :data:`TINY` (model type -> fields): per-layer kinds its config class
 #: does not derive, a switch that turns its MoE on
@@ -74,10 +85,14 @@ OVERRIDES = {
     "ernie4_5_vl_moe": dict(head_dim=128),  # its 3-d rotary sections need the full head size
     "deepseek_ocr2": dict(mlp_layer_types=["sparse", "sparse"]),
     "longcat_flash": dict(num_layers=1),  # its depth field (each layer holds two attention + MLP sublayers)
+    # sliding-attention layers use twice the key/value heads: with 4 query heads, 4 KV heads gave 8 there and
+    # num_key_value_groups 4 // 8 = 0 (no keys at all)
+    "mimo_v2_flash": dict(num_key_value_heads=2),
 }
 _ROUTER_WEIGHTS = ("gate.weight", "router.weight", "gate.wg.weight", "router.gate.weight", "router.proj.weight")
-# the paper's rule without consensus: S = cover set grown to k (remaps on tiny batches)
-REMAP = dict(policy="lynx", mass_price=None, tau=1000.0)
+# the paper's rule without consensus: S = cover set grown to k (remaps on tiny batches); the cost gate forced on (a
+# check that the remap runs must not depend on this machine's timing)
+REMAP = dict(policy="lynx", mass_price=None, tau=1000.0, gate="always")
 
 
 @dataclass
@@ -114,12 +129,31 @@ def _get(config, name):
 
 
 def _is_moe(config) -> bool:
+    """An MoE config: an expert count > 1 (or per layer), or a class that declares an expert count / MoE switch
+    whose default is dense (dots.llm1: ``n_routed_experts=None``, Hunyuan-V1-MoE: ``num_experts=1``, Gemma-4:
+    ``enable_moe_block=False``): the family ships an MoE implementation either way."""
     for name in MOE_FIELDS:
         value = _get(config, name)
         if (isinstance(value, int) and not isinstance(value, bool) and value > 1) or value == "per-layer" \
                 or isinstance(value, list):
             return True
-    return False
+    try:
+        declared = set(config.to_dict()) | set(getattr(config, "attribute_map", {}))
+    except Exception:  # noqa: BLE001 - a config that cannot serialise itself declares nothing readable
+        return False
+    return bool(declared & {*MOE_FIELDS, *MOE_SWITCHES})
+
+
+def _encoder_only(*model_types) -> bool:
+    """Transformers maps these model types to encoder heads (token / sequence classification, masked LM) and to
+    no generation head (causal LM, image-text-to-text, multimodal LM, seq2seq): an encoder, not text generation
+    (OpenAI privacy filter: a bidirectional MoE token classifier)."""
+    from transformers.models.auto import modeling_auto as ma
+
+    def mapped(names):
+        return any(t in getattr(ma, n, {}) for n in names for t in model_types if t)
+
+    return mapped(ENCODER_HEADS) and not mapped(GENERATION_HEADS)
 
 
 def case_of(model_type: str) -> Case | None:
@@ -145,10 +179,15 @@ def case_of(model_type: str) -> Case | None:
         else:
             return None
         model_cls = model_class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type))
+        if text and model_cls is not None and getattr(model_cls, "config_class", None) not in (None, type(target)):
+            model_cls = None  # the multimodal model (Gemma-4's ...ForConditionalGeneration): its text model instead
         if model_cls is None and text:
             model_cls = model_class(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(target, "model_type", None)))
         if model_cls is None and not getattr(config, "is_encoder_decoder", False):
             model_cls = _text_decoder(type(target))
+    if _encoder_only(model_type, getattr(target, "model_type", None)):
+        return Case(model_type, type(target), None, text, why_not="encoder-only (token / sequence classification "
+                    "heads, no text-generation head): not text generation, nothing to decode")
     if model_cls is None:
         why = "encoder-decoder" if getattr(config, "is_encoder_decoder", False) else "no causal LM or text decoder"
         return Case(model_type, type(target), None, text, why_not=why)
@@ -336,6 +375,10 @@ def _out(result):
 
 def _manual_loop(model, ids, steps: int = 3):
     """Prefill, then ``steps`` decode steps feeding fixed tokens with the cache: the outputs of every forward."""
+    import inspect
+
+    # transformers >= 5.24 names the cache argument ``cache`` (``past_key_values`` warns); older ones do not
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
     outs = []
     with _quiet(), torch.no_grad():
         result = model(input_ids=ids, use_cache=True)
@@ -343,7 +386,7 @@ def _manual_loop(model, ids, steps: int = 3):
         cache = result.past_key_values
         for step in range(steps):
             nxt = _prompts(ids.shape[0], 1, seed=100 + step)
-            result = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+            result = model(input_ids=nxt, **{name: cache}, use_cache=True)
             cache = result.past_key_values
             outs.append(_out(result))
     return outs
@@ -429,6 +472,7 @@ def check(case: Case) -> Row:
 def _rule_text(block) -> str:
     rule = block.rule
     text = f"{rule.kind}" + (", renormalised" if rule.renormalize else "") + \
+        (f" (sum + {rule.renorm_eps:g})" if rule.renorm_eps else "") + \
         (f", x{rule.scale:g}" if rule.scale != 1.0 else "")
     if block.selection is not None:
         text = f"{block.selection.describe()}; weights {text}"

@@ -51,9 +51,9 @@ def _remap_with(remap_topk):
     (``routing_torch.routing_weights``) weights them."""
     from . import routing_torch as rt
 
-    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
+    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0):
         idx = remap_topk(scores, critical, top_k, check=False)
-        return idx, rt.routing_weights(logits, idx, rule, renormalize, scale)
+        return idx, rt.routing_weights(logits, idx, rule, renormalize, scale, eps)
 
     return remap
 
@@ -63,7 +63,7 @@ def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
     """The routing ops of ``backend`` (``"torch"`` or ``"triton"``) under one set of names:
 
     ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``xshare_critical_set`` (signatures of
-    :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale) ->
+    :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale, eps) ->
     (idx [T, k] int64, weights [T, k] fp32)``. Every namespace returns the same integers.
 
     ``host``: the caller's tensors are CPU tensors in eager mode (``routing_torch.host_reads_allowed``, asked
@@ -99,9 +99,9 @@ def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
     from . import moe as tm
     from . import routing as tr
 
-    def remap_triton(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0):
+    def remap_triton(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0):
         return tr.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize, scale=scale,
-                             check=False)
+                             eps=eps, check=False)
 
     return types.SimpleNamespace(
         name="triton", lynx_critical_set=tr.lynx_critical_set, oea_critical_set=tr.oea_critical_set,

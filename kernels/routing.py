@@ -554,7 +554,7 @@ def mass_greedy_grow(
 @triton.jit
 def _remap_kernel(
     s_ptr, crit_ptr, l_ptr, idx_ptr, w_ptr,
-    T, N, scale,
+    T, N, scale, eps,
     stride_st, stride_sn, stride_lt, stride_ln,
     K: tl.constexpr, RULE: tl.constexpr, RENORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -609,7 +609,7 @@ def _remap_kernel(
         else:
             w = 1.0 / (1.0 + tl.exp(-chosen))
         if RENORM:
-            w = w / tl.where(tm, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1), 1.0)[:, None]
+            w = w / tl.where(tm, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1) + eps, 1.0)[:, None]
         w = w * scale
         tl.store(w_ptr + offs_t[:, None] * K + offs_k[None, :], w, mask=om)
 
@@ -623,6 +623,7 @@ def remap_topk(
     rule: str | None = None,
     renormalize: bool = False,
     scale: float = 1.0,
+    eps: float = 0.0,
     check: bool = True,
 ):
     """Remap step (arXiv 2411.08982 Sec. 4; OEA piggybacking, arXiv 2511.02237 Sec. 3), in Triton.
@@ -633,7 +634,8 @@ def remap_topk(
 
     With ``rule`` in ``("softmax_all", "softmax_chosen", "sigmoid")`` returns ``(idx, weights)``, the
     weights ``[T, k]`` fp32 computed in the same kernel from ``logits [T, N]`` (default: ``scores``)
-    as :func:`.routing_torch.routing_weights` does (agrees within fp32 rounding, ~1e-6).
+    as :func:`.routing_torch.routing_weights` does (agrees within fp32 rounding, ~1e-6; ``eps``: the
+    renormalisation's denominator epsilon, ``w / (sum + eps)``).
 
     Raises ``ValueError`` for non-2-d / non-fp32 scores or logits of another shape, a ``critical``
     that is not ``[N]`` bool, ``top_k`` outside ``1..N``, an unknown rule, and (when ``check``, which
@@ -666,7 +668,7 @@ def remap_topk(
     crit_i8 = critical.contiguous().view(torch.int8)
     _remap_kernel[grid](
         scores, crit_i8, logits, idx, w,
-        num_tokens, num_experts, float(scale),
+        num_tokens, num_experts, float(scale), float(eps),
         scores.stride(0), scores.stride(1), logits.stride(0), logits.stride(1),
         K=top_k, RULE=_RULE_CODE[rule], RENORM=bool(renormalize),
         BLOCK_T=block_t, BLOCK_N=blk["BLOCK_N"], BLOCK_K=blk["BLOCK_K"],

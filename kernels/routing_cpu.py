@@ -467,6 +467,6 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     if not ok:
         return None
     new_idx = torch.from_numpy(new_idx)
-    weights = rt.routing_weights(logits32, new_idx, rule.kind, rule.renormalize, rule.scale)
+    weights = rt.routing_weights(logits32, new_idx, rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
     return (weights.to(topk_weights.dtype), new_idx.to(topk_idx.dtype),
             torch.from_numpy(row) if telemetry else None)

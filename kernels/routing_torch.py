@@ -278,6 +278,7 @@ def routing_weights(
     rule: str,
     renormalize: bool = False,
     scale: float = 1.0,
+    eps: float = 0.0,
 ) -> torch.Tensor:
     """Routing weights of the chosen experts, in fp32. ``logits [T, N]``, ``topk_idx [T, k]`` -> ``[T, k]``.
 
@@ -288,8 +289,9 @@ def routing_weights(
       renormalized over the chosen set);
     - ``"sigmoid"``: ``sigmoid(logit)`` of each chosen expert (Llama-4, DeepSeek-V3 style).
 
-    Then, if ``renormalize``, divide by the row sum; then multiply by ``scale``
-    (``routed_scaling_factor``). Raises ``ValueError`` for an unknown rule.
+    Then, if ``renormalize``, divide by the row sum plus ``eps`` (``w / (sum + eps)``: a family's denominator
+    epsilon, LFM2-MoE ``1e-6``; ``eps`` 0 divides by the sum alone, bit for bit as before); then multiply by
+    ``scale`` (``routed_scaling_factor``). Raises ``ValueError`` for an unknown rule.
     """
     x = logits.float()
     if rule == "softmax_all":
@@ -301,7 +303,7 @@ def routing_weights(
     else:
         raise ValueError(f"unknown weight rule {rule!r}; expected one of {WEIGHT_RULES}")
     if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
+        w = w / (w.sum(dim=-1, keepdim=True) + eps) if eps else w / w.sum(dim=-1, keepdim=True)
     if scale != 1.0:
         w = w * scale
     return w

@@ -67,7 +67,7 @@ class FamilySpec:
         return self.weight_rule_of(self.router_of(block), block)
 
     def selection_of(self, block):
-        """A per-block selection rule (``patches/selection.py`` ``BiasedSelection``) that replaces
+        """A per-block selection rule (``lynx_hf/selection.py`` ``BiasedSelection``) that replaces
         :attr:`selection_scores` for this block, or ``None`` (a dedicated spec states its own scores)."""
         return None
 

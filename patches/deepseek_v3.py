@@ -48,9 +48,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelConfigError
+from ..selection import BiasedSelection
 from .base import FamilySpec, WeightRule
 from .deepseek_v2 import check_groups
-from .selection import BiasedSelection
 
 
 def _check(block, gate, name, config):
@@ -71,7 +71,7 @@ def _check(block, gate, name, config):
 
 
 def selection_rule(gate) -> BiasedSelection:
-    """The model's selection as the shared selection-bias rule (``patches/selection.py``)."""
+    """The model's selection as the shared selection-bias rule (``lynx_hf/selection.py``)."""
     return BiasedSelection("sigmoid", "router", "e_score_correction_bias", int(gate.num_group), int(gate.topk_group),
                            "top2_sum")
 

@@ -28,7 +28,8 @@ router is called directly, on ``[T, H]``, then ``[1, T, H]``). Two parts:
 2. **Weights.** The router/block/config state what they can (``norm_topk_prob`` -> renormalise,
    ``routed_scaling_factor`` / ``route_scale`` -> scale, a ``scoring_func``-like field -> softmax or sigmoid);
    the rest is enumerated (softmax / sigmoid, renormalise or not, the stated scale, 1 (the block scales after
-   the experts) or the ratio the probe shows). A rule must reproduce the router's own weights, applied by
+   the experts) or the ratio the probe shows; a renormalising rule also with a denominator epsilon, ``w / (sum +
+   eps)``: 0, 1e-6 (LFM2-MoE) or the one the probe shows). A rule must reproduce the router's own weights, applied by
    ``routing_weights`` to the model's own logits and ids and cast to the router's weight dtype, to 4 ulps of
    that dtype (fp32 round-off for fp32 routers).
 
@@ -68,8 +69,8 @@ import torch
 from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..kernels.routing_torch import routing_weights
+from ..selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
 from .base import FamilySpec
-from .selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
 
 _PROBE_TOKENS = 16  # the fewest tokens a deferred verification trusts (real router outputs)
 _PROBE_RANDOM = 64  # unit-scale random tokens of the patch-time probe
@@ -94,6 +95,25 @@ class InferredRule:
     scale: float
     top_k: int
     selection: BiasedSelection | None = None
+    renorm_eps: float = 0.0
+
+
+#: denominator epsilons of renormalising routers tried besides 0 (LFM2-MoE adds 1e-6; the DeepSeek-V3 copies' 1e-20
+#: is below fp32 round-off of a sum of k probabilities and fits as 0)
+_RENORM_EPS = (1e-6,)
+
+
+def _renorm_epsilons(logits, idx, kind: str, scale: float, weights) -> tuple:
+    """The denominator epsilons to try for a renormalising rule: 0, :data:`_RENORM_EPS` and the one the probe
+    shows (``scale * sum / weights - sum`` per chosen weight, median, rounded to 2 significant digits; kept when
+    positive and small against the sums, so an exact fit is still required to accept it)."""
+    raw = routing_weights(logits, idx, kind, False, 1.0).float()
+    total = raw.sum(dim=-1, keepdim=True)
+    shown = ((scale * raw / weights.float().clamp_min(1e-30)) - total).median().item()
+    found = [0.0, *_RENORM_EPS]
+    if 0.0 < shown < 1e-2 and shown == shown:
+        found.append(float(f"{shown:.2g}"))
+    return tuple(dict.fromkeys(found))
 
 
 def probe_hidden(hidden_dim: int, dtype=torch.float32, device=None) -> torch.Tensor:
@@ -325,7 +345,7 @@ class GenericSpec(FamilySpec):
     def weight_rule(self, block):
         """The verified weight rule (``None``: verification deferred to the first decode call)."""
         rule = self._rules.get(id(block))
-        return None if rule is None else WeightRule(rule.kind, rule.renormalize, rule.scale)
+        return None if rule is None else WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
 
     def selection_of(self, block):
         """The verified selection rule (:class:`BiasedSelection`, ``None``: plain top-k or not verified yet);
@@ -336,7 +356,7 @@ class GenericSpec(FamilySpec):
     def deferred_rule(self, block, name, output) -> WeightRule:
         rule = self.verify(block, name, output)
         self._rules[id(block)] = rule  # read by selection_of right after
-        return WeightRule(rule.kind, rule.renormalize, rule.scale)
+        return WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
 
     def verify(self, block, name, output, passed=()) -> InferredRule:
         """The rule that reproduces ``output`` (the router's own ``(logits [T, N], weights [T, k], ids [T, k])``;
@@ -429,7 +449,9 @@ class GenericSpec(FamilySpec):
                 or idx.shape[0] != logits.shape[0]):
             raise UnsupportedModelError(
                 f"{who}: router output shapes {tuple(logits.shape)}, {tuple(weights.shape)}, {tuple(idx.shape)} are "
-                f"not [T, N={num_experts}], [T, k], [T, k]; the generic family spec cannot patch it"
+                f"not [T, N={num_experts}], [T, k], [T, k]; the generic family spec cannot patch it (it needs the "
+                f"router to return (router_logits, routing_weights, selected_experts) in that order, as transformers "
+                f"5.24 routers do; another order or layout needs a dedicated family spec)"
             )
         top_k = idx.shape[-1]
         idx = idx.long()
@@ -466,17 +488,27 @@ class GenericSpec(FamilySpec):
             unscaled = routing_weights(logits, idx, kind, renormalize, 1.0).float()
             ratio = (weights.float() / unscaled.clamp_min(1e-30)).median().item()
             for factor in dict.fromkeys([*scales, ratio]):  # the stated scale, 1, the ratio the probe shows
-                ours = routing_weights(logits, idx, kind, renormalize, factor).to(weights.dtype).float()
-                err = ((ours - weights.float()).abs() / weights.float().abs().clamp_min(1e-30)).max().item()
-                if torch.allclose(ours, weights.float(), rtol=tol, atol=tol * 1e-3):
-                    fits.append((err, len(fits), InferredRule(kind, renormalize, factor, top_k, selection)))
-                errors.append(f"{kind}(renormalize={renormalize}, scale={factor:.6g}): max rel err {err:.3g}")
+                # a renormalising router may add an epsilon to the denominator (w / (sum + eps)): none, the
+                # conventional ones, and the one this probe shows (rounded to 2 significant digits)
+                for eps in (_renorm_epsilons(logits, idx, kind, factor, weights) if renormalize else (0.0,)):
+                    ours = routing_weights(logits, idx, kind, renormalize, factor, eps).to(weights.dtype).float()
+                    err = ((ours - weights.float()).abs() / weights.float().abs().clamp_min(1e-30)).max().item()
+                    if torch.allclose(ours, weights.float(), rtol=tol, atol=tol * 1e-3):
+                        fits.append((err, len(fits), InferredRule(kind, renormalize, factor, top_k, selection, eps)))
+                    errors.append(f"{kind}(renormalize={renormalize}, scale={factor:.6g}"
+                                  + (f", denominator eps={eps:.3g}" if eps else "") + f"): max rel err {err:.3g}")
         if fits:  # the closest fit; on an exact tie the attribute-stated / first candidate
             return min(fits, key=lambda fit: fit[:2])[2]
         chose = "plain top-k" if selection is None else selection.describe()
+        hints = [f"a per-expert output scale ({name}, {num_experts} values)" for name, t in router.named_parameters()
+                 if "scale" in name and t.numel() == num_experts]  # Gemma-4's router.per_expert_scale
+        lg = logits.float()
+        if bool((lg >= 0).all()) and bool(((lg.sum(dim=-1) - 1).abs() < 1e-3).all()):
+            hints.append("the router returns probabilities (rows sum to 1) where the contract has logits")
+        seen = f" [{'; '.join(hints)}: a dedicated family spec would need to reproduce that]" if hints else ""
         raise UnsupportedModelError(
-            f"{who}: the selection ({chose}) fits, but no inferred weight rule reproduces the router's own weights "
+            f"{who}: the selection ({chose}) fits, but no inferred weight rule reproduces the router's own weights{seen} "
             f"on the probe to 4 ulps of {str(weights.dtype).replace('torch.', '')} ({'; '.join(errors)}); the weights are "
-            f"not a softmax / sigmoid of the chosen logits, renormalised and scaled (a dedicated family spec is "
-            f"needed)"
+            f"not a softmax / sigmoid of the chosen logits, renormalised (w / (sum + eps)) and scaled (a dedicated "
+            f"family spec is needed)"
         )

@@ -16,10 +16,10 @@ def _decode_inputs(model):
     ids, mask = fam.prompts(4, 5)
     cache = StaticCache(config=model.config, max_cache_len=12)
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **fam.cache_kw(model, cache), use_cache=True)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-    return dict(input_ids=nxt, attention_mask=mask, cache=out.cache, use_cache=True)
+    return dict(input_ids=nxt, attention_mask=mask, **fam.cache_kw(model, fam.cache_of(out)), use_cache=True)
 
 
 @pytest.mark.parametrize("family", fam.PATCHABLE)

@@ -25,14 +25,14 @@ def _decode_under_detector(model, steps=2, static=False, batch=8):
     ids, mask = fam.prompts(batch, 5)
     cache = StaticCache(config=model.config, max_cache_len=16) if static else None
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
-        cache = out.cache
+        out = model(input_ids=ids, attention_mask=mask, **fam.cache_kw(model, cache), use_cache=True)
+        cache = fam.cache_of(out)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         detector = SyncDetector()
         with strict_sync_free(), detector:
             for _ in range(steps):
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                out = model(input_ids=nxt, attention_mask=mask, cache=cache, use_cache=True)
+                out = model(input_ids=nxt, attention_mask=mask, **fam.cache_kw(model, cache), use_cache=True)
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
     return detector
 

@@ -139,8 +139,8 @@ def test_C28_text_model_built_from_a_patched_vlms_text_config():
 
     def decode(model):
         with torch.no_grad():
-            out = model(input_ids=ids, cache=DynamicCache(config=model.config), use_cache=True)
-            step = model(input_ids=ids[:, -1:], cache=out.cache, use_cache=True)
+            out = model(input_ids=ids, **fam.cache_kw(model, DynamicCache(config=model.config)), use_cache=True)
+            step = model(input_ids=ids[:, -1:], **fam.cache_kw(model, fam.cache_of(out)), use_cache=True)
         return out.last_hidden_state, step.last_hidden_state
 
     plain = decode(text)
@@ -280,12 +280,13 @@ def test_C33_cache_reading_empty_warns_outside_generate_and_not_under_policy_non
     model = fam.build("mixtral")
 
     def decode_loop():
-        out = model(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **fam.cache_kw(model, DynamicCache(config=model.config)),
+                    use_cache=True)
         step_mask = mask
         for _ in range(3):
             step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
             out = model(input_ids=out.logits[:, -1:].argmax(-1), attention_mask=step_mask,
-                        cache=out.cache, use_cache=True)
+                        **fam.cache_kw(model, fam.cache_of(out)), use_cache=True)
 
     monkeypatch.setattr(detection, "cache_length", lambda cache: 0)
     lynx_hf.patch(model, policy="none")

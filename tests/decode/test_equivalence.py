@@ -4,6 +4,7 @@ bit-identical under every policy; policy "none" decode is bit-identical; generat
 
 import pytest
 import torch
+import transformers
 
 import lynx_hf
 from helpers import families as fam
@@ -112,7 +113,13 @@ def test_generate_modes_run_patched_and_match_with_policy_none(family, mode):
     model = fam.build(family)
     ids, mask = fam.prompts(4, 6)
     torch.manual_seed(1)
-    ref = _generate(model, ids, mask, **mode)
+    try:
+        ref = _generate(model, ids, mask, **mode)
+    except TypeError as exc:  # unpatched: transformers' own generate fails, before lynx_hf is involved
+        if "block_sequence_ids" not in str(exc):
+            raise
+        pytest.xfail(f"transformers {transformers.__version__}'s own {family} static-cache generate fails unpatched "
+                     f"(masking_utils: {exc}); fixed in the releases the main venv runs (5.24)")
     with lynx_hf.patched(model, policy="none"):
         torch.manual_seed(1)
         none = _generate(model, ids, mask, **mode)

@@ -12,7 +12,7 @@ from helpers import families as fam
 from lynx_hf import LynxConfig
 from lynx_hf.core import DECODE, MIXED, Step, make_plan, remap
 
-SOFTMAX_ALL = types.SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
+SOFTMAX_ALL = types.SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0, renorm_eps=0.0)
 
 
 def _own_topk(s, k):

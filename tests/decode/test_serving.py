@@ -20,6 +20,7 @@ import threading
 
 import pytest
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import lynx_hf
@@ -150,7 +151,13 @@ def test_every_decode_step_is_seen_and_policy_none_is_bit_identical(case, one_th
     model = build()
     batch, prompt, new = 8, 6, 6
     ids, mask = fam.prompts(batch, prompt)
-    ref = _greedy(model, ids, mask, new, **gen_kw)
+    try:
+        ref = _greedy(model, ids, mask, new, **gen_kw)
+    except ValueError as exc:  # unpatched: this transformers lacks the cache kind, before lynx_hf is involved
+        if "Unknown quantization backend" not in str(exc):
+            raise
+        pytest.xfail(f"transformers {transformers.__version__} has no {gen_kw.get('cache_config')} QuantizedCache "
+                     f"backend (unpatched generate raises: {exc}); the main venv's 5.24 has it")
     with lynx_hf.patched(model, policy="none"):
         log = ForwardLog(lynx_hf.patcher._state(model).backbone)
         out = _greedy(model, ids, mask, new, **gen_kw)
@@ -179,7 +186,7 @@ def test_cache_length_reads_the_first_attention_layer_of_a_hybrid_cache():
     cache = DynamicCache(config=model.config)
     assert cache.is_linear[:2] == [True, False]
     assert lstep.cache_length(cache) == 0
-    model(input_ids=torch.tensor([[5, 6, 7]]), cache=cache, use_cache=True)
+    model(input_ids=torch.tensor([[5, 6, 7]]), **fam.cache_kw(model, cache), use_cache=True)
     assert lstep.cache_length(cache) == 3
 
     class OldHybrid:  # layer 0 linear and get_seq_length(0) refuses, as some remote-code hybrid caches do
@@ -205,11 +212,11 @@ def test_static_cache_outside_generate_is_classified_on_the_device():
     ids = fam.prompts(4, 5, left_pad=False)[0]
     cache = StaticCache(config=model.config, max_cache_len=16)
     with lynx_hf.patched(model, policy="lynx"):
-        out = model(input_ids=ids, cache=cache, use_cache=True)
+        out = model(input_ids=ids, **fam.cache_kw(model, cache), use_cache=True)
         assert summary(model)["decode_steps"] == 0
         assert summary(model)["prefill_tokens_in_mixed_steps"] == 0  # a prefill forward is not a mixed step
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        model(input_ids=nxt, cache=cache, use_cache=True, position_ids=torch.full((4, 1), 5))
+        model(input_ids=nxt, **fam.cache_kw(model, cache), use_cache=True, position_ids=torch.full((4, 1), 5))
         seen = summary(model)
     assert seen["decode_steps"] == 1 and seen["decode_tokens"] == 4
 

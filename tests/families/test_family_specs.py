@@ -147,8 +147,9 @@ def test_generic_infers_and_verifies_the_weight_rule(family):
 
 
 def test_generic_bf16_weights_cast_like_the_model(monkeypatch):
-    """GraniteMoE casts its weights to the hidden dtype: the remap does too (bf16)."""
-    model = fam.build("granitemoe", dtype=torch.bfloat16)
+    """GraniteMoE casts its weights to the hidden dtype: the remap does too (bf16). (Transformers 5.19's GraniteMoE
+    router is refused, see tests/helpers/families.py: there the first generic family of the registry.)"""
+    model = fam.build("granitemoe" if "granitemoe" in fam.GENERIC else fam.GENERIC[0], dtype=torch.bfloat16)
     seen = _spy_route(monkeypatch)
     ids, mask = fam.prompts(8, 5)
     with lynx_hf.patched(model, **NO_CONSENSUS):

@@ -144,6 +144,22 @@ def phimoe(**kw):
     return PhimoeForCausalLM(PhimoeConfig(**COMMON, **params))
 
 
+def _granitemoe_kind() -> str:
+    """``"generic"`` where GraniteMoE's router returns ``(logits [T, N], weights [T, k], ids [T, k])``, the generic
+    contract (transformers 5.24); ``"refused"`` on a release whose router returns another layout (5.19: weights,
+    ids, logits), which the generic spec refuses with a typed error naming the layout."""
+    with torch.random.fork_rng(), torch.no_grad():  # the global RNG is left as it was
+        torch.manual_seed(0)
+        model = granitemoe()
+        block = model.model.layers[0].block_sparse_moe
+        router = getattr(block, "router", None) or block.gate
+        out = router(torch.randn(3, COMMON["hidden_size"]))
+    return "generic" if out[0].shape[-1] == model.config.num_local_experts else "refused"
+
+
+_GRANITE = _granitemoe_kind()
+
+
 # -- the registry ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Family:
@@ -179,8 +195,10 @@ _REGISTRY = (
            lambda c: WeightRule("sigmoid", bool(c.norm_topk_prob), float(c.routed_scaling_factor)),
            "sigmoid + correction bias selects (grouped); the unbiased sigmoid weights, renormalised, scaled",
            ({"norm_topk_prob": False},)),
-    Family("granitemoe", granitemoe, "generic", lambda c: WeightRule("softmax_all", True),
-           "softmax over the chosen k (no attribute says so: inferred)"),
+    Family("granitemoe", granitemoe, _GRANITE,
+           (lambda c: WeightRule("softmax_all", True)) if _GRANITE == "generic" else None,
+           "softmax over the chosen k (no attribute says so: inferred)" if _GRANITE == "generic" else
+           "transformers < 5.24: the router returns (weights, ids, logits), not the generic contract"),
     Family("flex_olmo", flex_olmo, "generic", lambda c: WeightRule("softmax_all", bool(c.norm_topk_prob)),
            "softmax over N, picked (norm_topk_prob=False stated)"),
     Family("hunyuan_v1_moe", hunyuan_v1_moe, "generic", lambda c: WeightRule("softmax_all", True),
@@ -227,8 +245,23 @@ def rule_weights(rule: WeightRule, logits: torch.Tensor, idx: torch.Tensor) -> t
     else:
         w = torch.sigmoid(x.gather(1, idx))
     if rule.renormalize:
-        w = w / w.sum(-1, keepdim=True)
+        w = w / (w.sum(-1, keepdim=True) + rule.renorm_eps)
     return w * rule.scale
+
+
+def cache_kw(model, cache) -> dict:
+    """The forward keyword that passes the KV ``cache``: ``cache`` from transformers 5.24 (``past_key_values``
+    warns there), ``past_key_values`` before (5.19 would take ``cache=`` into ``**kwargs`` and run without it)."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def cache_of(out):
+    """The KV cache a forward returned: ``out.cache`` from transformers 5.24, ``out.past_key_values`` before."""
+    cache = getattr(out, "cache", None)
+    return out.past_key_values if cache is None else cache
 
 
 def prompts(batch: int, length: int, seed: int = 0, left_pad: bool = True):

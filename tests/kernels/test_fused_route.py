@@ -42,7 +42,8 @@ def reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, u
         critical = rt.lynx_critical_set(scores, idx, 1, alpha, beta, math.inf, vote=live)
         critical = rt.mass_greedy_grow(scores, idx, critical, k, price, vote=live, unit=unit)
         new_idx = rt.remap_topk(scores, critical, k, check=False)
-        new_weights = rt.routing_weights(logits.float(), new_idx, rule.kind, rule.renormalize, rule.scale)
+        new_weights = rt.routing_weights(logits.float(), new_idx, rule.kind, rule.renormalize, rule.scale,
+                                         rule.renorm_eps)
         tel = BlockTelemetry()
         counted = torch.ones(idx.shape[0], dtype=torch.bool) if live is None else live
         tel.record(scores.shape[1], idx, weights, new_idx, counted, finished_rows=None if live is None else ~live,
@@ -53,10 +54,10 @@ def reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, u
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(steps(), st.sampled_from([0.02, 0.125, 0.5, 2.0]), st.sampled_from(rt.PRICE_UNITS),
        st.sampled_from([("softmax_all", False, 1.0), ("softmax_all", True, 1.0), ("softmax_chosen", False, 1.0),
-                        ("sigmoid", True, 2.5)]))
+                        ("sigmoid", True, 2.5), ("sigmoid", True, 1.0, 1e-6)]))  # last: LFM2-MoE's sum + 1e-6
 def test_fused_step_equals_the_ops_one_by_one(step, price, unit, rule):
     scores, logits, weights, idx, k, live = step
-    rule = SimpleNamespace(kind=rule[0], renormalize=rule[1], scale=rule[2])
+    rule = SimpleNamespace(kind=rule[0], renormalize=rule[1], scale=rule[2], renorm_eps=(*rule, 0.0)[3])
     alpha, beta = rt.default_lynx_bins(scores.shape[1], k)
     want_w, want_idx, want_row = reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, unit)
     got = rc.lynx_mass_decode(scores, logits, weights, idx, rule, live, alpha=alpha, beta=beta, price=price,
@@ -81,7 +82,7 @@ def test_non_finite_logits_leave_the_step_to_the_general_path(bad):
     logits = torch.randn(4, 8, generator=gen)
     logits[2, 5] = bad
     weights, idx = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
-    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
+    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0, renorm_eps=0.0)
     alpha, beta = rt.default_lynx_bins(8, 2)
     assert rc.lynx_mass_decode(logits, logits, weights, idx, rule, alpha=alpha, beta=beta, price=0.1,
                                unit="token") is None
@@ -90,7 +91,7 @@ def test_non_finite_logits_leave_the_step_to_the_general_path(bad):
 def test_no_live_row_leaves_the_step_to_the_general_path():
     logits = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
     weights, idx = torch.topk(torch.softmax(logits, -1), 2, dim=-1)
-    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0)
+    rule = SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0, renorm_eps=0.0)
     alpha, beta = rt.default_lynx_bins(8, 2)
     assert rc.lynx_mass_decode(logits, logits, weights, idx, rule, torch.zeros(3, dtype=torch.bool), alpha=alpha,
                                beta=beta, price=0.1, unit="token") is None

@@ -227,6 +227,37 @@ def test_remap_weights(rule, renormalize, scale):
     torch.testing.assert_close(w, want, atol=W_ATOL, rtol=W_RTOL)
 
 
+@pytest.mark.parametrize("rule,scale", [("sigmoid", 1.0), ("softmax_all", 2.5)])
+def test_remap_weights_denominator_eps(rule, scale):
+    """A renormalising rule with a denominator epsilon (LFM2-MoE: ``w / (sum + 1e-6)``): the Triton kernel, the
+    torch ops and the numba twins' ``remap`` all weight as ``routing_weights(..., eps)``; the epsilon shows (the
+    weights differ from the eps-free rule) and eps 0 is bit for bit the plain renormalisation."""
+    g = torch.Generator().manual_seed(31)
+    logits = torch.randn(12, 16, generator=g) * 3
+    scores = logits.clone()
+    idx0 = _topk(scores, 2)
+    crit = ref.oea_critical_set(scores, 1)
+    eps = 1e-6
+    want = ref.routing_weights(logits, ref.remap_topk(scores, crit, 2), rule, True, scale, eps)
+    plain = ref.routing_weights(logits, ref.remap_topk(scores, crit, 2), rule, True, scale)
+    assert not torch.equal(want, plain)  # the epsilon is above fp32 round-off at these sums
+    x = logits.gather(1, idx0)
+    w = torch.sigmoid(x) if rule == "sigmoid" else torch.softmax(logits, -1).gather(1, idx0)
+    torch.testing.assert_close(ref.routing_weights(logits, idx0, rule, True, scale, eps),
+                               w / (w.sum(-1, keepdim=True) + eps) * scale, atol=0, rtol=0)
+    assert torch.equal(ref.routing_weights(logits, idx0, rule, True, scale, 0.0),
+                       ref.routing_weights(logits, idx0, rule, True, scale))
+    idx, got = remap_topk(scores, crit, 2, logits=logits, rule=rule, renormalize=True, scale=scale, eps=eps)
+    assert torch.equal(idx, ref.remap_topk(scores, crit, 2))
+    torch.testing.assert_close(got, want, atol=W_ATOL, rtol=W_RTOL)
+    for ops in (routing_ops("torch"), routing_ops("torch", host=True), routing_ops("triton")):
+        i2, w2 = ops.remap(scores, crit, 2, logits, rule, True, scale, eps)
+        assert torch.equal(i2, idx), ops
+        torch.testing.assert_close(w2, want, atol=W_ATOL, rtol=W_RTOL)
+        if ops.name == "torch":
+            assert torch.equal(w2, want)
+
+
 def test_remap_weights_k1():
     # Llama-4: k=1, sigmoid weight
     g = torch.Generator().manual_seed(29)

@@ -51,7 +51,7 @@ def _expert_ids(model):
 
 def test_one_token_calls_never_verify_a_group_limited_router():
     mem, disk = _glm_grouped()
-    with lynx_hf.patched(mem):  # in memory the probe verifies its selection-bias rule (patches/selection.py)
+    with lynx_hf.patched(mem):  # in memory the probe verifies its selection-bias rule (lynx_hf/selection.py)
         assert all(b.selection is not None and b.selection.n_group > 1 for b in mem.__dict__["_lynx_state"].blocks)
     lynx_hf.patch(disk, policy="lynx")
     blocks = disk.__dict__["_lynx_state"].blocks

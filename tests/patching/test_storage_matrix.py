@@ -89,12 +89,29 @@ def quantize_fp8(weight: torch.Tensor, block=(16, 16)):
     return q[:, :rows, :cols].contiguous(), scale
 
 
+def _dequantize_fp8_weight(weight, weight_scale_inv, block_size, dtype):
+    """transformers' own ``finegrained_fp8._dequantize_fp8_weight`` (5.24); on a release without it (5.19) the
+    same block-scale arithmetic, written out here (``[..., N, K]`` fp8 weights, one scale per block)."""
+    from transformers.integrations import finegrained_fp8 as fp8
+
+    if hasattr(fp8, "_dequantize_fp8_weight"):
+        return fp8._dequantize_fp8_weight(weight, weight_scale_inv, block_size, dtype)
+    scale, weight = weight_scale_inv.to(dtype), weight.to(dtype)
+    if block_size is None:
+        return weight.mul_(scale)
+    rows, cols = weight.shape[-2:]
+    full, rem = divmod(cols, block_size[1])
+    scale = scale.repeat_interleave(block_size[0], dim=-2)[..., :rows, :]
+    weight[..., : full * block_size[1]].unflatten(-1, (full, block_size[1])).mul_(scale[..., :full, None])
+    if rem:
+        weight[..., full * block_size[1]:].mul_(scale[..., full:])
+    return weight
+
+
 def _emulated_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, activation_scale=None,
                          allow_deepgemm=True):
     """CPU stand-in for transformers' ``fp8_linear`` (a hub Triton / DeepGEMM kernel): dequantize with
     transformers' own ``_dequantize_fp8_weight``, then a plain matmul in the activation dtype."""
-    from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
     w = _dequantize_fp8_weight(weight, weight_scale_inv, list(block_size) if block_size else None, input.dtype)
     return F.linear(input, w, bias)
 
@@ -141,8 +158,6 @@ def _llama4_fp8(old):
                 self.register_buffer(name + "_scale_inv", s)
 
         def _weight(self, name, dtype):
-            from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
-
             return _dequantize_fp8_weight(getattr(self, name + "_fp8"), getattr(self, name + "_scale_inv"),
                                           [16, 16], dtype).transpose(1, 2)
 
