@@ -40,6 +40,9 @@ HELDOUT_FILES = (DATA_DIR / "valid_docs.jsonl", DATA_DIR / "valid_code.jsonl")
 
 #: a policy to evaluate: (name, config); config ``None`` = the unpatched model.
 Policy = tuple[str, "LynxConfig | None"]
+#: every accuracy run here (teacher forcing, generation agreement, lm-eval; ``lynx-hf eval`` / ``sweep``) patches with
+#: the cost gate forced on (``LynxConfig.gate``): accuracy must not depend on this machine's timing
+ACCURACY_GATE = "always"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -392,7 +395,7 @@ def score_policy(model, ref: Reference, name: str, cfg: LynxConfig) -> dict:
     not set here (it needs policy none's row)."""
     t0 = time.perf_counter()
     nll, correct, agree, kl, identical = [], [], [], [], True
-    with patcher.patched(model, cfg):
+    with patcher.patched(model, cfg, gate=ACCURACY_GATE):
         patcher.reset_stats(model)
         for b, y, rl, rp in zip(ref.batches, ref.targets, ref.logits, ref.pred):
             logits = decode_logits(model, b, ref.prefill)
@@ -511,7 +514,7 @@ def generation_agreement(model, tokenizer, prompts: Sequence[str], policies: Seq
         if cfg is None:
             continue
         t0 = time.perf_counter()
-        with patcher.patched(model, cfg):
+        with patcher.patched(model, cfg, gate=ACCURACY_GATE):
             patcher.reset_stats(model)
             out = new_tokens(model.generate(**batch, **gen))
             summary = patcher.stats(model).summary()
@@ -555,7 +558,7 @@ def run_lm_eval(model, tokenizer, tasks: Sequence[str], batch_size: int = 16, co
         logging.getLogger(name).setLevel(logging.WARNING)
     tokenizer.padding_side = "left"
     stats = None
-    ctx = patcher.patched(model, config) if config is not None else _null()
+    ctx = patcher.patched(model, config, gate=ACCURACY_GATE) if config is not None else _null()
     with ctx:
         if config is not None:
             patcher.reset_stats(model)

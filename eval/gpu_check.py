@@ -26,6 +26,9 @@ Sections (run in this order; each is skipped with a printed note when the time b
 4. ``graphs`` — CUDA-graph capture of compiled static-cache decode with LYNX: ``model.generate(...,
    cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))``
    on the patched 2-layer Qwen2-57B-A14B; tokens equal to eager LYNX.
+5. ``gate`` — the cost gate's decisions (``LynxConfig.gate="auto"``, ``lynx_hf.eval.gate_table``) on this GPU for
+   fixture A, DeepSeek-V2-Lite, Qwen2-57B-A14B, Mixtral-8x7B and OLMoE-1B-7B shapes x B = 1, 4, 16, 64: measured
+   routing cost, expected saving, on / off. Sections 2-4 force the gate on (``gate="always"``): they check the policy.
 
 A summary table closes the run. Exit status 1 if any check fails.
 
@@ -71,8 +74,9 @@ SYNC_POLICIES = {
     "oea k0=1": dict(policy="oea", oea_k0=1),
 }
 #: the routing ops and expert path of a variant (LynxConfig fields)
-TRITON = dict(routing_backend="triton", expert_path="triton")
-TORCH = dict(routing_backend="torch")
+# the checks and timings below are of the policy's path: the cost gate forced on (section "gate" shows its decisions)
+TRITON = dict(routing_backend="triton", expert_path="triton", gate="always")
+TORCH = dict(routing_backend="torch", gate="always")
 SUMMARY: list[tuple[str, str, str, str]] = []  # (section, check, status, detail)
 
 
@@ -585,7 +589,7 @@ def section_graphs(args, dev, budget, models) -> None:
         cc._compile_all_devices = True
     else:
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    lynx_hf.patch(model, policy="lynx", routing_backend=backend)
+    lynx_hf.patch(model, policy="lynx", routing_backend=backend, gate="always")
     try:
         with torch.inference_mode():
             eager = model.generate(**gen)
@@ -619,8 +623,29 @@ def section_graphs(args, dev, budget, models) -> None:
         lynx_hf.unpatch(model)
 
 
+# ------------------------------------------------------------------------------------------- section 5
+def section_gate(args, dev, budget) -> None:
+    """The cost gate's decisions (``LynxConfig.gate="auto"``) per shape x B on this device (``lynx_hf.eval.gate_table``):
+    printed for the record (a decision is the device's, not a pass / fail); the check is that every measurement
+    ran and is finite."""
+    from lynx_hf.eval.gate_table import BATCHES, SHAPES, table
+
+    S = "gate"
+    if not budget.allows(60 if not args.dry_run else 10, "cost gate decisions", S):
+        return
+    names, batches = (["fixture-a"], [4, 16]) if args.dry_run else (["fixture-a", *SHAPES], list(BATCHES))
+    print(f"\n== cost gate decisions on {dev} ==", flush=True)
+    rows = table(names, batches, dev, log=lambda line: print("  " + line, flush=True))
+    for r in rows:
+        note(S, f"{r['shape']} B={r['B']}", f"{'on' if r['on'] else 'off'}: cost {r['cost_ms']:.4f} ms, saving "
+             f"{r['saving_ms']:.4f} ms (experts {r['experts_before']:.1f} -> {r['experts_after']:.1f}, one expert "
+             f"{r['expert_ms']:.4f} ms)")
+    record(S, "gate measured every shape x B", all(math.isfinite(r["cost_ms"]) and math.isfinite(r["saving_ms"])
+                                                   for r in rows), f"{len(rows)} decisions")
+
+
 # ------------------------------------------------------------------------------------------------ main
-SECTIONS = ("kernels", "sync", "tpot", "graphs")
+SECTIONS = ("kernels", "sync", "tpot", "graphs", "gate")
 
 
 def main(argv=None) -> int:
@@ -658,7 +683,8 @@ def main(argv=None) -> int:
     runners = {"kernels": lambda: section_kernels(args, dev, budget),
                "sync": lambda: section_sync(args, dev, budget, models),
                "tpot": lambda: section_tpot(args, dev, budget, models),
-               "graphs": lambda: section_graphs(args, dev, budget, models)}
+               "graphs": lambda: section_graphs(args, dev, budget, models),
+               "gate": lambda: section_gate(args, dev, budget)}
     for name in SECTIONS:
         if name not in sections:
             continue

@@ -18,6 +18,7 @@ import warnings
 import torch
 
 from .core import PREFILL, PREFILL_STEP, RoutePlan, Step, host_reads_allowed, keep_routing, make_plan
+from .gate import LayerShape
 from .telemetry import BlockTelemetry
 
 BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
@@ -40,7 +41,7 @@ class BlockRouting:
         self.experts = spec.experts_of(block)
         self.num_experts, self.top_k = spec.shape(block)
         self.rule = spec.weight_rule(block)  # None until verified (generic family spec, router not materialized)
-        # the generic spec's verified selection-bias rule (patches/selection.py), None: spec.selection_scores
+        # the generic spec's verified selection-bias rule (lynx_hf/selection.py), None: spec.selection_scores
         self.selection = spec.selection_of(block)
         self.rule_status = RULE_VERIFIED if self.rule is not None else RULE_PENDING
         self.telemetry = BlockTelemetry()
@@ -88,8 +89,23 @@ class BlockRouting:
         ``device`` (default: the router's)."""
         if device is None:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
-        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device)
+        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape())
         return self.plan
+
+    def layer_shape(self) -> LayerShape:
+        """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),
+        I (one expert's intermediate size: the dimension of the experts' ``down_proj`` that is not H; ``None`` if
+        there is no such tensor), the router's and the experts' weight dtypes."""
+        weight = getattr(self.router, "weight", None)
+        hidden = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        down = getattr(self.experts, "down_proj", None)
+        intermediate = None
+        if hidden is not None and isinstance(down, torch.Tensor) and down.dim() == 3:
+            dims = [int(d) for d in down.shape[1:]]
+            intermediate = next((d for d in dims if d != hidden), hidden) if hidden in dims else None
+        dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
+        expert_dtype = down.dtype if isinstance(down, torch.Tensor) and down.is_floating_point() else None
+        return LayerShape(self.num_experts, self.top_k, hidden, intermediate, dtype, expert_dtype)
 
     def _plan_for(self, device: torch.device) -> RoutePlan:
         plan = self.plan
@@ -204,11 +220,21 @@ class BlockRouting:
         """``(weights, idx)`` for one step: the policy's remap on the decode tokens, the model's own on the
         others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int. Runs the plan's
         decode-step function (``lynx_hf.core``); a step of one token keeps its own top-k under every policy
-        with ``single_token_identity``, so it keeps the model's routing."""
+        with ``single_token_identity``, so it keeps the model's routing. Where the plan's cost gate
+        (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) is off for this step's T tokens, the model's own routing is
+        returned unchanged (the same objects) and no telemetry is recorded (the step is counted by the gate)."""
         plan = self._plan_for(logits.device)
         step_fn = plan.step_fn
-        if idx.shape[0] == 1 and plan.policy.single_token_identity:
+        num_tokens = idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
+        if num_tokens == 1 and plan.policy.single_token_identity:
             step_fn = keep_routing
+        elif plan.gate is not None and step_fn is not keep_routing and not plan.gate.on(num_tokens):
+            plan.gate.skip(num_tokens)  # the cost gate: the model's own routing, no telemetry (lynx_hf.gate)
+            return weights, idx
+        if "offload" in self.__dict__:  # resident offloaded experts seed the critical set (lynx_hf.offload)
+            from .offload import seeded_step
+
+            step_fn = seeded_step(self, step_fn, logits.device)
         telemetry = self.telemetry if self.model_state.config.telemetry else None
         new_weights, new_idx, _ = step_fn(plan, self.rule, step, self._selection_scores, logits, weights, idx,
                                           host_reads_allowed(logits), telemetry)

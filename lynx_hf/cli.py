@@ -26,7 +26,7 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
     Renamed fields keep their old option as a deprecated alias (``--k0``, ``--backend``: a ``FutureWarning``
     names the new option; ``lynx_hf.config.RENAMED``)."""
-    from dataclasses import fields
+    from dataclasses import MISSING, fields
 
     from .config import RENAMED, LynxConfig, field_types
 
@@ -34,8 +34,9 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(LynxConfig):
         base, optional = types[f.name]
         kind = base.__name__ + (" or None" if optional else "")
+        default = f.default_factory() if f.default is MISSING else f.default  # gate: from LYNX_HF_GATE
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=kind.upper().replace(" ", "_"),
-                            help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {f.default!r})")
+                            help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {default!r})")
     for old, new in RENAMED.items():
         parser.add_argument(f"--{old.replace('_', '-')}", dest=f"deprecated_{old}", default=argparse.SUPPRESS,
                             metavar="VALUE", help=f"deprecated: use {new}")
@@ -105,6 +106,11 @@ def cmd_generate(args) -> int:
     print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
           f"  decode steps: {summary['decode_steps']}")
     print_layer_table(summary, summary["per_layer"])
+    from .gate import off_line
+
+    gated = off_line(summary["per_layer"])  # the cost gate switched the policy off somewhere (LynxConfig.gate)
+    if gated:
+        print(gated)
     print(f"token agreement with unpatched greedy decode: {agreement:.3f}; identical continuations: {exact:.3f}")
     if not args.quiet:
         for prompt, row in zip(prompts, new_out):

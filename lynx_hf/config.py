@@ -17,10 +17,12 @@ from pathlib import Path
 
 from . import policies
 from .errors import LynxConfigError
+from .gate import GATES, default_gate
 from .kernels.backend import EXPERT_PATHS, ROUTING_BACKENDS
 from .policies import check_bool, check_choice, check_int
 
 PHASES = ("auto", "decode")
+OFFLOAD_PATHS = ("experts", "module")  # LynxConfig.offload_path (lynx_hf.offload)
 
 #: old name -> what it now is (accepted with a FutureWarning by ``LynxConfig(...)``, ``from_dict``,
 #: ``from_options`` (CLI, lm-eval ``model_args``, vLLM) and ``lynx_hf.patch(model, **overrides)``)
@@ -90,6 +92,19 @@ class LynxConfig:
       interpreter). ``backend=X`` (deprecated) means ``routing_backend=X`` and ``expert_path="triton"`` iff
       ``X == "triton"`` (else ``"auto"``).
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
+    - ``offload_path``: experts that accelerate offloads (CPU / disk offload, ``lynx_hf.offload``): ``"experts"``
+      (default: a decode step reads only the rows of the unique experts its routing uses from the offload store)
+      or ``"module"`` (accelerate's own whole-module load on every forward). Prefill always runs accelerate's.
+    - ``expert_cache_bytes``: per offloaded MoE layer, bytes of expert weights kept resident on the execution
+      device between decode steps (least recently used replaced; resident experts seed the critical set of a
+      remapping policy). ``0`` (default): no cache. An int ``>= 0``.
+    - ``gate``: the cost gate (``lynx_hf.gate``; the paper's phase-aware optimizer, arXiv 2411.08982, extended from
+      phase to cost): ``"auto"`` runs the policy on a decode step of T tokens only where the expected saving
+      (experts saved x one expert's measured time on this device) beats the measured routing cost, per layer shape
+      and T (measured at patch time, a host-side decision on the static T); ``"always"`` runs it on every decode
+      step (reproducible: accuracy work, tests). Default: the environment variable ``LYNX_HF_GATE`` if set (e.g.
+      ``LYNX_HF_GATE=always``), else ``"auto"``; ``lynx-hf eval`` / ``sweep`` and the lm-eval model use
+      ``"always"``.
 
     Raises :class:`LynxConfigError` for a bad value, a removed field (``mass_floor``) or ``phase="never"``.
     """
@@ -113,6 +128,15 @@ class LynxConfig:
     expert_path: str = field(default="auto", metadata={
         "help": "decode experts: auto / model (the model's own implementation), triton (sparse Triton kernel)"})
     telemetry: bool = field(default=True, metadata={"help": "collect decode statistics (lynx_hf.stats)"})
+    gate: str = field(default_factory=default_gate, metadata={
+        "help": "auto: run the policy only where its measured saving beats its cost (per layer shape and step "
+                "size); always: on every decode step (default from LYNX_HF_GATE, else auto)"})
+
+    offload_path: str = field(default="experts", metadata={
+        "help": "offloaded experts in decode: experts (read only the step's experts), module (accelerate's load)"})
+    expert_cache_bytes: int = field(default=0, metadata={
+        "help": "per offloaded MoE layer, bytes of experts kept resident on the execution device (0: none)"})
+
     def __post_init__(self) -> None:
         if self.phase == "never":
             raise LynxConfigError('LynxConfig.phase="never" was removed: use policy="none" (the model\'s own '
@@ -121,7 +145,10 @@ class LynxConfig:
         check_choice("phase", self.phase, PHASES)
         check_choice("routing_backend", self.routing_backend, ROUTING_BACKENDS)
         check_choice("expert_path", self.expert_path, EXPERT_PATHS)
+        check_choice("gate", self.gate, GATES)
         check_int("q_max", self.q_max, minimum=1)
+        check_choice("offload_path", self.offload_path, OFFLOAD_PATHS)
+        check_int("expert_cache_bytes", self.expert_cache_bytes, minimum=0)
         for name in ("telemetry", "verify"):
             check_bool(name, getattr(self, name))
         for policy in policies.REGISTRY.values():  # every policy's own fields, whichever policy is chosen

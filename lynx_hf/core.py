@@ -20,6 +20,7 @@ merged with ``torch.where``; telemetry accumulates on the device.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,7 +66,8 @@ class WeightRule:
 
     ``kind``: one of ``kernels.routing_torch.WEIGHT_RULES`` (``"softmax_all"``: softmax over all N logits,
     picked; ``"softmax_chosen"``: softmax over the chosen k; ``"sigmoid"``: sigmoid of each chosen logit);
-    ``renormalize``: divide by the sum over the chosen k; ``scale``: multiply by it
+    ``renormalize``: divide by the sum over the chosen k plus ``renorm_eps`` (a denominator epsilon some
+    families add: LFM2-MoE ``1e-6``; 0 divides by the sum alone); ``scale``: multiply by it
     (``routed_scaling_factor``). Weights are computed in fp32 and cast to the dtype of the router's own
     weights (what each family does).
     """
@@ -73,6 +75,7 @@ class WeightRule:
     kind: str
     renormalize: bool = False
     scale: float = 1.0
+    renorm_eps: float = 0.0
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
@@ -87,7 +90,9 @@ class RoutePlan:
     Triton ops namespace whose ``sparse_moe`` computes the routed experts when ``LynxConfig.expert_path ==
     "triton"``, else ``None``;
     ``step_fn``: the decode-step function (see the module docstring), called as
-    ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``.
+    ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``;
+    ``gate``: the cost gate (``lynx_hf.gate.PlanGate``, ``LynxConfig.gate="auto"``) whose ``on(T)`` says whether
+    ``step_fn`` runs on a step of T tokens (else the model's own routing, no telemetry), or ``None``: always runs.
     """
 
     device: torch.device
@@ -101,6 +106,7 @@ class RoutePlan:
     host_ops: object = None
     fused: object = None
     expert_ops: object = None
+    gate: object = None
 
     @property
     def expert_kernel(self) -> bool:
@@ -113,14 +119,18 @@ class RoutePlan:
         return None if self.expert_ops is None else self.expert_ops.sparse_moe
 
 
-def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> RoutePlan:
+def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=None,
+              extra_expert_ms: float = 0.0) -> RoutePlan:
     """Resolve ``config`` (a ``LynxConfig``) for one MoE layer of ``num_experts`` experts, top-``top_k``, on
     ``device``: routing backend, policy parameters, ops, expert kernel and the decode-step function.
 
     ``routing_backend``: ``"auto"`` gives Triton on CUDA, torch elsewhere (a ``meta`` device: torch).
     ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel; ``"auto"`` / ``"model"`` keep the
     model's own experts implementation (transformers' ``grouped_mm`` on CUDA, ``lynx_hf.experts``) until a GPU
-    run measures which is faster per shape. Raises ``RuntimeError`` when Triton cannot run on ``device``.
+    run measures which is faster per shape. ``shape``: the layer's ``lynx_hf.gate.LayerShape`` (H, I, dtypes); with
+    ``config.gate == "auto"`` the plan gets a cost gate (``lynx_hf.gate.plan_gate``: measured here, once per shape
+    in-process; ``extra_expert_ms``: a further cost per expert read, e.g. an offloaded expert's transfer, added to the
+    saving), without it (or ``gate="always"``) none. Raises ``RuntimeError`` when Triton cannot run on ``device``.
     """
     device = torch.device(device)
     policy = policies.get(config.policy)
@@ -138,8 +148,15 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device) -> Rou
         step_fn = fused_step
     else:
         step_fn = remap_step
-    return RoutePlan(device, backend, policy, params, ops, int(num_experts), int(top_k), step_fn,
+    plan = RoutePlan(device, backend, policy, params, ops, int(num_experts), int(top_k), step_fn,
                      host_ops=host_ops, fused=fused, expert_ops=expert_ops)
+    if shape is not None and getattr(config, "gate", "always") == "auto":
+        from .gate import plan_gate
+
+        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms)
+        if gate is not None:
+            plan = dataclasses.replace(plan, gate=gate)
+    return plan
 
 
 # -- decode-step functions (one is chosen per plan) ----------------------------------------------------------
@@ -156,9 +173,11 @@ def keep_routing(plan, rule, step, selection_scores, logits, weights, idx, host,
     return weights, idx, None
 
 
-def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
-    """The general path: :func:`remap`, then :func:`record_step`."""
-    return _remap_and_record(plan, rule, step, selection_scores(logits), logits, weights, idx, host, telemetry)
+def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None, seed=None):
+    """The general path: :func:`remap`, then :func:`record_step`. ``seed [N]`` bool: experts free this step
+    besides the prefill tokens' (resident offloaded experts, ``lynx_hf.offload``), or ``None``."""
+    return _remap_and_record(plan, rule, step, selection_scores(logits), logits, weights, idx, host, telemetry,
+                             seed=seed)
 
 
 def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
@@ -176,8 +195,8 @@ def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, t
     return _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry)
 
 
-def _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry):
-    new_weights, new_idx, finite = remap(plan, rule, step, scores, logits, weights, idx, host=host)
+def _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry, seed=None):
+    new_weights, new_idx, finite = remap(plan, rule, step, scores, logits, weights, idx, host=host, seed=seed)
     if telemetry is not None:
         record_step(telemetry, plan.num_experts, step, idx, weights, new_idx, finite, host=host)
     return new_weights, new_idx, finite
@@ -206,7 +225,8 @@ def record_step(telemetry, num_experts: int, step: Step, idx, weights, new_idx, 
     return counted, live
 
 
-def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights, idx, host: bool | None = None):
+def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights, idx, host: bool | None = None,
+          seed: torch.Tensor | None = None):
     """The policy's routing for the decode tokens of ``step``, the model's own for the others.
 
     ``scores [T, N]`` fp32 selection scores (``-inf``: forbidden), ``logits [T, N]`` the router logits
@@ -214,7 +234,9 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     CPU tensors in eager mode (``None``: asked here). Returns ``(weights [T, k] in weights.dtype,
     idx [T, k] in idx.dtype, finite [T] bool)``. Rows whose router logits are not finite keep the model's
     routing (counted as fallbacks) and, like prefill rows, seed the critical set with their experts;
-    finished rows are remapped into the set but do not vote. Sync-free off the host.
+    finished rows are remapped into the set but do not vote. ``seed [N]`` bool (or ``None``): more experts that
+    are free this step (resident offloaded experts, ``lynx_hf.offload``): they seed the critical set too.
+    Sync-free off the host.
     """
     if host is None:
         host = host_reads_allowed(logits)
@@ -223,13 +245,14 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     top_k = idx.shape[-1]
     dev = logits.device
     finite = torch.isfinite(logits).all(dim=-1)
-    if step.decode is None and step.live is None and host and bool(finite.all()):
+    if step.decode is None and step.live is None and seed is None and host and bool(finite.all()):
         # CPU, eager: every token decodes and is finite (one memory read, no device): no masks to merge
         idx64 = idx if idx.dtype == torch.int64 else idx.long()
         critical = plan.policy.critical_set(plan.params, ops,
                                             policies.StepTensors(scores, idx64, weights, None, None, top_k))
         logits32 = logits if logits.dtype == torch.float32 else logits.float()
-        new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale)
+        new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
+                                         rule.renorm_eps)
         return new_weights.to(weights.dtype), new_idx.to(idx.dtype), finite
     decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
     live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
@@ -238,11 +261,12 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     keep = (~decode | ~finite) & live
     idx64 = idx.long()
     scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
-    seed = union_mask(idx64, num_experts, keep)
+    seed = union_mask(idx64, num_experts, keep) if seed is None else union_mask(idx64, num_experts, keep) | seed
     tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
     critical = plan.policy.critical_set(plan.params, ops, tensors)
     logits32 = torch.where(finite[:, None], logits.float(), torch.zeros_like(logits, dtype=torch.float32))
-    new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale)
+    new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
+                                     rule.renorm_eps)
     rows = remapped[:, None]
     out_idx = torch.where(rows, new_idx, idx64).to(idx.dtype)
     out_weights = torch.where(rows, new_weights.to(weights.dtype), weights)

@@ -12,6 +12,8 @@ models, ``docs/cases.md`` C28): an experts module that is not a patched block's 
 config -- runs it (:func:`original_implementation`). ``"lynx"`` chooses, per call:
 
 - not a decode step -> the implementation the model had (prefill bit-identical);
+- a decode step the cost gate keeps off (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) -> the implementation the
+  model had (the routing is the model's own too: as unpatched);
 - decode, ``expert_path="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run
   measures which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``eval/gpu_check.py``),
   the experts passed :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton
@@ -263,6 +265,9 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     plan = state.plan if state.plan is not None else state.resolve(hidden_states.device)  # None after a copy
+    if plan.gate is not None and not plan.gate.decision(top_k_index.shape[0]).on:
+        # the cost gate kept the model's routing on this step (lynx_hf.gate): its own implementation, as unpatched
+        return own(self, hidden_states, top_k_index, top_k_weights)
     if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
         return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                exact_grid=False)

@@ -14,7 +14,8 @@ LYNX options in ``model_args``: every :class:`~lynx_hf.LynxConfig` field (``poli
 ``oea_k0``, ``routing_backend``, ``expert_path``, ...; ``mass_price=None`` selects the paper's rule), parsed by
 :meth:`LynxConfig.from_options` like the CLI's. Deprecated: ``k0`` (now ``oea_k0``) and ``lynx_backend`` (the
 old ``backend`` field, which HFLM's own ``backend`` argument shadows), mapped with a ``FutureWarning``.
-Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
+The cost gate is off here: ``gate`` defaults to ``"always"`` (accuracy must not depend on a machine's timing;
+``gate=auto`` in ``model_args`` asks for it). Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
 """
 
@@ -51,6 +52,9 @@ class LynxLM(HFLM):
             options["policy"] = "none"
         if lynx_backend is not None:
             options["backend"] = lynx_backend  # deprecated: FutureWarning from from_options
+        # accuracy must not depend on this machine's timing: the policy runs on every decode step unless the
+        # model_args ask for the cost gate (gate=auto); this overrides a config file's gate too
+        options.setdefault("gate", "always")
         if isinstance(lynx_config, LynxConfig):
             base = lynx_config
         else:  # a config file; the single options above override its fields

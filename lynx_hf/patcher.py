@@ -11,7 +11,7 @@ import warnings
 import torch
 
 from . import experts as experts_impl
-from . import policies
+from . import offload, policies
 from .block import BlockRouting
 from .config import LynxConfig
 from .detection import StepTracker, cache_length, generation_scope
@@ -326,6 +326,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     _install_model_methods(state)  # generate, init_continuous_batching
     object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
+    offload.install(state)  # offloaded experts read per expert in decode
     return model
 
 
@@ -346,6 +347,7 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
         block.telemetry.reset()  # telemetry describes one config
         block.resolve()
     _sync_experts_impl(state)
+    offload.install(state)  # again: the cache budget or offload path may have changed
 
 
 def _sync_experts_impl(state: ModelState) -> None:
@@ -381,6 +383,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = _find_state(model)
     if state is None:
         return model
+    offload.remove(state)  # accelerate's forward objects back on the offloaded experts modules
     if state.experts_impl_before is not None:
         _remove_experts_impl(state)
     state.tracker.detach(state.backbone)
@@ -429,8 +432,9 @@ def config_of(model: torch.nn.Module) -> LynxConfig:
 def stats(model: torch.nn.Module) -> LynxStats:
     """Decode telemetry of a patched model (see :meth:`LynxStats.summary`). Raises :class:`NotPatchedError`."""
     state = _state(model)
-    layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary()}
-              for b in state.blocks]
+    layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary(),
+               **offload.layer_summary(b),
+               "gate": _gate_summary(state.config, b.plan)} for b in state.blocks]
     return LynxStats(policy=state.config.policy, layers=layers, detection=state.tracker.counts())
 
 
@@ -439,6 +443,18 @@ def reset_stats(model: torch.nn.Module) -> None:
     fire again). Raises :class:`NotPatchedError`."""
     state = _state(model)
     state.tracker.reset_counts()
+    offload.reset(state)
     for block in state.blocks:
         block.telemetry.reset()
+        if block.plan is not None and block.plan.gate is not None:
+            block.plan.gate.reset()
+
+
+def _gate_summary(config, plan) -> dict:
+    """The cost gate of one block for :func:`stats` (``lynx_hf.gate.PlanGate.summary``); ``{"gate": "always"}`` when
+    the policy runs on every decode step (``gate="always"``, or a plan that never remaps)."""
+    if plan is None or plan.gate is None:
+        return {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
+                "steps_skipped": 0}
+    return plan.gate.summary()
 

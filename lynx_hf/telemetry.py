@@ -112,6 +112,12 @@ class BlockTelemetry:
         }
 
 
+def _offload_summary(layers: list[dict]) -> dict:
+    from .offload import summarize  # the offload_* keys (lynx_hf.offload), empty when no layer is offloaded
+
+    return summarize(layers)
+
+
 @dataclass
 class LynxStats:
     """What :func:`lynx_hf.stats` returns: per-block summaries plus model-level means.
@@ -137,7 +143,15 @@ class LynxStats:
         verification forwards of assisted / prompt-lookup decoding), ``prefill_tokens_in_mixed_steps``
         (prefill tokens that shared a forward with decode tokens: continuous batching),
         ``finished_row_tokens`` (tokens of finished rows, not counted above), ``num_moe_layers``,
-        ``policy`` and ``per_layer`` (list of per-block dicts). With the HF patcher also the detector's
+        ``policy``, ``gate_steps_skipped`` (layer-steps on which the cost gate, ``LynxConfig.gate="auto"``, kept the
+        model's own routing; they are not in the counts above) and ``per_layer`` (list of per-block dicts; each
+        has ``"gate"``: ``lynx_hf.gate.PlanGate.summary``, per step size T seen: on / off, the measured cost and
+        expected saving in ms per layer-step, the steps skipped). Where experts offloaded by accelerate are read per
+        expert (``lynx_hf.offload``), per decode step summed over those layers: ``offload_experts_used``,
+        ``offload_experts_fetched`` (read from the offload store), ``offload_cache_hits`` (resident),
+        ``offload_bytes_read`` (bytes read from the store), ``offload_bytes_module`` (what accelerate's whole-module
+        load would read), ``offload_layers``; per layer the same per call plus ``offload_transfer_ms_per_expert``.
+        With the HF patcher also the detector's
         counts (eager forwards only; a forward traced by ``torch.compile`` is not counted):
         ``backbone_forwards`` (forwards of the decoder backbone classified), ``decode_forwards`` (of them,
         with decode work) and ``unclassified_forwards`` (forwards that looked like decode steps -- a cache
@@ -164,6 +178,8 @@ class LynxStats:
             "verify_tokens": first.get("verify_tokens", 0),
             "prefill_tokens_in_mixed_steps": first.get("prefill_tokens_in_mixed_steps", 0),
             "finished_row_tokens": first.get("finished_row_tokens", 0),
+            "gate_steps_skipped": sum((layer.get("gate") or {}).get("steps_skipped", 0) for layer in self.layers),
+            **_offload_summary(self.layers),
             **self.detection,
             "per_layer": self.layers,
         }

@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the cost gate (LynxConfig.gate, lynx_hf.gate) would make a test depend on this machine's timing: the suite runs the
+# policy on every decode step; tests/policies/test_gate.py exercises gate="auto" explicitly
+os.environ.setdefault("LYNX_HF_GATE", "always")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

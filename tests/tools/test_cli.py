@@ -103,10 +103,12 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
 NON_DEFAULT = {"policy": "oea", "phase": "decode", "alpha": "2.5", "beta": "3", "tau": "2.0",
                "mass_price": "None", "price_unit": "batch", "oea_k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
                "xshare_warmup": "2", "q_max": "2", "verify": "false", "routing_backend": "torch", "expert_path": "model",
-               "telemetry": "false"}
+               "telemetry": "false", "offload_path": "module", "expert_cache_bytes": "4096",
+               "gate": "auto"}  # the suite's default gate is "always" (tests/conftest.py)
 NON_DEFAULT_CONFIG = dict(policy="oea", phase="decode", alpha=2.5, beta=3, tau=2.0, mass_price=None,
                           price_unit="batch", oea_k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
-                          verify=False, routing_backend="torch", expert_path="model", telemetry=False)
+                          verify=False, routing_backend="torch", expert_path="model", telemetry=False,
+                          offload_path="module", expert_cache_bytes=4096, gate="auto")
 
 
 def test_every_option_reaches_the_config(checkpoint, monkeypatch):

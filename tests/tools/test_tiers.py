@@ -37,15 +37,17 @@ def test_kernels_import_neither_transformers_nor_lynx_hf():
 
 
 def test_core_knows_no_hf_block_state_detection_or_family_spec():
-    bad = {m for m in _imports(ROOT / "lynx_hf" / "core.py", "lynx_hf")
-           if m.split(".")[0] == "transformers" or m.startswith(("lynx_hf.block", "lynx_hf.detection",
-                                                                 "lynx_hf.patches", "lynx_hf.patcher"))}
-    assert not bad
+    # the cost gate and the selection-bias rule are core tier too (the HF path and the vLLM plugin both use them)
+    for name in ("core.py", "gate.py", "selection.py"):
+        bad = {m for m in _imports(ROOT / "lynx_hf" / name, "lynx_hf")
+               if m.split(".")[0] == "transformers" or m.startswith(("lynx_hf.block", "lynx_hf.detection",
+                                                                     "lynx_hf.patches", "lynx_hf.patcher"))}
+        assert not bad, (name, bad)
 
 
 def test_vllm_plugin_imports_only_the_core_policies_and_telemetry():
-    allowed = ("lynx_hf.core", "lynx_hf.policies", "lynx_hf.telemetry", "lynx_hf.config", "lynx_hf.errors",
-               "lynx_hf.vllm")
+    allowed = ("lynx_hf.core", "lynx_hf.gate", "lynx_hf.selection", "lynx_hf.policies", "lynx_hf.telemetry", "lynx_hf.config",
+               "lynx_hf.errors", "lynx_hf.vllm")
     for path in (ROOT / "lynx_hf" / "vllm").glob("*.py"):
         ours = {m for m in _imports(path, "lynx_hf.vllm") if m.startswith("lynx_hf")}
         assert ours and all(m.startswith(allowed) for m in ours), (path.name, sorted(ours))

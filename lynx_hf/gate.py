@@ -1,0 +1,432 @@
+"""The cost gate: run the policy on a decode step only where it pays (``LynxConfig.gate``).
+
+The paper's phase-aware optimizer (Gupta et al., arXiv 2411.08982, Sec. 4: "LYNX is bypassed when an
+iteration is not memory bound", i.e. prefill) extended from phase to *cost*: per MoE layer shape and decode step
+size, the policy runs only where the expert reads it is expected to save outweigh the routing work it adds.
+
+Engine-independent (core tier: no transformers import); the HF path (``lynx_hf.block.BlockRouting.route``) and
+the vLLM plugin (``lynx_hf.vllm._hooks._remap_layer``) ask the same :class:`PlanGate`.
+
+- :func:`decide` is a pure function of the measurements (hand-checked in ``tests/policies/test_gate.py``):
+  saving = experts saved x (time one expert costs in the experts path + any extra per-expert cost, e.g. the
+  transfer of an offloaded expert); the policy runs iff saving > margin x cost.
+- :func:`measure_routing` times the layer's decode-step function (the plan's ``step_fn``: selection scores, policy,
+  remap, weight rule, telemetry when on) on synthetic router logits at the layer's real ``(T, N)`` and dtype on the
+  real device, and *estimates* the experts before / after by running the policy on those synthetic logits
+  (i.i.d. normal logits of std :data:`LOGIT_STD`; real routers differ, so the estimate is a model, not a
+  measurement of the user's traffic). The gated-off path does nothing (the model's own routing, no telemetry),
+  so the whole step time is the cost.
+- :func:`measure_expert_ms` times one expert's weights in a fused experts path: the slope, per expert, of a
+  batched SwiGLU MLP (``[E, m, H] @ [E, H, 2I]``, ``silu * up``, ``@ [E, I, H]``) over E experts at m tokens per
+  expert, in the layer's dtype on the device (weights a pool of up to :data:`POOL_BYTES`, capped at N experts, so
+  large layers read them from memory as a decode step does). Per-call launch costs are excluded (a per-expert
+  Python loop saves those too: the gate errs towards "off").
+- :class:`PlanGate` (one per plan, i.e. per layer and device): the decisions per step size, measured once at
+  patch time (HF) or on the first step (vLLM) for the buckets :data:`BUCKETS` (a step of T tokens uses the
+  smallest bucket >= T; above the largest, the largest) and shared by every layer of the same shape and config
+  (:data:`_CACHE`, in-process). :meth:`PlanGate.on` is a host-side lookup on the static ``T``: no device read,
+  no data-dependent shape (CUDA graphs and ``torch.compile`` see a Python branch on ``logits.shape[0]``).
+
+Units: milliseconds per layer-step throughout. Measurement is skipped (the gate stays on, reason
+``"not measured: ..."``) while ``torch.compile`` traces, during CUDA-graph capture, and on ``meta`` tensors.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+#: ``LynxConfig.gate`` values: ``"auto"`` (the cost gate decides per layer shape and step size), ``"always"``
+#: (the policy runs on every decode step: reproducible, timing-independent)
+GATES = ("auto", "always")
+#: environment variable that sets the default of ``LynxConfig.gate`` (``always`` forces the policy on: tests,
+#: accuracy work); an explicit ``gate=`` wins
+ENV = "LYNX_HF_GATE"
+#: step sizes (tokens) measured per shape; a step of T tokens uses the smallest bucket >= T (the largest above it)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+#: std of the synthetic router logits the expected experts before / after are estimated on
+LOGIT_STD = 2.0
+#: synthetic draws per bucket the expected experts are averaged over
+DRAWS = 4
+#: bytes of expert weights the expert timing cycles through (at most N experts)
+POOL_BYTES = 96 << 20
+#: wall-clock budget of one timing (seconds); each timing takes at least 3 and at most ``reps`` calls
+TIME_BUDGET_S = 0.05
+
+
+def default_gate() -> str:
+    """The default of ``LynxConfig.gate``: the environment variable :data:`ENV` if set (e.g. ``always``), else
+    ``"auto"``. A bad value is reported by ``LynxConfig`` validation (``LynxConfigError``)."""
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+
+
+@dataclass(frozen=True)
+class GateDecision:
+    """One gate decision (ms per layer-step).
+
+    ``on``: the policy runs; ``cost_ms``: added time of the decode-step routing work; ``saving_ms``: expected
+    experts saved x (``expert_ms`` + ``extra_expert_ms``); ``experts_before`` / ``experts_after``: expected
+    distinct experts per step without / with the policy (``nan`` when not estimated); ``reason``: one line.
+    """
+
+    on: bool
+    cost_ms: float
+    saving_ms: float
+    experts_saved: float
+    expert_ms: float
+    extra_expert_ms: float = 0.0
+    experts_before: float = float("nan")
+    experts_after: float = float("nan")
+    reason: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def decide(cost_ms: float, experts_saved: float, expert_ms: float, extra_expert_ms: float = 0.0,
+           margin: float = 1.0) -> GateDecision:
+    """The gate's rule, a pure function of its measurements.
+
+    ``cost_ms`` (>= 0 after clamping: a negative measurement is timing noise and counts as 0): what the policy adds
+    to one layer-step; ``experts_saved``: expected distinct experts per step the policy avoids (clamped to >= 0);
+    ``expert_ms``: what one expert costs in the experts path at this step size; ``extra_expert_ms``: any further
+    cost per expert read (e.g. the transfer of an offloaded expert, >= 0); ``margin`` (> 0): the saving must
+    exceed ``margin x cost``. saving = experts_saved x (expert_ms + extra_expert_ms); ``on`` iff saving > margin x
+    cost (strict: with nothing saved the policy never runs). Raises ``ValueError`` for a non-finite input, a
+    negative ``expert_ms`` / ``extra_expert_ms`` or a ``margin`` <= 0.
+    """
+    for name, value in (("cost_ms", cost_ms), ("experts_saved", experts_saved), ("expert_ms", expert_ms),
+                        ("extra_expert_ms", extra_expert_ms), ("margin", margin)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            raise ValueError(f"gate.decide: {name} must be a finite number, got {value!r}")
+    if expert_ms < 0 or extra_expert_ms < 0:
+        raise ValueError(f"gate.decide: expert_ms and extra_expert_ms must be >= 0, got {expert_ms}, {extra_expert_ms}")
+    if margin <= 0:
+        raise ValueError(f"gate.decide: margin must be > 0, got {margin}")
+    cost = max(float(cost_ms), 0.0)
+    saved = max(float(experts_saved), 0.0)
+    saving = saved * (float(expert_ms) + float(extra_expert_ms))
+    on = saving > margin * cost
+    reason = (f"expected saving {saving:.3g} ms {'>' if on else '<='} "
+              f"{'' if margin == 1 else f'{margin:g} x '}cost {cost:.3g} ms per layer-step")
+    return GateDecision(on, cost, saving, saved, float(expert_ms), float(extra_expert_ms), reason=reason)
+
+
+def always_on(reason: str) -> GateDecision:
+    """A decision that keeps the policy on without a measurement (``reason`` says why)."""
+    nan = float("nan")
+    return GateDecision(True, nan, nan, nan, nan, reason=reason)
+
+
+# -- measurement ---------------------------------------------------------------------------------------------
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(fn, device: torch.device, reps: int = 25, budget_s: float | None = None) -> float:
+    """Shortest wall time of ``fn()`` in ms over up to ``reps`` calls within ``budget_s`` (one warm-up call; device
+    synchronized around each call; ``budget_s`` default :data:`TIME_BUDGET_S`, read at call time). The minimum, not
+    the median: on a shared or loaded host it is the stable estimate of what the work itself costs, for the cost and
+    the saving alike."""
+    budget_s = TIME_BUDGET_S if budget_s is None else budget_s
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+        if len(times) >= 3 and sum(times) > budget_s:
+            break
+    return min(times) * 1e3
+
+
+def cannot_measure(device: torch.device) -> str | None:
+    """Why a measurement cannot run now (``None``: it can): tracing by ``torch.compile``, CUDA-graph capture, or a
+    ``meta`` device."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return "meta device"
+    if torch.compiler.is_compiling():
+        return "torch.compile tracing"
+    if device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "CUDA-graph capture"
+    return None
+
+
+def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, dtype: torch.dtype, device, seed: int = 0):
+    """Synthetic router output at the layer's shape: ``(logits [T, N] in dtype, weights [T, k] in dtype,
+    idx [T, k] int64)``; logits i.i.d. normal of std :data:`LOGIT_STD` (seeded, drawn on the CPU), weights the
+    softmax over all N picked at the top-k (the routing weights' values do not change the routing work)."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(num_tokens, num_experts, generator=g) * LOGIT_STD).to(device=device, dtype=dtype)
+    probs = logits.float().softmax(-1)
+    weights, idx = probs.topk(top_k, dim=-1)
+    return logits, weights.to(dtype), idx
+
+
+def _fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits.float()
+
+
+@torch.no_grad()
+def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool = True,
+                    draws: int = DRAWS, mixed: bool = False) -> tuple[float, float, float]:
+    """``(cost_ms, experts_before, experts_after)`` of ``plan`` (a ``lynx_hf.core.RoutePlan``) at a decode step of
+    ``num_tokens`` tokens whose router logits have dtype ``dtype``.
+
+    ``cost_ms``: shortest time (:func:`_time_ms`) of ``plan.step_fn`` on synthetic logits (:func:`synthetic_routing`, every token a
+    decode token, the weight rule ``softmax_all``; ``mixed``: described as a continuous-batching step with per-token
+    masks, as the vLLM plugin does), with a scratch telemetry when ``telemetry``. The experts before
+    / after are the mean distinct experts over ``draws`` synthetic draws (an estimate, see the module docstring).
+    Raises ``RuntimeError`` when :func:`cannot_measure` says so."""
+    from .core import DECODE, MIXED, Step, WeightRule, host_reads_allowed, keep_routing
+    from .telemetry import BlockTelemetry
+
+    why = cannot_measure(plan.device)
+    if why:
+        raise RuntimeError(f"gate: cannot measure now ({why})")
+    n, k = plan.num_experts, plan.top_k
+    rule, step = WeightRule("softmax_all"), Step(DECODE)
+    if mixed:
+        every = torch.ones(num_tokens, dtype=torch.bool, device=plan.device)
+        step = Step(MIXED, decode=every, live=every)
+    step_fn = plan.step_fn
+    if num_tokens == 1 and plan.policy.single_token_identity:
+        step_fn = keep_routing
+    before = after = 0.0
+    for seed in range(draws):
+        logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=seed)
+        _, new_idx, _ = step_fn(plan, rule, step, _fp32, logits, weights, idx, host_reads_allowed(logits), None)
+        before += float(torch.unique(idx).numel())
+        after += float(torch.unique(new_idx).numel())
+    logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=draws)
+    host = host_reads_allowed(logits)
+    scratch = BlockTelemetry() if telemetry else None
+    cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
+    return cost, before / draws, after / draws
+
+
+@torch.no_grad()
+def measure_expert_ms(hidden: int, intermediate: int, dtype: torch.dtype, device, tokens_per_expert: int = 1,
+                      num_experts: int = 64) -> float:
+    """Time (ms) one expert's weights cost in a fused experts path on ``device``: the per-expert slope of a batched
+    SwiGLU MLP (module docstring) between E/4 and E experts at ``tokens_per_expert`` tokens each, E = the experts
+    of :data:`POOL_BYTES` of weights in ``dtype`` (at least 2, at most ``num_experts``). ``hidden`` (H),
+    ``intermediate`` (I): the expert's sizes. Clamped at >= 0. Raises ``RuntimeError`` when :func:`cannot_measure`
+    says so, ``ValueError`` for a size < 1."""
+    device = torch.device(device)
+    why = cannot_measure(device)
+    if why:
+        raise RuntimeError(f"gate: cannot measure now ({why})")
+    if min(hidden, intermediate, tokens_per_expert, num_experts) < 1:
+        raise ValueError(f"gate: sizes must be >= 1, got H={hidden} I={intermediate} m={tokens_per_expert} "
+                         f"N={num_experts}")
+    per_expert = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
+    big = max(2, min(int(num_experts), math.ceil(POOL_BYTES / per_expert)))
+    small = max(1, big // 4)
+    gate_up = torch.randn(big, hidden, 2 * intermediate, device=device).to(dtype) * 0.02
+    down = torch.randn(big, intermediate, hidden, device=device).to(dtype) * 0.02
+    x = torch.randn(big, tokens_per_expert, hidden, device=device).to(dtype)
+
+    def mlp(e: int):
+        h = torch.bmm(x[:e], gate_up[:e])
+        g, u = h.chunk(2, dim=-1)
+        return torch.bmm(torch.nn.functional.silu(g) * u, down[:e])
+
+    t_big = _time_ms(lambda: mlp(big), device)
+    t_small = _time_ms(lambda: mlp(small), device)
+    slope = (t_big - t_small) / (big - small) if big > small else t_big / big
+    return max(slope, 0.0)
+
+
+# -- the per-plan gate ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LayerShape:
+    """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
+    (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
+    weights' ``expert_dtype`` and ``mixed_steps`` (the engine's steps carry per-token masks)."""
+
+    num_experts: int
+    top_k: int
+    hidden: int | None
+    intermediate: int | None
+    dtype: torch.dtype = torch.float32
+    expert_dtype: torch.dtype | None = None
+    #: the engine describes its steps with per-token masks (vLLM: ``Step("mixed", decode=..., live=...)``), so the
+    #: routing cost is measured on that path (on CPU the one-call fused path does not run there)
+    mixed_steps: bool = False
+
+
+#: (shape, device, plan key, bucket, extra ms) -> GateDecision, shared by every layer of this process
+_CACHE: dict = {}
+_EXPERT_CACHE: dict = {}
+
+
+def _plan_key(plan, telemetry: bool) -> tuple:
+    return (plan.policy.name if hasattr(plan.policy, "name") else type(plan.policy).__name__, repr(plan.params),
+            plan.routing_backend, getattr(plan.step_fn, "__name__", repr(plan.step_fn)), bool(telemetry))
+
+
+def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
+    """The measured step size a step of ``num_tokens`` tokens uses: the smallest bucket >= it, else the largest."""
+    for b in buckets:
+        if num_tokens <= b:
+            return b
+    return buckets[-1]
+
+
+def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
+            extra_expert_ms: float = 0.0) -> GateDecision:
+    """The gate's decision for ``plan`` at a step of ``num_tokens`` tokens (the bucket's, cached in-process per shape,
+    device, policy configuration and bucket). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
+    where :func:`cannot_measure` says so, :func:`always_on`."""
+    if shape.hidden is None or shape.intermediate is None:
+        return always_on("not measured: the layer's hidden / intermediate size is unknown")
+    why = cannot_measure(plan.device)
+    if why:
+        return always_on(f"not measured: {why}")
+    b = bucket_of(num_tokens)
+    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms))
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    cost, before, after = measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps)
+    # tokens per expert at this step size, rounded up to a power of two (the expert time grows slowly with it in
+    # decode; fewer distinct measurements); nothing saved (one token, every expert kept): no expert timing needed
+    tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
+    edtype = shape.expert_dtype or shape.dtype
+    ekey = (shape.hidden, shape.intermediate, edtype, str(plan.device), tokens, shape.num_experts)
+    expert = _EXPERT_CACHE.get(ekey)
+    if expert is None and before - after <= 0:
+        expert = 0.0
+    elif expert is None:
+        expert = _EXPERT_CACHE[ekey] = measure_expert_ms(shape.hidden, shape.intermediate, edtype, plan.device,
+                                                         tokens, shape.num_experts)
+    d = decide(cost, before - after, expert, extra_expert_ms)
+    d = GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, d.extra_expert_ms, before, after,
+                     d.reason)
+    _CACHE[key] = d
+    return d
+
+
+@dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
+class PlanGate:
+    """The gate of one plan (one MoE layer on one device).
+
+    ``decisions``: bucket -> :class:`GateDecision` (filled at construction by :meth:`measure_all`, or lazily by
+    :meth:`decision` outside tracing); ``seen``: step sizes (tokens) asked, eager steps only; ``skipped``: step
+    size -> decode steps the gate kept the model's own routing on (eager steps only: a step traced by
+    ``torch.compile`` or replayed from a CUDA graph is not counted).
+    """
+
+    shape: LayerShape
+    plan: object = None
+    telemetry: bool = True
+    extra_expert_ms: float = 0.0
+    decisions: dict = field(default_factory=dict)
+    seen: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)
+
+    def measure_all(self, buckets=BUCKETS) -> "PlanGate":
+        """Measure every bucket now (eager, at patch time). Returns ``self``."""
+        for b in buckets:
+            self.decision(b)
+        return self
+
+    def decision(self, num_tokens: int) -> GateDecision:
+        """The :class:`GateDecision` of a step of ``num_tokens`` tokens (measured now if its bucket was not)."""
+        b = bucket_of(num_tokens)
+        d = self.decisions.get(b)
+        if d is None:
+            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms)
+            if not d.reason.startswith("not measured"):
+                self.decisions[b] = d
+        return d
+
+    def on(self, num_tokens: int) -> bool:
+        """Whether the policy runs on a decode step of ``num_tokens`` tokens (a static shape): a host-side lookup,
+        no device read. Unmeasured buckets are measured on first use outside tracing / capture, else on."""
+        d = self.decisions.get(bucket_of(num_tokens))
+        if d is None:
+            d = self.decision(num_tokens)
+        if not torch.compiler.is_compiling():
+            self.seen[num_tokens] += 1
+        return d.on
+
+    def skip(self, num_tokens: int) -> None:
+        """Count one decode step the gate kept the model's routing on (eager only)."""
+        if not torch.compiler.is_compiling():
+            self.skipped[num_tokens] += 1
+
+    def reset(self) -> None:
+        """Zero the counters (the decisions stay)."""
+        self.seen.clear()
+        self.skipped.clear()
+
+    def summary(self) -> dict:
+        """Per step size seen: ``{"gate": "auto", "by_tokens": {T: {"on", "cost_ms", "saving_ms", "experts_before",
+        "experts_after", "expert_ms", "steps_skipped", "reason"}}, "steps_skipped": total}`` (ms per layer-step;
+        ``None`` where not measured, so the dict is plain JSON)."""
+        by_tokens = {}
+        for t in sorted(self.seen):
+            d = self.decisions.get(bucket_of(t)) or always_on("not measured")
+            by_tokens[int(t)] = {"on": d.on, "cost_ms": _num(d.cost_ms), "saving_ms": _num(d.saving_ms),
+                                 "experts_before": _num(d.experts_before), "experts_after": _num(d.experts_after),
+                                 "expert_ms": _num(d.expert_ms), "steps_skipped": int(self.skipped.get(t, 0)),
+                                 "reason": d.reason}
+        return {"gate": "auto", "by_tokens": by_tokens, "steps_skipped": int(sum(self.skipped.values()))}
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
+def off_line(layers: list[dict]) -> str | None:
+    """One line when the gate switched the policy off on some layer at the step size most seen, e.g.
+    ``"LYNX off on 24/24 layers at 16 tokens: expected saving 0.02 ms < cost 0.05 ms per layer-step"`` (means over
+    the layers it is off on); ``None`` when it is on everywhere or no layer has a gate. ``layers``: per-layer stats
+    dicts holding ``"gate"`` (:meth:`PlanGate.summary`)."""
+    gates = [layer.get("gate") for layer in layers]
+    gates = [g for g in gates if isinstance(g, dict) and g.get("by_tokens")]
+    if not gates:
+        return None
+    seen = Counter()
+    for g in gates:
+        for t in g["by_tokens"]:
+            seen[int(t)] += 1
+    tokens = max(seen, key=lambda t: (seen[t], t))
+    off = [g["by_tokens"].get(tokens) or g["by_tokens"].get(str(tokens)) for g in gates]
+    off = [e for e in off if e is not None and not e["on"]]
+    if not off:
+        return None
+    saving = sum(e["saving_ms"] for e in off) / len(off)
+    cost = sum(e["cost_ms"] for e in off) / len(off)
+    return (f"LYNX off on {len(off)}/{len(layers)} layers at {tokens} tokens per step: expected saving "
+            f"{saving:.3g} ms <= cost {cost:.3g} ms per layer-step")
+
+
+def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eager: bool = True) -> PlanGate | None:
+    """The gate of ``plan`` for ``config`` (a ``LynxConfig``): ``None`` when ``config.gate == "always"`` or the plan
+    never remaps (``keep_routing``); else a :class:`PlanGate`, every bucket measured now when ``eager`` and a
+    measurement can run (:func:`cannot_measure`), else on first use."""
+    from .core import keep_routing
+
+    if getattr(config, "gate", "always") != "auto" or plan.step_fn is keep_routing:
+        return None
+    gate = PlanGate(shape, plan, telemetry=bool(getattr(config, "telemetry", True)), extra_expert_ms=extra_expert_ms)
+    if eager and shape.hidden is not None and shape.intermediate is not None and cannot_measure(plan.device) is None:
+        gate.measure_all()
+    return gate
+
+
+__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
+           "default_gate", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
+           "cannot_measure", "off_line", "plan_gate"]

@@ -1,0 +1,279 @@
+"""The cost gate (``LynxConfig.gate``, ``lynx_hf.gate``): the decision is a pure function of its measurements
+(hand-worked cases); a gated-off layer is bit-identical to policy none; a gate that is on changes nothing against
+``gate="always"``; the gate adds no host sync; accuracy entry points force the gate on. No timed assertion: the
+measurements are replaced by fixed decisions wherever an outcome is asserted (``_fixed_gate``)."""
+
+import math
+
+import pytest
+import torch
+from transformers import StaticCache
+
+import lynx_hf
+from helpers import families as fam
+from helpers.sync_detector import SyncDetector
+from lynx_hf import gate
+from lynx_hf.kernels.routing_torch import strict_sync_free
+
+
+# -- decide: hand-worked -------------------------------------------------------------------------------------
+def test_decide_off_when_saving_is_below_cost():
+    d = gate.decide(cost_ms=0.05, experts_saved=2.0, expert_ms=0.01)  # saving 2 x 0.01 = 0.02 ms < 0.05 ms
+    assert not d.on and d.saving_ms == pytest.approx(0.02) and d.cost_ms == 0.05 and d.experts_saved == 2.0
+    assert "0.02 ms <= cost 0.05 ms" in d.reason
+
+
+def test_decide_on_when_saving_beats_cost():
+    d = gate.decide(0.05, 10.0, 0.01)  # 0.1 ms > 0.05 ms
+    assert d.on and d.saving_ms == pytest.approx(0.1)
+
+
+def test_decide_tie_is_off_and_extra_expert_cost_counts():
+    assert not gate.decide(0.5, 2.0, 0.25).on  # saving 0.5 == cost 0.5 (exact in binary): strict, off
+    d = gate.decide(0.5, 2.0, 0.25, extra_expert_ms=0.25)  # an offloaded expert's transfer: 2 x 0.5 = 1.0 > 0.5
+    assert d.on and d.saving_ms == 1.0 and d.extra_expert_ms == 0.25
+
+
+def test_decide_margin_clamps_and_nothing_saved():
+    assert gate.decide(0.5, 2.0, 0.5).on and not gate.decide(0.5, 2.0, 0.5, margin=2.0).on  # 1.0 vs 2 x 0.5
+    d = gate.decide(-0.01, 3.0, 0.1)  # a negative cost is timing noise: 0
+    assert d.on and d.cost_ms == 0.0
+    assert not gate.decide(0.0, 0.0, 1.0).on  # nothing saved: never on, even at zero cost
+    assert not gate.decide(0.0, -1.0, 1.0).on and gate.decide(0.0, -1.0, 1.0).experts_saved == 0.0
+
+
+@pytest.mark.parametrize("args", [(math.nan, 1.0, 1.0), (1.0, math.inf, 1.0), (1.0, 1.0, -0.1), (1.0, 1.0, True)])
+def test_decide_rejects_bad_measurements(args):
+    with pytest.raises(ValueError):
+        gate.decide(*args)
+    with pytest.raises(ValueError, match="margin"):
+        gate.decide(1.0, 1.0, 1.0, margin=0.0)
+
+
+def test_bucket_of():
+    assert [gate.bucket_of(t) for t in (1, 2, 3, 16, 17, 512, 4096)] == [1, 2, 4, 16, 32, 512, 512]
+
+
+# -- PlanGate: host-side lookups, counters, summary -------------------------------------------------------------
+def _decision(on: bool) -> gate.GateDecision:
+    d = gate.decide(1.0, 10.0 if on else 0.0, 0.5)
+    return gate.GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, experts_before=20.0,
+                             experts_after=10.0 if on else 20.0, reason=d.reason)
+
+
+def test_plan_gate_lookup_counts_and_summary():
+    g = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions={b: _decision(b >= 16) for b in gate.BUCKETS})
+    assert not g.on(8) and g.on(16) and g.on(9) and g.on(2000)  # 9 -> bucket 16; 2000 -> the largest, 512
+    g.skip(8)
+    g.skip(8)
+    s = g.summary()
+    assert s["steps_skipped"] == 2 and set(s["by_tokens"]) == {8, 9, 16, 2000}
+    assert s["by_tokens"][8]["on"] is False and s["by_tokens"][8]["steps_skipped"] == 2
+    assert s["by_tokens"][16]["saving_ms"] == 5.0 and s["by_tokens"][16]["cost_ms"] == 1.0
+    g.reset()
+    assert g.summary() == {"gate": "auto", "by_tokens": {}, "steps_skipped": 0}
+
+
+def test_off_line():
+    entry = {"on": False, "cost_ms": 0.05, "saving_ms": 0.02, "steps_skipped": 3}
+    layers = [{"gate": {"by_tokens": {16: entry}}}, {"gate": {"by_tokens": {16: {**entry, "on": True}}}}]
+    assert gate.off_line(layers) == ("LYNX off on 1/2 layers at 16 tokens per step: expected saving 0.02 ms <= cost "
+                                     "0.05 ms per layer-step")
+    assert gate.off_line([{"gate": {"by_tokens": {16: {**entry, "on": True}}}}]) is None
+    assert gate.off_line([{"gate": {"gate": "always", "by_tokens": {}}}]) is None
+
+
+# -- LynxConfig.gate ----------------------------------------------------------------------------------------------
+def test_config_gate_default_from_environment(monkeypatch):
+    monkeypatch.delenv(gate.ENV, raising=False)
+    assert lynx_hf.LynxConfig().gate == "auto"
+    monkeypatch.setenv(gate.ENV, "always")
+    assert lynx_hf.LynxConfig().gate == "always" and lynx_hf.LynxConfig(gate="auto").gate == "auto"  # explicit wins
+    monkeypatch.setenv(gate.ENV, "sometimes")
+    with pytest.raises(lynx_hf.LynxConfigError, match="gate"):
+        lynx_hf.LynxConfig()
+    with pytest.raises(lynx_hf.LynxConfigError, match="gate"):
+        lynx_hf.LynxConfig(gate="never", policy="lynx")
+
+
+def test_patch_rejects_a_bad_gate():
+    model = fam.build("qwen2_moe")
+    with pytest.raises(lynx_hf.LynxConfigError, match="gate"):
+        lynx_hf.patch(model, gate="off")
+    assert not lynx_hf.is_patched(model)
+
+
+# -- the gate in a model ------------------------------------------------------------------------------------------
+@pytest.fixture
+def fixed_gate(monkeypatch):
+    """Replace the measurement by fixed decisions: ``fixed_gate(on)`` with ``on`` a bool or a callable of the bucket."""
+    calls = []
+
+    def install(on):
+        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0):
+            calls.append((shape, num_tokens))
+            return _decision(on(num_tokens) if callable(on) else on)
+
+        monkeypatch.setattr(gate, "measure", measure)
+        return calls
+
+    return install
+
+
+def _generate(model, ids, mask):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, output_scores=True,
+                          return_dict_in_generate=True)
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral", "llama4"])
+def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
+    calls = fixed_gate(False)
+    model = fam.build(family)
+    ids, mask = fam.prompts(8, 6)
+    with lynx_hf.patched(model, policy="none"):
+        ref = _generate(model, ids, mask)
+    with lynx_hf.patched(model, policy="lynx", gate="auto"):
+        block = lynx_hf.patcher._state(model).blocks[0]
+        assert block.plan.gate is not None and block.layer_shape().hidden is not None
+        out = _generate(model, ids, mask)
+        summary = lynx_hf.stats(model).summary()
+    assert calls  # measured (here: the fixed decisions) at patch time, per shape
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
+    assert summary["gate_steps_skipped"] == 4 * summary["num_moe_layers"] and summary["decode_steps"] == 0
+    layer = summary["per_layer"][0]["gate"]
+    assert layer["by_tokens"][8]["on"] is False and layer["by_tokens"][8]["steps_skipped"] == 4
+
+
+def test_gate_on_changes_nothing_against_always(fixed_gate):
+    fixed_gate(True)
+    model = fam.build("qwen2_moe")
+    ids, mask = fam.prompts(8, 6)
+    with lynx_hf.patched(model, policy="lynx", gate="always"):
+        assert lynx_hf.patcher._state(model).blocks[0].plan.gate is None
+        ref = _generate(model, ids, mask)
+        ref_stats = lynx_hf.stats(model).summary()
+    with lynx_hf.patched(model, policy="lynx", gate="auto"):
+        out = _generate(model, ids, mask)
+        stats = lynx_hf.stats(model).summary()
+    assert torch.equal(out.sequences, ref.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
+    assert stats["unique_experts_after"] == ref_stats["unique_experts_after"] < ref_stats["unique_experts_before"]
+    assert stats["gate_steps_skipped"] == 0 and stats["per_layer"][0]["gate"]["by_tokens"][8]["on"] is True
+    assert ref_stats["per_layer"][0]["gate"]["gate"] == "always"
+
+
+def test_gate_per_step_size(fixed_gate):
+    """On from 8 tokens: a batch of 4 keeps the model's routing, a batch of 8 is remapped."""
+    fixed_gate(lambda bucket: bucket >= 8)
+    model = fam.build("qwen2_moe")
+    with lynx_hf.patched(model, policy="lynx", gate="auto"):
+        for batch in (4, 8):
+            ids, mask = fam.prompts(batch, 6)
+            lynx_hf.reset_stats(model)
+            _generate(model, ids, mask)
+            s = lynx_hf.stats(model).summary()
+            assert (s["gate_steps_skipped"] > 0) == (batch == 4) and (s["decode_steps"] > 0) == (batch == 8)
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_gate_adds_no_host_sync(on, fixed_gate):
+    fixed_gate(on)
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    ids, mask = fam.prompts(8, 5)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **fam.cache_kw(model, cache), use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        detector = SyncDetector()
+        with strict_sync_free(), detector:
+            for _ in range(2):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model(input_ids=nxt, attention_mask=mask, **fam.cache_kw(model, fam.cache_of(out)),
+                            use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    summary = lynx_hf.stats(model).summary()
+    lynx_hf.unpatch(model)
+    detector.check()
+    assert (summary["decode_steps"] == 2) == on and (summary["gate_steps_skipped"] > 0) != on
+
+
+def test_measurement_runs_on_a_real_shape():
+    """The real measurement once, on the CPU: finite, non-negative numbers, and the estimate from synthetic logits
+    (no assertion on which way it decides: that depends on this machine)."""
+    model = fam.build("qwen2_moe")
+    with lynx_hf.patched(model, policy="lynx", gate="auto"):
+        block = lynx_hf.patcher._state(model).blocks[0]
+        d = block.plan.gate.decision(8)
+    assert d.cost_ms >= 0 and d.expert_ms >= 0 and math.isfinite(d.saving_ms)
+    assert block.top_k <= d.experts_after <= d.experts_before <= block.num_experts
+    assert d.on == (d.saving_ms > d.cost_ms)
+
+
+# -- accuracy entry points force the gate on --------------------------------------------------------------------
+def test_accuracy_entry_points_force_always(monkeypatch):
+    from lynx_hf.eval import evaluation
+
+    monkeypatch.setenv(gate.ENV, "auto")
+    assert evaluation.ACCURACY_GATE == "always"
+    seen = []
+    real = lynx_hf.patcher.patched
+
+    def spy(model, config=None, **overrides):
+        seen.append(lynx_hf.patcher._as_config(config, overrides).gate)
+        return real(model, config, **overrides)
+
+    monkeypatch.setattr(evaluation.patcher, "patched", spy)
+    model = fam.build("qwen2_moe")
+    tok = fam.tokenizer()
+    evaluation.generation_agreement(model, tok, ["w5 w6 w7", "w9 w3"], [("lynx", lynx_hf.LynxConfig())],
+                                    max_new_tokens=3)
+    assert seen == ["always"]
+
+
+def test_lm_eval_model_forces_always(monkeypatch, tmp_path):
+    pytest.importorskip("lm_eval")
+    import lynx_hf.lm_eval as lynx_lm_eval
+
+    monkeypatch.setenv(gate.ENV, "auto")  # the default a user without the test suite's setting gets
+    fam.save_checkpoint("qwen2_moe", tmp_path)
+    lm = lynx_lm_eval.LynxLM(pretrained=str(tmp_path), batch_size=2)
+    assert lm.lynx_config.gate == "always" and lynx_hf.config_of(lm.model).gate == "always"
+    asked = lynx_lm_eval.LynxLM(pretrained=str(tmp_path), batch_size=2, gate="auto")  # asked for: kept
+    assert asked.lynx_config.gate == "auto"
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_gated_decode_forward_has_no_graph_break(on, fixed_gate):
+    """The gate's branch is a host-side lookup on the static T: dynamo traces it in one graph (on and off)."""
+    fixed_gate(on)
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    ids, mask = fam.prompts(4, 5)
+    cache = StaticCache(config=model.config, max_cache_len=12)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **fam.cache_kw(model, cache), use_cache=True)
+        inputs = dict(input_ids=out.logits[:, -1].argmax(-1, keepdim=True), **fam.cache_kw(model, fam.cache_of(out)),
+                      use_cache=True,
+                      attention_mask=torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1))
+        torch._dynamo.reset()
+        explanation = torch._dynamo.explain(model)(**inputs)
+    lynx_hf.unpatch(model)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+def test_generate_prints_the_gate_line(fixed_gate, tmp_path, capsys):
+    from lynx_hf import cli
+
+    fixed_gate(False)
+    fam.save_checkpoint("qwen2_moe", tmp_path / "ckpt")
+    (tmp_path / "prompts.txt").write_text("w5 w6 w7\nw9 w3 w4\n")
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--prompts", str(tmp_path / "prompts.txt"), "--batch-size",
+            "4", "--max-new-tokens", "3", "--quiet"]
+    assert cli.main(argv + ["--gate", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "LYNX off on 2/2 layers at 4 tokens per step: expected saving 0 ms <= cost 1 ms per layer-step" in out
+    assert cli.main(argv + ["--gate", "always"]) == 0
+    assert "LYNX off" not in capsys.readouterr().out
