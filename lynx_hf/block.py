@@ -89,7 +89,9 @@ class BlockRouting:
         ``device`` (default: the router's)."""
         if device is None:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
-        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape())
+        # an offloaded block's saving per avoided expert includes its transfer (lynx_hf.offload sets extra_expert_ms)
+        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape(),
+                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0))
         return self.plan
 
     def layer_shape(self) -> LayerShape:

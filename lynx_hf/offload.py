@@ -652,6 +652,10 @@ def install(state) -> None:
         offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, budget, num_experts)
         offloaded.attach()
         setattr(block, ATTR, offloaded)
+        if getattr(config, "gate", "always") == "auto":  # the cost gate weighs the transfer an avoided expert saves
+            block.extra_expert_ms = offloaded.probe_ms()
+            if block.plan is not None:
+                block.resolve(block.plan.device)
 
 
 def remove(state) -> None:
@@ -660,6 +664,7 @@ def remove(state) -> None:
     for block in state.blocks:
         offloaded = block.__dict__.pop(ATTR, None)
         block.__dict__.pop("offload_reason", None)
+        block.__dict__.pop("extra_expert_ms", None)
         if offloaded is not None:
             offloaded.restore()
 

@@ -434,6 +434,30 @@ def test_config_fields_and_module_path(tmp_path, one_thread):
     assert accelerate_objects(model) == before
 
 
+def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thread, monkeypatch):
+    """gate="auto" on an offloaded model: each block's gate adds the probe's per-expert transfer time to the saving
+    of every avoided expert (lynx_hf.gate.decide's extra_expert_ms); unpatch drops it."""
+    from lynx_hf import gate
+
+    monkeypatch.setattr(gate, "BUCKETS", (1, 4))  # two measurements keep the test short
+    model = offloaded("mixtral", "cpu_offload", tmp_path)
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    state = _state(model)
+    ids, mask, _ = inputs()
+    with torch.no_grad():  # the routers are offloaded too (meta at patch time): the plan resolves on the first call
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
+    for block in state.blocks:
+        assert block.offload is not None and block.extra_expert_ms > 0
+        assert block.plan.device.type == "cpu"
+        g = block.plan.gate
+        assert g is not None and g.extra_expert_ms == block.extra_expert_ms
+        d = g.decision(4)
+        assert d.extra_expert_ms == block.extra_expert_ms
+        assert d.saving_ms == pytest.approx(d.experts_saved * (d.expert_ms + d.extra_expert_ms))
+    lynx_hf.unpatch(model)
+    assert all("extra_expert_ms" not in b.__dict__ for b in state.blocks)
+
+
 def test_not_offloaded_blocks_are_left_alone(one_thread):
     model = tiny("qwen2_moe")
     lynx_hf.patch(model, policy="lynx")
