@@ -91,8 +91,24 @@ class BlockRouting:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
         # an offloaded block's saving per avoided expert includes its transfer (lynx_hf.offload sets extra_expert_ms)
         self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape(),
-                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0))
+                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0), expert_fn=self._expert_fn())
         return self.plan
+
+    def _expert_fn(self):
+        """The model's own experts implementation as ``fn(hidden [T, H], idx [T, k], weights [T, k])``, which the cost
+        gate times for the saving per avoided expert (``lynx_hf.gate.measure_module_expert_ms``); ``None`` when the
+        experts module does not use transformers' experts interface or its weights are not materialized (offload)."""
+        from .experts import implementations, original_implementation, uses_interface
+
+        experts = self.experts
+        if not isinstance(experts, torch.nn.Module) or not uses_interface(experts) or \
+                any(p.device.type == "meta" for p in experts.parameters()):
+            return None
+        try:
+            own = implementations(experts, original_implementation(experts))[0]
+        except (AttributeError, KeyError, TypeError, ValueError):
+            return None
+        return None if own is None else (lambda h, i, w: own(experts, h, i, w))
 
     def layer_shape(self) -> LayerShape:
         """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from . import policies
 from .errors import LynxConfigError
+from .gate import ENV as GATE_ENV
 from .gate import GATES, default_gate
 from .kernels.backend import EXPERT_PATHS, ROUTING_BACKENDS
 from .policies import check_bool, check_choice, check_int
@@ -145,6 +146,9 @@ class LynxConfig:
         check_choice("phase", self.phase, PHASES)
         check_choice("routing_backend", self.routing_backend, ROUTING_BACKENDS)
         check_choice("expert_path", self.expert_path, EXPERT_PATHS)
+        if self.gate not in GATES and os.environ.get(GATE_ENV, "").strip() == self.gate:
+            raise LynxConfigError(f"LynxConfig.gate must be one of {GATES}, got {self.gate!r} from the environment "
+                                  f"variable {GATE_ENV} (unset it, or set it to 'auto' or 'always')")
         check_choice("gate", self.gate, GATES)
         check_int("q_max", self.q_max, minimum=1)
         check_choice("offload_path", self.offload_path, OFFLOAD_PATHS)

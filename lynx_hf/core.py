@@ -120,7 +120,7 @@ class RoutePlan:
 
 
 def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=None,
-              extra_expert_ms: float = 0.0) -> RoutePlan:
+              extra_expert_ms: float = 0.0, expert_fn=None) -> RoutePlan:
     """Resolve ``config`` (a ``LynxConfig``) for one MoE layer of ``num_experts`` experts, top-``top_k``, on
     ``device``: routing backend, policy parameters, ops, expert kernel and the decode-step function.
 
@@ -153,7 +153,7 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=
     if shape is not None and getattr(config, "gate", "always") == "auto":
         from .gate import plan_gate
 
-        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms)
+        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn)
         if gate is not None:
             plan = dataclasses.replace(plan, gate=gate)
     return plan

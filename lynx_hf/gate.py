@@ -62,7 +62,7 @@ TIME_BUDGET_S = 0.05
 def default_gate() -> str:
     """The default of ``LynxConfig.gate``: the environment variable :data:`ENV` if set (e.g. ``always``), else
     ``"auto"``. A bad value is reported by ``LynxConfig`` validation (``LynxConfigError``)."""
-    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+    return os.environ.get(ENV, "").strip() or "auto"
 
 
 @dataclass(frozen=True)
@@ -210,7 +210,17 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=draws)
     host = host_reads_allowed(logits)
     scratch = BlockTelemetry() if telemetry else None
-    cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
+    threads = torch.get_num_threads()
+    if plan.device.type == "cpu" and threads > 1:
+        # the routing work is a chain of small ops (T x N, far below torch's intra-op grain size: they run on one
+        # thread anyway); timed on one thread it is the work itself, not OpenMP's barriers on a busy host, which
+        # measured up to 200x slower and flipped decisions between runs on a loaded 2-core machine
+        torch.set_num_threads(1)
+    try:
+        cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
+    finally:
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
     return cost, before / draws, after / draws
 
 
@@ -245,6 +255,36 @@ def measure_expert_ms(hidden: int, intermediate: int, dtype: torch.dtype, device
     t_small = _time_ms(lambda: mlp(small), device)
     slope = (t_big - t_small) / (big - small) if big > small else t_big / big
     return max(slope, 0.0)
+
+
+@torch.no_grad()
+def measure_module_expert_ms(expert_fn, hidden: int, num_experts: int, top_k: int, num_tokens: int, before: float,
+                             after: float, dtype: torch.dtype, device) -> float | None:
+    """Time (ms) one expert costs in the layer's *own* experts path at a step of ``num_tokens`` tokens: the model's
+    experts implementation ``expert_fn(hidden_states [T, H], top_k_index [T, k] int64, top_k_weights [T, k])`` run on
+    synthetic routing that touches ``round(before)`` and ``round(after)`` distinct experts (row i uses experts
+    ``(i k + j) mod E``), the difference divided by the experts between. This is the saving per avoided expert as the
+    layer really runs (per-expert loops, launches and weight reads included). ``None`` when it cannot be measured
+    (fewer than one expert between, or the implementation raises on synthetic inputs): the caller falls back to
+    :func:`measure_expert_ms`."""
+    device = torch.device(device)
+    big = min(int(num_experts), int(round(before)))
+    small = max(int(top_k), int(round(after)))
+    if big - small < 1 or cannot_measure(device):
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(num_tokens, hidden, generator=g) * 0.1).to(device=device, dtype=dtype)
+    w = torch.full((num_tokens, top_k), 1.0 / top_k, dtype=dtype, device=device)
+    rows = torch.arange(num_tokens)[:, None] * top_k + torch.arange(top_k)[None, :]
+    ids = {e: (rows % e).to(device) for e in (big, small)}
+    try:
+        expert_fn(x, ids[big], w)
+        t_big = _time_ms(lambda: expert_fn(x, ids[big], w), device)
+        t_small = _time_ms(lambda: expert_fn(x, ids[small], w), device)
+        t_big = min(t_big, _time_ms(lambda: expert_fn(x, ids[big], w), device))  # interleaved: drift hits both
+    except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
+        return None
+    return max((t_big - t_small) / (big - small), 0.0)
 
 
 # -- the per-plan gate ---------------------------------------------------------------------------------------
@@ -284,7 +324,7 @@ def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
 
 
 def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
-            extra_expert_ms: float = 0.0) -> GateDecision:
+            extra_expert_ms: float = 0.0, expert_fn=None) -> GateDecision:
     """The gate's decision for ``plan`` at a step of ``num_tokens`` tokens (the bucket's, cached in-process per shape,
     device, policy configuration and bucket). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
     where :func:`cannot_measure` says so, :func:`always_on`."""
@@ -294,7 +334,7 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
     if why:
         return always_on(f"not measured: {why}")
     b = bucket_of(num_tokens)
-    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms))
+    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms), expert_fn is not None)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -304,10 +344,13 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
     tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
     edtype = shape.expert_dtype or shape.dtype
     ekey = (shape.hidden, shape.intermediate, edtype, str(plan.device), tokens, shape.num_experts)
-    expert = _EXPERT_CACHE.get(ekey)
-    if expert is None and before - after <= 0:
+    expert = _EXPERT_CACHE.get(ekey) if expert_fn is None else None
+    if before - after <= 0:
         expert = 0.0
-    elif expert is None:
+    if expert is None and expert_fn is not None:  # the layer's own experts path (HF): what it really saves
+        expert = measure_module_expert_ms(expert_fn, shape.hidden, shape.num_experts, shape.top_k, b, before, after,
+                                          edtype, plan.device)
+    if expert is None:
         expert = _EXPERT_CACHE[ekey] = measure_expert_ms(shape.hidden, shape.intermediate, edtype, plan.device,
                                                          tokens, shape.num_experts)
     d = decide(cost, before - after, expert, extra_expert_ms)
@@ -331,6 +374,9 @@ class PlanGate:
     plan: object = None
     telemetry: bool = True
     extra_expert_ms: float = 0.0
+    #: the layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])`` (HF path), timed for
+    #: the saving per expert (:func:`measure_module_expert_ms`); ``None``: the batched-MLP model (vLLM)
+    expert_fn: object = None
     decisions: dict = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
@@ -346,7 +392,7 @@ class PlanGate:
         b = bucket_of(num_tokens)
         d = self.decisions.get(b)
         if d is None:
-            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms)
+            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms, self.expert_fn)
             if not d.reason.startswith("not measured"):
                 self.decisions[b] = d
         return d
@@ -373,14 +419,16 @@ class PlanGate:
 
     def summary(self) -> dict:
         """Per step size seen: ``{"gate": "auto", "by_tokens": {T: {"on", "cost_ms", "saving_ms", "experts_before",
-        "experts_after", "expert_ms", "steps_skipped", "reason"}}, "steps_skipped": total}`` (ms per layer-step;
+        "experts_after", "expert_ms", "extra_expert_ms", "steps_skipped", "reason"}}, "steps_skipped": total}`` (ms per
+        layer-step; ``extra_expert_ms``: the further cost per expert read, an offloaded expert's transfer;
         ``None`` where not measured, so the dict is plain JSON)."""
         by_tokens = {}
         for t in sorted(self.seen):
             d = self.decisions.get(bucket_of(t)) or always_on("not measured")
             by_tokens[int(t)] = {"on": d.on, "cost_ms": _num(d.cost_ms), "saving_ms": _num(d.saving_ms),
                                  "experts_before": _num(d.experts_before), "experts_after": _num(d.experts_after),
-                                 "expert_ms": _num(d.expert_ms), "steps_skipped": int(self.skipped.get(t, 0)),
+                                 "expert_ms": _num(d.expert_ms), "extra_expert_ms": _num(d.extra_expert_ms),
+                                 "steps_skipped": int(self.skipped.get(t, 0)),
                                  "reason": d.reason}
         return {"gate": "auto", "by_tokens": by_tokens, "steps_skipped": int(sum(self.skipped.values()))}
 
@@ -410,10 +458,34 @@ def off_line(layers: list[dict]) -> str | None:
     saving = sum(e["saving_ms"] for e in off) / len(off)
     cost = sum(e["cost_ms"] for e in off) / len(off)
     return (f"LYNX off on {len(off)}/{len(layers)} layers at {tokens} tokens per step: expected saving "
-            f"{saving:.3g} ms <= cost {cost:.3g} ms per layer-step")
+            f"{saving:.3g} ms <= cost {cost:.3g} ms per layer-step (gate='always' or {ENV}=always forces it on)")
 
 
-def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eager: bool = True) -> PlanGate | None:
+def patch_note(plans: list) -> str | None:
+    """One line for ``lynx_hf.patch`` when the gate measured at patch time keeps the model's own routing at some
+    step sizes, e.g. ``"... off on 4/4 MoE layers for decode steps of 1-64 tokens ..."``; ``None`` when it is on
+    everywhere it measured (or nothing was measured). ``plans``: the patched layers' ``RoutePlan`` objects."""
+    gates = [p.gate for p in plans if p is not None and getattr(p, "gate", None) is not None]
+    measured = [g for g in gates if g.decisions]
+    if not measured:
+        return None
+    # a step size where the policy would save nothing (one token; every expert used either way) is not news
+    def off(d):
+        return not d.on and d.experts_saved > 0
+
+    off_buckets = sorted({b for g in measured for b, d in g.decisions.items() if off(d)})
+    if not off_buckets:
+        return None
+    layers = sum(1 for g in measured if any(off(d) for d in g.decisions.values()))
+    return (f"lynx_hf: the cost gate (gate='auto') keeps the model's own routing on {layers}/{len(plans)} MoE layers "
+            f"at decode step sizes (tokens, rounded up to these) {', '.join(str(b) for b in off_buckets)} on this "
+            f"device (expected "
+            f"saving <= measured routing cost; lynx_hf.stats(model).summary()['per_layer'][i]['gate'] has the "
+            f"figures); gate='always' or {ENV}=always runs the policy on every decode step")
+
+
+def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eager: bool = True,
+              expert_fn=None) -> PlanGate | None:
     """The gate of ``plan`` for ``config`` (a ``LynxConfig``): ``None`` when ``config.gate == "always"`` or the plan
     never remaps (``keep_routing``); else a :class:`PlanGate`, every bucket measured now when ``eager`` and a
     measurement can run (:func:`cannot_measure`), else on first use."""
@@ -421,7 +493,8 @@ def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eag
 
     if getattr(config, "gate", "always") != "auto" or plan.step_fn is keep_routing:
         return None
-    gate = PlanGate(shape, plan, telemetry=bool(getattr(config, "telemetry", True)), extra_expert_ms=extra_expert_ms)
+    gate = PlanGate(shape, plan, telemetry=bool(getattr(config, "telemetry", True)), extra_expert_ms=extra_expert_ms,
+                    expert_fn=expert_fn)
     if eager and shape.hidden is not None and shape.intermediate is not None and cannot_measure(plan.device) is None:
         gate.measure_all()
     return gate

@@ -327,7 +327,17 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
     offload.install(state)  # offloaded experts read per expert in decode
+    _note_gate(state)
     return model
+
+
+def _note_gate(state: ModelState) -> None:
+    """Warn once per patch when the cost gate measured at patch time switches the policy off somewhere."""
+    from .gate import patch_note
+
+    note = patch_note([b.plan for b in state.blocks])
+    if note:
+        warnings.warn(note, UserWarning, stacklevel=3)
 
 
 def _has_generate(module) -> bool:
@@ -348,6 +358,7 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
         block.resolve()
     _sync_experts_impl(state)
     offload.install(state)  # again: the cache budget or offload path may have changed
+    _note_gate(state)
 
 
 def _sync_experts_impl(state: ModelState) -> None:

@@ -78,7 +78,7 @@ def test_off_line():
     entry = {"on": False, "cost_ms": 0.05, "saving_ms": 0.02, "steps_skipped": 3}
     layers = [{"gate": {"by_tokens": {16: entry}}}, {"gate": {"by_tokens": {16: {**entry, "on": True}}}}]
     assert gate.off_line(layers) == ("LYNX off on 1/2 layers at 16 tokens per step: expected saving 0.02 ms <= cost "
-                                     "0.05 ms per layer-step")
+                                     "0.05 ms per layer-step (gate='always' or LYNX_HF_GATE=always forces it on)")
     assert gate.off_line([{"gate": {"by_tokens": {16: {**entry, "on": True}}}}]) is None
     assert gate.off_line([{"gate": {"gate": "always", "by_tokens": {}}}]) is None
 
@@ -110,7 +110,7 @@ def fixed_gate(monkeypatch):
     calls = []
 
     def install(on):
-        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0):
+        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None):
             calls.append((shape, num_tokens))
             return _decision(on(num_tokens) if callable(on) else on)
 
@@ -277,3 +277,40 @@ def test_generate_prints_the_gate_line(fixed_gate, tmp_path, capsys):
     assert "LYNX off on 2/2 layers at 4 tokens per step: expected saving 0 ms <= cost 1 ms per layer-step" in out
     assert cli.main(argv + ["--gate", "always"]) == 0
     assert "LYNX off" not in capsys.readouterr().out
+
+
+def test_patch_note_names_only_step_sizes_where_something_is_lost():
+    """The patch-time warning lists the buckets where the gate is off although the policy would save experts; a bucket
+    with nothing to save (one token; every expert used either way) is not listed; no gate off: no note."""
+    def d(on, saved):
+        return gate.GateDecision(on, 1.0, 0.5, saved, 0.1)
+
+    class Plan:
+        def __init__(self, decisions):
+            self.gate = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions=decisions)
+
+    plans = [Plan({1: d(False, 0.0), 4: d(False, 2.0), 16: d(True, 5.0)}), Plan({1: d(False, 0.0), 16: d(True, 5.0)})]
+    note = gate.patch_note(plans)
+    assert "on 1/2 MoE layers" in note and "sizes (tokens, rounded up to these) 4 on this device" in note
+    assert gate.patch_note(plans[1:]) is None and gate.patch_note([Plan({})]) is None
+
+
+def test_module_expert_timing_falls_back_when_it_cannot_measure():
+    """measure_module_expert_ms gives None (the caller uses the batched-MLP model) when fewer than one expert lies
+    between before and after, or when the implementation rejects the synthetic routing."""
+    calls = []
+
+    def fn(h, i, w):
+        calls.append(int(torch.unique(i).numel()))
+        return h
+
+    assert gate.measure_module_expert_ms(fn, 16, 8, 2, 4, before=2.4, after=2.0, dtype=torch.float32,
+                                         device="cpu") is None and not calls
+    out = gate.measure_module_expert_ms(fn, 16, 8, 2, 4, before=8.0, after=2.0, dtype=torch.float32, device="cpu")
+    assert out is not None and out >= 0 and set(calls) == {8, 2}  # the synthetic routing touches exactly E experts
+
+    def bad(h, i, w):
+        raise RuntimeError("meta weights")
+
+    assert gate.measure_module_expert_ms(bad, 16, 8, 2, 4, before=8.0, after=2.0, dtype=torch.float32,
+                                         device="cpu") is None
