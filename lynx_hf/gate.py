@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -277,14 +278,16 @@ def measure_module_expert_ms(expert_fn, hidden: int, num_experts: int, top_k: in
     w = torch.full((num_tokens, top_k), 1.0 / top_k, dtype=dtype, device=device)
     rows = torch.arange(num_tokens)[:, None] * top_k + torch.arange(top_k)[None, :]
     ids = {e: (rows % e).to(device) for e in (big, small)}
+    diffs = []
     try:
         expert_fn(x, ids[big], w)
-        t_big = _time_ms(lambda: expert_fn(x, ids[big], w), device)
-        t_small = _time_ms(lambda: expert_fn(x, ids[small], w), device)
-        t_big = min(t_big, _time_ms(lambda: expert_fn(x, ids[big], w), device))  # interleaved: drift hits both
+        for _ in range(3):  # interleaved pairs, the median difference: drift and bursts of load hit both sides
+            t_big = _time_ms(lambda: expert_fn(x, ids[big], w), device, budget_s=TIME_BUDGET_S / 2)
+            t_small = _time_ms(lambda: expert_fn(x, ids[small], w), device, budget_s=TIME_BUDGET_S / 2)
+            diffs.append(t_big - t_small)
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
         return None
-    return max((t_big - t_small) / (big - small), 0.0)
+    return max(statistics.median(diffs) / (big - small), 0.0)
 
 
 # -- the per-plan gate ---------------------------------------------------------------------------------------
