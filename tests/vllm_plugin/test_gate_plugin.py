@@ -18,7 +18,7 @@ def layer(monkeypatch):
     saved = (state.config, state.layers, state.step, state.capacity, state.resolved)
 
     def make(options, on):
-        monkeypatch.setattr(gate, "measure", lambda plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0:
+        monkeypatch.setattr(gate, "measure", lambda plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None:
                             gate.decide(1.0, 4.0 if on else 0.0, 1.0))
         state.config = _config.parse({"phase": "decode", **options})
         state.resolved = True
