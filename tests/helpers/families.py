@@ -295,3 +295,22 @@ def save_checkpoint(family: str, path, **kw):
     build(family, **kw).save_pretrained(path)
     tokenizer().save_pretrained(path)
     return path
+
+
+def teacher_forced(model, ids, mask, tokens, recorder=None):
+    """Prefill ``ids`` / ``mask [B, P]``, then one teacher-forced decode step per ``tokens[i] [B, 1]`` through the KV
+    cache; the logits of each forward (prefill first). ``recorder``: an object whose ``decode`` flag is True during
+    the decode forwards (hooks that record only decode calls)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for tok in tokens:
+            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+            if recorder is not None:
+                recorder.decode = True
+            out = model(input_ids=tok, attention_mask=mask, past_key_values=cache, use_cache=True)
+            if recorder is not None:
+                recorder.decode = False
+            logits.append(out.logits)
+            cache = out.past_key_values
+    return logits

@@ -139,21 +139,7 @@ class Recorder:
             h.remove()
 
 
-def run(model, ids, mask, tokens, recorder=None):
-    """Prefill, then one teacher-forced decode step per ``tokens[i] [B, 1]``; the logits of each forward."""
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        logits, cache = [out.logits], out.past_key_values
-        for tok in tokens:
-            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-            if recorder is not None:
-                recorder.decode = True
-            out = model(input_ids=tok, attention_mask=mask, past_key_values=cache, use_cache=True)
-            if recorder is not None:
-                recorder.decode = False
-            logits.append(out.logits)
-            cache = out.past_key_values
-    return logits
+run = fam.teacher_forced  # prefill, then one teacher-forced decode step per token; the logits of each forward
 
 
 def inputs():
@@ -240,6 +226,18 @@ def expected_fetches(recorder, num_experts):
     return counts
 
 
+def _assert_replayed(recorder, reference):
+    """Every recorded decode call of a patched block equals the same block run again under ``reference`` (the remap
+    replayed through the unpatched block); ``reference`` is closed afterwards."""
+    try:
+        for block, args, kwargs, output in recorder.calls:
+            with torch.no_grad():
+                want_out = _first(block(*args, **kwargs))
+            torch.testing.assert_close(_first(output), want_out, **FP32)
+    finally:
+        reference.close()
+
+
 def _state(model):
     return _find_state(model)
 
@@ -290,13 +288,7 @@ def test_offloaded_decode_reads_only_the_steps_experts(family, storage, tmp_path
             continue
         assert summary["remapped_fraction"] > 0
         reference = ReferenceRemap(model, rules)
-        try:
-            for block, args, kwargs, output in recorder.calls:
-                with torch.no_grad():
-                    want_out = _first(block(*args, **kwargs))
-                torch.testing.assert_close(_first(output), want_out, **FP32)
-        finally:
-            reference.close()
+        _assert_replayed(recorder, reference)
     assert all(torch.equal(a, b) for a, b in zip(run(model, ids, mask, tokens), ref))  # unpatch is exact
 
 
@@ -344,13 +336,7 @@ def test_resident_cache_seeds_the_remap_and_counts_hits(family, tmp_path, monkey
         seeds = {b: spy.for_block(b) for b, _ in moe_blocks(model)}
         assert any(s is not None for s in seeds[block0])  # resident experts did seed some remap
         reference = ReferenceRemap(model, rules, seeds)
-        try:
-            for block, args, kwargs, output in recorder.calls:
-                with torch.no_grad():
-                    want_out = _first(block(*args, **kwargs))
-                torch.testing.assert_close(_first(output), want_out, **FP32)
-        finally:
-            reference.close()
+        _assert_replayed(recorder, reference)
 
 
 def test_bf16_disk_offload_casts_and_matches(tmp_path, one_thread):

@@ -312,21 +312,7 @@ class Recorder:
             h.remove()
 
 
-def run(model, ids, mask, tokens, recorder=None):
-    """Prefill, then one teacher-forced decode step per ``tokens[i] [B, 1]`` through the KV cache; the logits."""
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
-        logits, cache = [out.logits], out.past_key_values
-        for tok in tokens:
-            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-            if recorder is not None:
-                recorder.decode = True
-            out = model(input_ids=tok, attention_mask=mask, past_key_values=cache, use_cache=True)
-            if recorder is not None:
-                recorder.decode = False
-            logits.append(out.logits)
-            cache = out.past_key_values
-    return logits
+run = fam.teacher_forced  # prefill, then one teacher-forced decode step per token through the KV cache
 
 
 class ReferenceRemap:
