@@ -14,7 +14,9 @@ os.environ.setdefault("LYNX_HF_GATE", "always")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# under pytest-xdist (`pytest -n 2`, the README's test command) each worker gets one intra-op thread: two workers with
+# two threads each on a 2-core machine oversubscribe it badly
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else min(2, os.cpu_count() or 1))
 
 # tests/vllm_plugin runs in the vLLM environment only (.venv-vllm, `pytest tests/vllm_plugin`; .ci/vllm_env.sh)
 collect_ignore = ["vllm_plugin"]
