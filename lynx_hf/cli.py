@@ -133,8 +133,13 @@ def print_layer_table(summary: dict, layers: list) -> None:
     for layer in layers:
         before, after = layer.get("unique_experts_before"), layer.get("unique_experts_after")
         ratio = after / max(before, 1e-9) if isinstance(before, (int, float)) and isinstance(after, (int, float)) else None
-        print(f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
-              f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(layer.get('routing_mass_kept'), '>11.3f')}")
+        mass = layer.get("routing_mass_kept")
+        skipped = (layer.get("gate") or {}).get("steps_skipped", 0)
+        if not layer.get("decode_steps", 1) and skipped:  # the cost gate kept the model's routing on every step
+            before = after = ratio = mass = None
+        row = (f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
+               f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(mass, '>11.3f')}")
+        print(row + (f"  gate off ({skipped} steps, model's own routing)" if before is None and skipped else ""))
     print(f"{'mean':<37}{num(summary.get('unique_experts_before'), '>16.2f')}{num(summary.get('unique_experts_after'), '>15.2f')}"
           f"{num(summary.get('ratio'), '>8.3f')}{num(summary.get('routing_mass_kept'), '>11.3f')}")
 
@@ -230,8 +235,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
     g.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
     g.add_argument("--batch-size", type=int, default=16, help="number of prompts decoded together")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt (default: 32)")
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in (default: float32)")
     g.add_argument("--stats-json", default=None, help="write the stats summary to this JSON file")
     g.add_argument("--quiet", action="store_true", help="do not print the generated texts")
     g.add_argument("--config", default=None, metavar="FILE", help="LynxConfig JSON file (LynxConfig.to_file, or the "

@@ -136,3 +136,31 @@ def test_every_option_reaches_the_config(checkpoint, monkeypatch):
     seen.clear()
     assert cli.main(argv[:9] + ["--mass-price", "0.75", "--tau", "3"]) == 0  # the others keep their defaults
     assert seen == [lynx_hf.LynxConfig(mass_price=0.75, tau=3.0)]
+
+
+def test_layer_table_says_gate_off_instead_of_zero_experts(capsys):
+    """A layer the cost gate kept on the model's own routing on every step has no counts: the table says so (it
+    printed 0.00 experts before / after, which reads as a layer that used no expert)."""
+    from lynx_hf.cli import print_layer_table
+
+    on = {"layer": "model.layers.0.mlp", "num_experts": 32, "top_k": 4, "decode_steps": 31,
+          "unique_experts_before": 20.0, "unique_experts_after": 10.0, "routing_mass_kept": 0.9,
+          "gate": {"steps_skipped": 0}}
+    off = {"layer": "model.layers.1.mlp", "num_experts": 32, "top_k": 4, "decode_steps": 0,
+           "unique_experts_before": 0.0, "unique_experts_after": 0.0, "routing_mass_kept": 1.0,
+           "gate": {"steps_skipped": 31}}
+    print_layer_table({"unique_experts_before": 20.0, "unique_experts_after": 10.0, "ratio": 0.5,
+                       "routing_mass_kept": 0.9}, [on, off])
+    rows = capsys.readouterr().out.splitlines()
+    on_row = next(r for r in rows if r.startswith("model.layers.0"))
+    off_row = next(r for r in rows if r.startswith("model.layers.1"))
+    assert "20.00" in on_row and "10.00" in on_row and "0.500" in on_row and "gate off" not in on_row
+    assert "0.00" not in off_row and "gate off (31 steps" in off_row
+
+
+def test_eval_out_must_be_a_folder(tmp_path):
+    """`--out` names the results folder; a file name is refused before anything loads (it became a folder)."""
+    target = tmp_path / "results.json"
+    res = run("eval", "--out", str(target))
+    assert res.returncode != 0 and "results folder" in res.stderr and "results.json" in res.stderr, res.stderr[-800:]
+    assert not target.exists()
