@@ -37,9 +37,13 @@ The per-step work is the engine-independent core (``lynx_hf.core``: the plan's d
 :func:`lynx_hf.core.remap`: policy on the live decode rows; prefill rows keep their routing and seed the
 critical set) and
 :class:`lynx_hf.telemetry.BlockTelemetry` (the numbers mean what ``lynx_hf.stats`` means in HF).
-Neither reads a device value on the host nor makes a data-dependent shape. The op body takes one
-host-side shortcut, on CPU tensors in eager mode only (``lynx_hf.core.host_reads_allowed``, asked once per call):
-a step without decode tokens returns at once. On an accelerator (CUDA graphs replay whatever the
+Neither reads a device value on the host nor makes a data-dependent shape. The op body takes two
+host-side shortcuts, on CPU tensors in eager mode only (``lynx_hf.core.host_reads_allowed``, asked once per call;
+the op body is eager even in vLLM's compiled mode): a step without decode tokens returns at once, and a step whose
+every row is a live decode token (the host's counts of the buffer: ``num_tokens == num_decode == rows``) is a plain
+``Step("decode")`` without masks, so the core's one-call CPU decode step (``lynx_hf.core.fused_step``, the policy's
+``fused_decode``) runs and records the telemetry in the same call, as in the HF path; that step's loaded-experts
+counts are its telemetry's before / after (every live token is a decode token). Mixed steps keep the masks. On an accelerator (CUDA graphs replay whatever the
 capture recorded) the op always runs the remap against the buffer, whose address never changes.
 """
 
@@ -55,9 +59,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..core import DECODE as _DECODE_KIND
 from ..core import MIXED, RoutePlan, Step, WeightRule, host_reads_allowed, make_plan, record_step
 from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
 from ..telemetry import BlockTelemetry, LynxStats, union_size
+from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
 from . import _config, _routers
 
 logger = logging.getLogger("lynx_hf.vllm")
@@ -118,6 +124,15 @@ class _Process:
 
 
 STATE = _Process()
+
+#: the plain decode step the op uses on the host when every row is a live decode token (no masks)
+DECODE_STEP = Step(_DECODE_KIND)
+#: False: every step takes the masked path (``Step("mixed", decode=..., live=...)``) as before the fused CPU decode
+#: step; ``eval/serve_profile.py`` flips it to time the two paths
+FUSED_DECODE = True
+_LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
+#: on the host the op body runs on one torch thread (see :func:`_remap_layer`); False: on the worker's threads
+SINGLE_THREAD = True
 _INSTALL_LOCK = threading.Lock()
 _INSTALLED = False
 
@@ -189,7 +204,7 @@ def _step_for(layer: _Layer, router_logits: torch.Tensor, host: bool) -> Step | 
         return None
     rows = router_logits.shape[0]
     if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)
-        return Step("decode")
+        return DECODE_STEP
     kind = _buffer(router_logits.device, rows)
     step = STATE.step
     if host:  # CPU eager: skip steps without decode tokens at once
@@ -201,6 +216,10 @@ def _step_for(layer: _Layer, router_logits: torch.Tensor, host: bool) -> Step | 
     if rows > kind.shape[0]:
         layer.skipped += 1
         return None
+    if host and FUSED_DECODE and rows == step.num_tokens == step.num_decode:
+        # CPU eager, every row a live decode token (the buffer's kinds say so on the host): a plain decode step,
+        # so the core's one-call CPU path (lynx_hf.core.fused_step) runs and records the telemetry in that call
+        return DECODE_STEP
     kinds = kind[:rows]
     return Step(MIXED, decode=kinds == DECODE, live=kinds != PADDING)
 
@@ -211,19 +230,56 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
     step = _step_for(layer, router_logits, host)
     if step is None:
         return topk_weights, topk_ids
-    cfg = STATE.config.lynx
+    plan = _plan_for(layer, router_logits, STATE.config.lynx)
+    threads = torch.get_num_threads() if host and SINGLE_THREAD else 1
+    if threads <= 1:
+        return _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+    # CPU eager: the routing work is a chain of ops on [T, N] / [T, k] tensors, far too small to share between
+    # threads; several of them (exp, max, softmax) still open an OpenMP region, and each fork-join waits for every
+    # worker thread (measured on a loaded 2-core host: 11 ms for one 16 x 64 exp with 2 threads, 3 us with 1; the
+    # toggle costs < 1 us). The gate measures the routing on one thread for the same reason (lynx_hf.gate).
+    torch.set_num_threads(1)
+    try:
+        return _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _plan_for(layer: _Layer, router_logits: torch.Tensor, cfg) -> RoutePlan:
+    """The layer's plan on the logits' device (made on first use; the cost gate measures then, on the worker's
+    threads)."""
     plan = layer.plan
     if plan is None or plan.device != router_logits.device:
         from ..gate import LayerShape  # the cost gate (LynxConfig.gate): H, I from the runner (_attach) if known
 
         shape = getattr(layer, "gate_shape", None) or LayerShape(layer.num_experts, layer.top_k, None, None)
         shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, router_logits.dtype,
-                           shape.expert_dtype, mixed_steps=cfg.phase != "decode")  # the op's steps carry masks
+                           shape.expert_dtype,
+                           # the op's steps carry masks, except on CPU (eager: the op body always is) where an
+                           # all-decode step is a plain decode step (the fused one-call path); off CPU none is fused
+                           mixed_steps=cfg.phase != "decode" and not (router_logits.device.type == "cpu"
+                                                                      and FUSED_DECODE))
         plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape)
+    return plan
+
+
+def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
+    cfg = STATE.config.lynx
     if plan.gate is not None and not plan.gate.on(router_logits.shape[0]):  # static T: a host-side branch
         plan.gate.skip(router_logits.shape[0])
         return topk_weights, topk_ids
-    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, layer.scores or _fp32_logits, router_logits,
+    scores = layer.scores or _fp32_logits
+    if step is DECODE_STEP and host:
+        # every row a live decode row: the step function records the telemetry itself (the fused path in the same
+        # call), and the experts the kernel loads are the telemetry's own before / after of this step
+        telemetry = layer.telemetry if cfg.telemetry else None
+        start = _decode_slots(telemetry) if telemetry is not None else None
+        new_weights, new_ids, _ = plan.step_fn(plan, layer.rule, step, scores, router_logits, topk_weights,
+                                               topk_ids, host, telemetry)
+        if telemetry is not None:
+            _add_loaded(layer, _decode_slots(telemetry) - start)
+        return new_weights, new_ids
+    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, scores, router_logits,
                                                 topk_weights, topk_ids, host)
     if cfg.telemetry:
         _record(layer, step, topk_ids, topk_weights, new_ids, finite, host)
@@ -233,6 +289,22 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
 def _fp32_logits(router_logits: torch.Tensor) -> torch.Tensor:
     """Selection scores of softmax / sigmoid routers: the router logits in fp32 (``docs/design.md``)."""
     return router_logits.float()
+
+
+def _decode_slots(telemetry: BlockTelemetry) -> np.ndarray:
+    """fp64 ``[3]``: the accumulated STEPS / BEFORE / AFTER slots of ``telemetry`` (host path: CPU accumulators)."""
+    acc = telemetry.acc
+    if acc is None:
+        return np.zeros(3)
+    return acc.detach().numpy()[_LOADED_SLOTS]  # fancy indexing: a copy
+
+
+def _add_loaded(layer: _Layer, row: np.ndarray) -> None:
+    """Host path: add one all-decode step's loaded-experts row (``[3]``) to ``layer.loaded`` (CPU)."""
+    loaded = layer.loaded
+    if loaded is None or loaded.device.type != "cpu":
+        loaded = layer.loaded = torch.zeros(3, dtype=torch.float64)
+    loaded.detach().numpy()[:] += row  # in place through a view: no torch op (works on inference tensors too)
 
 
 @torch.no_grad()
