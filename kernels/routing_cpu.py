@@ -351,22 +351,29 @@ def xshare_critical_set(scores, topk_idx, top_k, budget, warmup, vote=None, seed
 
 @_jit
 def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
-    """The telemetry row of one step (slots of :mod:`.telemetry_slots`)."""
+    """The telemetry row of one step (slots of :mod:`.telemetry_slots`). ``counted``: ``[T]`` bool, or ``[0]``
+    (every row); ``prefill`` / ``finished``: ``[T]`` bool or ``[0]`` (none); ``w``: ``[T, k]`` fp32, or ``[0, 0]``
+    (the counting mode: the remapped assignments and the mass kept are not measured, their slots stay 0)."""
     t_count, k = orig.shape
+    every = counted.shape[0] == 0
+    weighed = w.shape[0] > 0
     before = np.zeros(n, dtype=np.bool_)
     after = np.zeros(n, dtype=np.bool_)
     remapped = 0
     mass = 0.0
     tokens = 0
     for t in range(t_count):
-        if not counted[t]:
+        if not every and not counted[t]:
             continue
         tokens += 1
-        total = 0.0
-        kept_mass = 0.0
         for j in range(k):
             before[orig[t, j]] = True
             after[new[t, j]] = True
+        if not weighed:
+            continue
+        total = 0.0
+        kept_mass = 0.0
+        for j in range(k):
             total += w[t, j]
             kept = False
             for i in range(k):
@@ -381,9 +388,10 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
     row[STEPS] = 1.0 if tokens > 0 else 0.0
     row[BEFORE] = before.sum()
     row[AFTER] = after.sum()
-    row[REMAPPED] = remapped
-    row[ASSIGNMENTS] = tokens * k
-    row[MASS] = mass
+    if weighed:
+        row[REMAPPED] = remapped
+        row[ASSIGNMENTS] = tokens * k
+        row[MASS] = mass
     row[TOKENS] = tokens
     row[FALLBACKS] = 1.0 if fallback else 0.0
     row[VERIFY_TOKENS] = tokens if verify else 0
@@ -392,15 +400,21 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
     return row
 
 
+_NO_ROWS = np.zeros(0, dtype=np.bool_)
+_NO_WEIGHTS = np.zeros((0, 0), dtype=np.float32)
+
+
 def decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify=False, prefill_rows=None,
                        finished_rows=None, fallback=None) -> torch.Tensor:
     """The telemetry sums of one step, fp64 ``[NUM_SLOTS]`` (:mod:`.telemetry_slots` order); twin of
     ``BlockTelemetry.record``'s torch arithmetic (the mass kept is summed in fp64 here, fp32 there: equal
-    to ~1e-7 relative)."""
-    num_tokens = orig_idx.shape[0]
-    zeros = np.zeros(num_tokens, dtype=np.bool_)
-    row = _counts(_np(orig_idx, torch.int64), _np(new_idx, torch.int64), _np(orig_weights, torch.float32), _np(counted, torch.bool),
-                  zeros if prefill_rows is None else _np(prefill_rows), zeros if finished_rows is None else _np(finished_rows),
+    to ~1e-7 relative). ``counted [T]`` bool or ``None`` (every row); ``orig_weights [T, k]`` or ``None`` (the
+    counting mode: the remapped / assignments / mass slots stay 0)."""
+    row = _counts(_np(orig_idx, torch.int64), _np(new_idx, torch.int64),
+                  _NO_WEIGHTS if orig_weights is None else _np(orig_weights, torch.float32),
+                  _NO_ROWS if counted is None else _np(counted, torch.bool),
+                  _NO_ROWS if prefill_rows is None else _np(prefill_rows),
+                  _NO_ROWS if finished_rows is None else _np(finished_rows),
                   int(num_experts), bool(verify), bool(fallback) if fallback is not None else False)
     return torch.from_numpy(row)
 
@@ -428,7 +442,7 @@ def _lynx_mass_decode(s, lg, rel, den, idx, w, voters, top_k, alpha, beta, power
     critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)
     new_idx = _remap(s, critical, top_k)
     if count:
-        row = _counts(idx, new_idx, w, voters, np.zeros(t_count, dtype=np.bool_), ~voters, n, verify, False)
+        row = _counts(idx, new_idx, w, voters, np.zeros(0, dtype=np.bool_), ~voters, n, verify, False)
     else:
         row = np.zeros(NUM_SLOTS, dtype=np.float64)
     return True, new_idx, row
@@ -442,9 +456,11 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     integers as those functions one by one (tests/kernels/test_fused_route.py), with one compiled call instead of a
     dozen torch ops and host conversions (at small batches on CPU torch's per-op overhead dominates the routing).
 
-    ``scores [T, N]`` fp32 selection scores, ``logits [T, N]`` router logits (any float dtype),
-    ``topk_weights`` / ``topk_idx [T, k]`` the model's routing, ``rule`` the block's ``WeightRule``, ``live [T]``
-    bool or ``None`` (every row): rows of finished requests are remapped into the set but neither vote nor count.
+    ``scores [T, N]`` fp32 selection scores, ``logits [T, N]`` router logits (any float dtype; pass ``scores``
+    itself where the scores are the fp32 logits: no second cast), ``topk_weights`` / ``topk_idx [T, k]`` the model's
+    routing, ``rule`` the block's ``WeightRule``, ``live [T]`` bool or ``None`` (every row): rows of finished
+    requests are remapped into the set but neither vote nor count. ``telemetry``: ``False`` (no row), ``True`` (the
+    full row) or ``"counts"`` (the counting mode's row: the routing weights are not read).
     Returns ``None`` when a row is not finite or no row is live (the caller's general path handles those), else
     ``(weights [T, k] in topk_weights.dtype, idx [T, k] in topk_idx.dtype, row fp64 [NUM_SLOTS] or None)``.
     """
@@ -460,13 +476,16 @@ def lynx_mass_decode(scores, logits, topk_weights, topk_idx, rule, live=None, *,
     if num_voters == 0:
         return None
     price_fixed = rt.batch_threshold(math.ceil(price * rt.MASS_UNIT), num_voters, unit)
-    w = _np(topk_weights, torch.float32) if telemetry else np.zeros((0, 0), dtype=np.float32)
-    ok, new_idx, row = _lynx_mass_decode(_np(s), _np(logits32), _np(rel), _np(den), _np(idx64), w, voters,
+    w = _np(topk_weights, torch.float32) if telemetry and telemetry != "counts" else _NO_WEIGHTS
+    s_np = _np(s)
+    ok, new_idx, row = _lynx_mass_decode(s_np, s_np if logits32 is s else _np(logits32), _np(rel), _np(den),
+                                         _np(idx64), w, voters,
                                          int(top_k), np.float32(alpha), int(beta), _powers(num_voters, int(beta)),
                                          int(price_fixed), np.float32(rt.MASS_UNIT), bool(telemetry), bool(verify))
     if not ok:
         return None
     new_idx = torch.from_numpy(new_idx)
     weights = rt.routing_weights(logits32, new_idx, rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
-    return (weights.to(topk_weights.dtype), new_idx.to(topk_idx.dtype),
+    return (weights if weights.dtype == topk_weights.dtype else weights.to(topk_weights.dtype),
+            new_idx if topk_idx.dtype == torch.int64 else new_idx.to(topk_idx.dtype),
             torch.from_numpy(row) if telemetry else None)

@@ -293,7 +293,7 @@ def routing_weights(
     epsilon, LFM2-MoE ``1e-6``; ``eps`` 0 divides by the sum alone, bit for bit as before); then multiply by
     ``scale`` (``routed_scaling_factor``). Raises ``ValueError`` for an unknown rule.
     """
-    x = logits.float()
+    x = logits if logits.dtype == torch.float32 else logits.float()
     if rule == "softmax_all":
         w = torch.softmax(x, dim=-1).gather(1, topk_idx)
     elif rule == "softmax_chosen":

@@ -17,9 +17,19 @@ import warnings
 
 import torch
 
-from .core import PREFILL, PREFILL_STEP, RoutePlan, Step, host_reads_allowed, keep_routing, make_plan
+from .core import (
+    PREFILL,
+    PREFILL_STEP,
+    RoutePlan,
+    Step,
+    WeightRule,
+    fp32_scores,
+    host_reads_allowed,
+    keep_routing,
+    make_plan,
+)
 from .gate import LayerShape
-from .telemetry import BlockTelemetry
+from .telemetry import BlockTelemetry, mode_of
 
 BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
 
@@ -91,8 +101,21 @@ class BlockRouting:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
         # an offloaded block's saving per avoided expert includes its transfer (lynx_hf.offload sets extra_expert_ms)
         self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape(),
-                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0), expert_fn=self._expert_fn())
+                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0), expert_fn=self._expert_fn(),
+                              route_fn=self.gate_probe)
         return self.plan
+
+    def gate_probe(self, plan: RoutePlan, step: Step, logits, weights, idx, host: bool, telemetry):
+        """What the router hook adds to a decode step the policy runs on, for the cost gate (``lynx_hf.gate``) to time:
+        unpack the router's output, this block's own selection scores, ``plan.step_fn`` (telemetry into
+        ``telemetry``), repack. ``logits [T, N]``, ``weights`` / ``idx [T, k]``: synthetic router output. Returns the
+        repacked output."""
+        output = (logits, weights, idx)
+        logits, weights, idx = self.spec.unpack(output)
+        rule = self.rule if self.rule is not None else WeightRule("softmax_all")
+        new_weights, new_idx, _ = plan.step_fn(plan, rule, step, self._scores_fn(), logits, weights, idx,
+                                               host_reads_allowed(logits), telemetry)
+        return self.spec.repack(output, logits, new_weights, new_idx)
 
     def _expert_fn(self):
         """The model's own experts implementation as ``fn(hidden [T, H], idx [T, k], weights [T, k])``, which the cost
@@ -253,10 +276,28 @@ class BlockRouting:
             from .offload import seeded_step
 
             step_fn = seeded_step(self, step_fn, logits.device)
-        telemetry = self.telemetry if self.model_state.config.telemetry else None
-        new_weights, new_idx, _ = step_fn(plan, self.rule, step, self._selection_scores, logits, weights, idx,
+        telemetry = self._telemetry()
+        new_weights, new_idx, _ = step_fn(plan, self.rule, step, self._scores_fn(), logits, weights, idx,
                                           host_reads_allowed(logits), telemetry)
         return new_weights, new_idx
+
+    def _telemetry(self):
+        """The block's ``BlockTelemetry`` in the mode ``LynxConfig.telemetry`` asks for, or ``None`` (off)."""
+        mode = mode_of(self.model_state.config.telemetry)
+        if mode is None:
+            return None
+        telemetry = self.telemetry
+        if telemetry.mode != mode:
+            telemetry.mode = mode
+        return telemetry
+
+    def _scores_fn(self):
+        """The selection-scores function for the decode-step function: ``lynx_hf.core.fp32_scores`` where the scores
+        are the router logits in fp32 (so the weight rule reuses them), else :meth:`_selection_scores`."""
+        if self.selection is None and getattr(self.spec.selection_scores, "__name__", "") == "fp32_logits" and \
+                getattr(self.spec.selection_scores, "__module__", "").endswith("patches.base"):
+            return fp32_scores
+        return self._selection_scores
 
     def _selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 selection scores ``[T, N]`` of the router logits ``[T, N]`` (``-inf``: an expert the model's own

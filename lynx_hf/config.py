@@ -21,6 +21,7 @@ from .gate import ENV as GATE_ENV
 from .gate import GATES, default_gate
 from .kernels.backend import EXPERT_PATHS, ROUTING_BACKENDS
 from .policies import check_bool, check_choice, check_int
+from .telemetry import COUNTS as TELEMETRY_COUNTS
 
 PHASES = ("auto", "decode")
 OFFLOAD_PATHS = ("experts", "module")  # LynxConfig.offload_path (lynx_hf.offload)
@@ -92,7 +93,10 @@ class LynxConfig:
       ours) or ``"triton"`` (the sparse Triton decode kernel, ``lynx_hf.kernels.moe``; CUDA, or the
       interpreter). ``backend=X`` (deprecated) means ``routing_backend=X`` and ``expert_path="triton"`` iff
       ``X == "triton"`` (else ``"auto"``).
-    - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``).
+    - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``): ``True`` (every key), ``"counts"``
+      (the cheaper counting mode: decode steps, unique experts before / after and the token counts only;
+      ``remapped_fraction`` and ``routing_mass_kept`` read ``None``, so the routing weights are never read) or
+      ``False`` (none).
     - ``offload_path``: experts that accelerate offloads (CPU / disk offload, ``lynx_hf.offload``): ``"experts"``
       (default: a decode step reads only the rows of the unique experts its routing uses from the offload store)
       or ``"module"`` (accelerate's own whole-module load on every forward). Prefill always runs accelerate's.
@@ -128,7 +132,9 @@ class LynxConfig:
     routing_backend: str = field(default="auto", metadata={"help": "routing ops: auto (Triton on CUDA), torch, triton"})
     expert_path: str = field(default="auto", metadata={
         "help": "decode experts: auto / model (the model's own implementation), triton (sparse Triton kernel)"})
-    telemetry: bool = field(default=True, metadata={"help": "collect decode statistics (lynx_hf.stats)"})
+    telemetry: bool | str = field(default=True, metadata={
+        "help": "collect decode statistics (lynx_hf.stats): True (all), counts (unique experts and tokens only), "
+                "False"})
     gate: str = field(default_factory=default_gate, metadata={
         "help": "auto: run the policy only where its measured saving beats its cost (per layer shape and step "
                 "size); always: on every decode step (default from LYNX_HF_GATE, else auto)"})
@@ -153,8 +159,10 @@ class LynxConfig:
         check_int("q_max", self.q_max, minimum=1)
         check_choice("offload_path", self.offload_path, OFFLOAD_PATHS)
         check_int("expert_cache_bytes", self.expert_cache_bytes, minimum=0)
-        for name in ("telemetry", "verify"):
-            check_bool(name, getattr(self, name))
+        if not isinstance(self.telemetry, bool) and self.telemetry != TELEMETRY_COUNTS:
+            raise LynxConfigError(f"LynxConfig.telemetry must be True, False or {TELEMETRY_COUNTS!r}, "
+                                  f"got {self.telemetry!r}")
+        check_bool("verify", self.verify)
         for policy in policies.REGISTRY.values():  # every policy's own fields, whichever policy is chosen
             policy.validate(self)
 
@@ -318,6 +326,8 @@ def parse_option(name: str, value):
         return None
     try:
         if base is bool:
+            if name == "telemetry" and text.lower() not in _BOOL_WORDS:
+                return text  # telemetry="counts" (validated by LynxConfig)
             return _BOOL_WORDS[text.lower()]
         if base is int:
             return int(text)

@@ -120,7 +120,7 @@ class RoutePlan:
 
 
 def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=None,
-              extra_expert_ms: float = 0.0, expert_fn=None) -> RoutePlan:
+              extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None) -> RoutePlan:
     """Resolve ``config`` (a ``LynxConfig``) for one MoE layer of ``num_experts`` experts, top-``top_k``, on
     ``device``: routing backend, policy parameters, ops, expert kernel and the decode-step function.
 
@@ -130,7 +130,8 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=
     run measures which is faster per shape. ``shape``: the layer's ``lynx_hf.gate.LayerShape`` (H, I, dtypes); with
     ``config.gate == "auto"`` the plan gets a cost gate (``lynx_hf.gate.plan_gate``: measured here, once per shape
     in-process; ``extra_expert_ms``: a further cost per expert read, e.g. an offloaded expert's transfer, added to the
-    saving), without it (or ``gate="always"``) none. Raises ``RuntimeError`` when Triton cannot run on ``device``.
+    saving; ``expert_fn`` / ``route_fn``: the engine's experts path and per-step routing path the gate times,
+    ``lynx_hf.gate.PlanGate``), without it (or ``gate="always"``) none. Raises ``RuntimeError`` when Triton cannot run on ``device``.
     """
     device = torch.device(device)
     policy = policies.get(config.policy)
@@ -153,40 +154,50 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=
     if shape is not None and getattr(config, "gate", "always") == "auto":
         from .gate import plan_gate
 
-        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn)
+        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn, route_fn=route_fn)
         if gate is not None:
             plan = dataclasses.replace(plan, gate=gate)
     return plan
+
+
+def fp32_scores(logits: torch.Tensor) -> torch.Tensor:
+    """Selection scores ``[T, N]`` fp32 of a router whose scores are its logits (softmax / sigmoid routers without
+    group limits or selection bias): ``logits.float()``. Passed as ``selection_scores`` to a decode-step function it
+    also says that the scores *are* the fp32 logits, so the weight rule reuses them (one cast per step, not two)."""
+    return logits.float()
 
 
 # -- decode-step functions (one is chosen per plan) ----------------------------------------------------------
 # Each takes ``(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``:
 # ``selection_scores(logits) -> [T, N]`` fp32 scores (called only when the policy runs), ``logits [T, N]``,
 # ``weights`` / ``idx [T, k]`` the model's own routing, ``host`` the caller's answer to ``host_reads_allowed``,
-# ``telemetry`` a ``BlockTelemetry`` to record into (``None``: not recorded). Returns
+# ``telemetry`` a ``BlockTelemetry`` to record into (``None``: not recorded; its ``mode`` says how much). Returns
 # ``(weights [T, k], idx [T, k], finite [T] bool or None)`` in the dtypes of the inputs.
 
 def keep_routing(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
     """The model's own routing, unchanged (policy ``none``, k = N, a one-token step)."""
     if telemetry is not None:
-        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)
+        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host, masks=False)
     return weights, idx, None
 
 
 def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None, seed=None):
     """The general path: :func:`remap`, then :func:`record_step`. ``seed [N]`` bool: experts free this step
     besides the prefill tokens' (resident offloaded experts, ``lynx_hf.offload``), or ``None``."""
-    return _remap_and_record(plan, rule, step, selection_scores(logits), logits, weights, idx, host, telemetry,
-                             seed=seed)
+    scores = selection_scores(logits)
+    return _remap_and_record(plan, rule, step, scores, scores if selection_scores is fp32_scores else logits, weights,
+                             idx, host, telemetry, seed=seed)
 
 
 def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
     """The policy's one-call path (``plan.fused``) on CPU in eager mode when every token decodes; the general
     path otherwise, and for a step with a non-finite row (the one-call path then returns ``None``)."""
     scores = selection_scores(logits)
+    if selection_scores is fp32_scores:
+        logits = scores  # the same values in fp32: the weight rule needs no second cast
     if host and step.decode is None:
-        out = plan.fused(scores, logits, weights, idx, rule, step.live, telemetry=telemetry is not None,
-                         verify=step.kind == VERIFY)
+        count = False if telemetry is None else ("counts" if telemetry.mode == "counts" else True)
+        out = plan.fused(scores, logits, weights, idx, rule, step.live, telemetry=count, verify=step.kind == VERIFY)
         if out is not None:
             new_weights, new_idx, row = out
             if row is not None:
@@ -198,31 +209,38 @@ def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, t
 def _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry, seed=None):
     new_weights, new_idx, finite = remap(plan, rule, step, scores, logits, weights, idx, host=host, seed=seed)
     if telemetry is not None:
-        record_step(telemetry, plan.num_experts, step, idx, weights, new_idx, finite, host=host)
+        record_step(telemetry, plan.num_experts, step, idx, weights, new_idx, finite, host=host, masks=False)
     return new_weights, new_idx, finite
 
 
 @torch.no_grad()
-def record_step(telemetry, num_experts: int, step: Step, idx, weights, new_idx, finite, host: bool | None = None):
+def record_step(telemetry, num_experts: int, step: Step, idx, weights, new_idx, finite, host: bool | None = None,
+                masks: bool = True):
     """Accumulate one step of one MoE layer into ``telemetry`` (a ``BlockTelemetry``), on the device:
     live decode tokens are counted (before ``idx [T, k]`` / ``weights [T, k]``, after ``new_idx``), prefill
     and finished rows separately, ``finite [T]`` bool (or ``None``) flags the non-finite fallback. ``host``:
     CPU tensors in eager mode (``None``: asked here). Shared by the HF path and serving-engine plugins
-    (``lynx_hf.vllm``). Returns ``(counted, live)``, ``[T]`` bool."""
-    num_tokens = idx.shape[0]
-    dev = idx.device
-    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
-    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
-    counted = decode & live
+    (``lynx_hf.vllm``). Returns ``(counted, live)``, ``[T]`` bool; with ``masks=False`` ``None`` (no mask is
+    built for a step whose ``decode`` / ``live`` are ``None``: every row counts)."""
+    decode, live = step.decode, step.live
+    if decode is None:
+        counted = live
+    else:
+        counted = decode if live is None else decode & live
     telemetry.record(
         num_experts, idx, weights, new_idx, counted,
         verify=step.kind == VERIFY,
-        prefill_rows=None if step.decode is None else ~decode & live,
-        finished_rows=None if step.live is None else decode & ~live,
-        fallback=None if finite is None else (counted & ~finite).any(),
+        prefill_rows=None if decode is None else (~decode if live is None else ~decode & live),
+        finished_rows=None if live is None else (~live if decode is None else decode & ~live),
+        fallback=None if finite is None else (~finite if counted is None else counted & ~finite).any(),
         host=host,
     )
-    return counted, live
+    if not masks:
+        return None
+    num_tokens, dev = idx.shape[0], idx.device
+    if counted is None:
+        counted = torch.ones(num_tokens, dtype=torch.bool, device=dev)
+    return counted, (torch.ones(num_tokens, dtype=torch.bool, device=dev) if live is None else live)
 
 
 def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights, idx, host: bool | None = None,
@@ -230,7 +248,8 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     """The policy's routing for the decode tokens of ``step``, the model's own for the others.
 
     ``scores [T, N]`` fp32 selection scores (``-inf``: forbidden), ``logits [T, N]`` the router logits
-    (the weight ``rule`` is applied to them), ``weights`` / ``idx [T, k]`` the model's own routing; ``host``:
+    (the weight ``rule`` is applied to them; ``scores`` itself where the scores are the fp32 logits: no second cast),
+    ``weights`` / ``idx [T, k]`` the model's own routing; ``host``:
     CPU tensors in eager mode (``None``: asked here). Returns ``(weights [T, k] in weights.dtype,
     idx [T, k] in idx.dtype, finite [T] bool)``. Rows whose router logits are not finite keep the model's
     routing (counted as fallbacks) and, like prefill rows, seed the critical set with their experts;
@@ -241,30 +260,33 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     if host is None:
         host = host_reads_allowed(logits)
     ops = plan.host_ops if host and plan.host_ops is not None else plan.ops
-    num_tokens, num_experts = logits.shape
+    num_experts = logits.shape[-1]
     top_k = idx.shape[-1]
-    dev = logits.device
     finite = torch.isfinite(logits).all(dim=-1)
     if step.decode is None and step.live is None and seed is None and host and bool(finite.all()):
         # CPU, eager: every token decodes and is finite (one memory read, no device): no masks to merge
         idx64 = idx if idx.dtype == torch.int64 else idx.long()
         critical = plan.policy.critical_set(plan.params, ops,
                                             policies.StepTensors(scores, idx64, weights, None, None, top_k))
-        logits32 = logits if logits.dtype == torch.float32 else logits.float()
+        logits32 = scores if logits is scores else logits if logits.dtype == torch.float32 else logits.float()
         new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
                                          rule.renorm_eps)
         return new_weights.to(weights.dtype), new_idx.to(idx.dtype), finite
-    decode = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.decode is None else step.decode
-    live = torch.ones(num_tokens, dtype=torch.bool, device=dev) if step.live is None else step.live
-    remapped = decode & finite
-    vote = remapped & live
-    keep = (~decode | ~finite) & live
-    idx64 = idx.long()
+    # per-token masks only where the step has them (no all-True mask is built)
+    decode, live = step.decode, step.live
+    remapped = finite if decode is None else decode & finite
+    vote = remapped if live is None else remapped & live
+    keep = ~finite if decode is None else ~decode | ~finite
+    if live is not None:
+        keep = keep & live
+    idx64 = idx if idx.dtype == torch.int64 else idx.long()
+    same = logits is scores  # the scores are the fp32 logits (core.fp32_scores): one cast, one where
     scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
     seed = union_mask(idx64, num_experts, keep) if seed is None else union_mask(idx64, num_experts, keep) | seed
     tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
     critical = plan.policy.critical_set(plan.params, ops, tensors)
-    logits32 = torch.where(finite[:, None], logits.float(), torch.zeros_like(logits, dtype=torch.float32))
+    logits32 = scores if same else torch.where(finite[:, None], logits.float(),
+                                               torch.zeros_like(logits, dtype=torch.float32))
     new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
                                      rule.renorm_eps)
     rows = remapped[:, None]
@@ -274,4 +296,4 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
 
 
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "RoutePlan", "make_plan",
-           "keep_routing", "remap_step", "fused_step", "remap", "record_step", "host_reads_allowed"]
+           "keep_routing", "remap_step", "fused_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]

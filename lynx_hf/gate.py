@@ -9,10 +9,13 @@ the vLLM plugin (``lynx_hf.vllm._hooks._remap_layer``) ask the same :class:`Plan
 
 - :func:`decide` is a pure function of the measurements (hand-checked in ``tests/policies/test_gate.py``):
   saving = experts saved x (time one expert costs in the experts path + any extra per-expert cost, e.g. the
-  transfer of an offloaded expert); the policy runs iff saving > margin x cost.
-- :func:`measure_routing` times the layer's decode-step function (the plan's ``step_fn``: selection scores, policy,
-  remap, weight rule, telemetry when on) on synthetic router logits at the layer's real ``(T, N)`` and dtype on the
-  real device, and *estimates* the experts before / after by running the policy on those synthetic logits
+  transfer of an offloaded expert); the policy runs iff saving > margin x cost (:func:`measure` decides with
+  :data:`MARGIN`, the measured overestimate of the synthetic logits).
+- :func:`measure_routing` times what a decode step adds: the engine's whole per-step routing path where it gives one
+  (``route_fn``: the HF router hook's unpack, the block's own selection scores, the plan's ``step_fn``, repack),
+  else the plan's ``step_fn`` (selection scores, policy, remap, weight rule, telemetry in the configured mode) on
+  synthetic router logits at the layer's real ``(T, N)`` and dtype on the real device, and *estimates* the experts
+  before / after by running the policy on those synthetic logits
   (i.i.d. normal logits of std :data:`LOGIT_STD`; real routers differ, so the estimate is a model, not a
   measurement of the user's traffic). The gated-off path does nothing (the model's own routing, no telemetry),
   so the whole step time is the cost.
@@ -58,6 +61,12 @@ DRAWS = 4
 POOL_BYTES = 96 << 20
 #: wall-clock budget of one timing (seconds); each timing takes at least 3 and at most ``reps`` calls
 TIME_BUDGET_S = 0.05
+#: the margin :func:`measure` decides with (the saving must exceed ``MARGIN x cost``): the synthetic i.i.d. logits
+#: overestimate the experts a real batch saves. Measured on fixture A (``eval/fixtures/qwen2moe-tiny``, held-out
+#: prompts, ``generate`` 24 tokens, gate forced on, the mean over its 4 layers): B = 16 real 21.4 -> 10.8 distinct
+#: experts (10.6 saved), synthetic 28.0 -> 14.75 (13.25 saved): 1.25x too many; B = 4 real 12.1 -> 5.65 (6.5),
+#: synthetic 12.5 -> 6.75 (5.75: fewer). The margin takes back the larger overestimate.
+MARGIN = 1.25
 
 
 def default_gate() -> str:
@@ -173,23 +182,22 @@ def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, dtype: torc
     return logits, weights.to(dtype), idx
 
 
-def _fp32(logits: torch.Tensor) -> torch.Tensor:
-    return logits.float()
-
-
 @torch.no_grad()
-def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool = True,
-                    draws: int = DRAWS, mixed: bool = False) -> tuple[float, float, float]:
+def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool | str = True,
+                    draws: int = DRAWS, mixed: bool = False, route_fn=None) -> tuple[float, float, float]:
     """``(cost_ms, experts_before, experts_after)`` of ``plan`` (a ``lynx_hf.core.RoutePlan``) at a decode step of
     ``num_tokens`` tokens whose router logits have dtype ``dtype``.
 
     ``cost_ms``: shortest time (:func:`_time_ms`) of ``plan.step_fn`` on synthetic logits (:func:`synthetic_routing`, every token a
     decode token, the weight rule ``softmax_all``; ``mixed``: described as a continuous-batching step with per-token
-    masks, as the vLLM plugin does), with a scratch telemetry when ``telemetry``. The experts before
+    masks, as the vLLM plugin does), with a scratch telemetry when ``telemetry`` (``LynxConfig.telemetry``: ``True``,
+    ``"counts"`` or ``False``); ``route_fn(plan, step, logits, weights, idx, host, telemetry)``: the engine's whole
+    per-step routing path (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead of ``step_fn``. The experts before
     / after are the mean distinct experts over ``draws`` synthetic draws (an estimate, see the module docstring).
     Raises ``RuntimeError`` when :func:`cannot_measure` says so."""
     from .core import DECODE, MIXED, Step, WeightRule, host_reads_allowed, keep_routing
-    from .telemetry import BlockTelemetry
+    from .core import fp32_scores as _fp32
+    from .telemetry import BlockTelemetry, mode_of
 
     why = cannot_measure(plan.device)
     if why:
@@ -210,7 +218,7 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
         after += float(torch.unique(new_idx).numel())
     logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=draws)
     host = host_reads_allowed(logits)
-    scratch = BlockTelemetry() if telemetry else None
+    scratch = BlockTelemetry(mode_of(telemetry)) if mode_of(telemetry) else None
     threads = torch.get_num_threads()
     if plan.device.type == "cpu" and threads > 1:
         # the routing work is a chain of small ops (T x N, far below torch's intra-op grain size: they run on one
@@ -218,7 +226,10 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
         # measured up to 200x slower and flipped decisions between runs on a loaded 2-core machine
         torch.set_num_threads(1)
     try:
-        cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
+        if route_fn is not None and step_fn is not keep_routing:
+            cost = _time_ms(lambda: route_fn(plan, step, logits, weights, idx, host, scratch), plan.device)
+        else:
+            cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -313,9 +324,11 @@ _CACHE: dict = {}
 _EXPERT_CACHE: dict = {}
 
 
-def _plan_key(plan, telemetry: bool) -> tuple:
+def _plan_key(plan, telemetry) -> tuple:
+    from .telemetry import mode_of
+
     return (plan.policy.name if hasattr(plan.policy, "name") else type(plan.policy).__name__, repr(plan.params),
-            plan.routing_backend, getattr(plan.step_fn, "__name__", repr(plan.step_fn)), bool(telemetry))
+            plan.routing_backend, getattr(plan.step_fn, "__name__", repr(plan.step_fn)), mode_of(telemetry))
 
 
 def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
@@ -326,10 +339,11 @@ def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
     return buckets[-1]
 
 
-def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
-            extra_expert_ms: float = 0.0, expert_fn=None) -> GateDecision:
+def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = True,
+            extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None) -> GateDecision:
     """The gate's decision for ``plan`` at a step of ``num_tokens`` tokens (the bucket's, cached in-process per shape,
-    device, policy configuration and bucket). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
+    device, policy configuration and bucket), decided with :data:`MARGIN`. ``route_fn``: the engine's per-step
+    routing path (:func:`measure_routing`). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
     where :func:`cannot_measure` says so, :func:`always_on`."""
     if shape.hidden is None or shape.intermediate is None:
         return always_on("not measured: the layer's hidden / intermediate size is unknown")
@@ -337,11 +351,13 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
     if why:
         return always_on(f"not measured: {why}")
     b = bucket_of(num_tokens)
-    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms), expert_fn is not None)
+    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms), expert_fn is not None,
+           route_fn is not None)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    cost, before, after = measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps)
+    cost, before, after = measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps,
+                                          route_fn=route_fn)
     # tokens per expert at this step size, rounded up to a power of two (the expert time grows slowly with it in
     # decode; fewer distinct measurements); nothing saved (one token, every expert kept): no expert timing needed
     tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
@@ -356,7 +372,7 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool = True,
     if expert is None:
         expert = _EXPERT_CACHE[ekey] = measure_expert_ms(shape.hidden, shape.intermediate, edtype, plan.device,
                                                          tokens, shape.num_experts)
-    d = decide(cost, before - after, expert, extra_expert_ms)
+    d = decide(cost, before - after, expert, extra_expert_ms, margin=MARGIN)
     d = GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, d.extra_expert_ms, before, after,
                      d.reason)
     _CACHE[key] = d
@@ -375,11 +391,14 @@ class PlanGate:
 
     shape: LayerShape
     plan: object = None
-    telemetry: bool = True
+    telemetry: bool | str = True
     extra_expert_ms: float = 0.0
     #: the layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])`` (HF path), timed for
     #: the saving per expert (:func:`measure_module_expert_ms`); ``None``: the batched-MLP model (vLLM)
     expert_fn: object = None
+    #: the engine's per-step routing path ``fn(plan, step, logits, weights, idx, host, telemetry)`` (HF: the router
+    #: hook's work, ``lynx_hf.block.BlockRouting.gate_probe``), timed for the cost; ``None``: the plan's ``step_fn``
+    route_fn: object = None
     decisions: dict = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
@@ -395,7 +414,8 @@ class PlanGate:
         b = bucket_of(num_tokens)
         d = self.decisions.get(b)
         if d is None:
-            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms, self.expert_fn)
+            extra = {} if self.route_fn is None else {"route_fn": self.route_fn}
+            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms, self.expert_fn, **extra)
             if not d.reason.startswith("not measured"):
                 self.decisions[b] = d
         return d
@@ -488,7 +508,7 @@ def patch_note(plans: list) -> str | None:
 
 
 def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eager: bool = True,
-              expert_fn=None) -> PlanGate | None:
+              expert_fn=None, route_fn=None) -> PlanGate | None:
     """The gate of ``plan`` for ``config`` (a ``LynxConfig``): ``None`` when ``config.gate == "always"`` or the plan
     never remaps (``keep_routing``); else a :class:`PlanGate`, every bucket measured now when ``eager`` and a
     measurement can run (:func:`cannot_measure`), else on first use."""
@@ -496,13 +516,13 @@ def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eag
 
     if getattr(config, "gate", "always") != "auto" or plan.step_fn is keep_routing:
         return None
-    gate = PlanGate(shape, plan, telemetry=bool(getattr(config, "telemetry", True)), extra_expert_ms=extra_expert_ms,
-                    expert_fn=expert_fn)
+    gate = PlanGate(shape, plan, telemetry=getattr(config, "telemetry", True), extra_expert_ms=extra_expert_ms,
+                    expert_fn=expert_fn, route_fn=route_fn)
     if eager and shape.hidden is not None and shape.intermediate is not None and cannot_measure(plan.device) is None:
         gate.measure_all()
     return gate
 
 
-__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
+__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "MARGIN", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
            "default_gate", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
            "cannot_measure", "off_line", "plan_gate"]

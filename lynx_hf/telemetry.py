@@ -19,11 +19,43 @@ from .kernels.routing_torch import host_reads_allowed, union_size
 # llvmlite's ffi.lib once numba is imported (tests/vllm_plugin checks that lynx_hf does not import numba).
 
 
-class BlockTelemetry:
-    """Sums over the decode steps one MoE block has seen."""
+#: ``LynxConfig.telemetry`` value of the cheaper counting mode (:attr:`BlockTelemetry.mode`)
+COUNTS = "counts"
+FULL = "full"
+_ROUTING_CPU = None
 
-    def __init__(self) -> None:
+
+def _routing_cpu():
+    """``kernels.routing_cpu`` (numba), imported on first use (see the import block) and kept."""
+    global _ROUTING_CPU
+    if _ROUTING_CPU is None:
+        from .kernels import routing_cpu
+
+        _ROUTING_CPU = routing_cpu
+    return _ROUTING_CPU
+
+
+def mode_of(telemetry) -> str | None:
+    """``LynxConfig.telemetry`` -> the :attr:`BlockTelemetry.mode` it asks for (``None``: off)."""
+    if not telemetry:
+        return None
+    return COUNTS if telemetry == COUNTS else FULL
+
+
+class BlockTelemetry:
+    """Sums over the decode steps one MoE block has seen.
+
+    ``mode``: ``"full"`` (every slot of ``kernels.telemetry_slots``) or ``"counts"`` (``LynxConfig.telemetry=
+    "counts"``: decode steps, unique experts before / after and the token counts; the remapped assignments and
+    the routing mass kept are not measured, their slots stay 0 and :meth:`summary` reports them as ``None``)."""
+
+    def __init__(self, mode: str = FULL) -> None:
         self.acc: torch.Tensor | None = None
+        self.mode = mode
+
+    @property
+    def counts_only(self) -> bool:
+        return self.mode == COUNTS
 
     def reset(self) -> None:
         self.acc = None
@@ -50,7 +82,7 @@ class BlockTelemetry:
         orig_idx: torch.Tensor,
         orig_weights: torch.Tensor,
         new_idx: torch.Tensor,
-        counted: torch.Tensor,
+        counted: torch.Tensor | None,
         *,
         verify: bool = False,
         prefill_rows: torch.Tensor | None = None,
@@ -59,39 +91,55 @@ class BlockTelemetry:
         host: bool | None = None,
     ) -> None:
         """One step. ``orig_idx`` / ``new_idx [T, k]`` int (the model's routing, the routing used),
-        ``orig_weights [T, k]``, ``counted [T]`` bool (live decode tokens: the ones measured);
-        ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately), ``fallback`` 0-d bool;
-        ``host``: CPU tensors in eager mode (``None``: asked here)."""
+        ``orig_weights [T, k]`` (not read in ``"counts"`` mode), ``counted [T]`` bool (live decode tokens: the ones
+        measured; ``None``: every row); ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately),
+        ``fallback`` 0-d bool; ``host``: CPU tensors in eager mode (``None``: asked here)."""
         acc = self._buf(orig_idx.device)
         if host is None:
             host = host_reads_allowed(orig_idx)
-        from .kernels import routing_cpu  # lazily, see the import block
-
-        if host and routing_cpu.AVAILABLE:  # CPU eager: one compiled loop, same sums
-            acc.add_(routing_cpu.decode_step_counts(num_experts, orig_idx, orig_weights, new_idx, counted, verify,
-                                                    prefill_rows, finished_rows, fallback))
-            return
-        counted = counted.to(torch.bool)
-        n = counted.sum().to(torch.float64)
-        kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1) & counted[:, None]  # [T, k]
-        w = orig_weights.detach().float()
-        mass = ((w * kept).sum(-1) / w.sum(-1).clamp_min(1e-30)).sum()
+        counts_only = self.mode == COUNTS
+        if host:
+            routing_cpu = _routing_cpu()
+            if routing_cpu.AVAILABLE:  # CPU eager: one compiled loop, same sums
+                acc.add_(routing_cpu.decode_step_counts(num_experts, orig_idx, None if counts_only else orig_weights,
+                                                        new_idx, counted, verify, prefill_rows, finished_rows,
+                                                        fallback))
+                return
+        zero = torch.zeros((), dtype=torch.float64, device=acc.device)
+        if counted is None:
+            n = torch.full((), float(orig_idx.shape[0]), dtype=torch.float64, device=acc.device)
+            steps = (n > 0).to(torch.float64)
+            rows = None
+        else:
+            counted = counted.to(torch.bool)
+            n = counted.sum().to(torch.float64)
+            steps = (n > 0).to(torch.float64)
+            rows = counted
+        if counts_only:
+            remapped = assignments = mass = zero
+        else:
+            kept = (orig_idx[:, :, None] == new_idx[:, None, :]).any(-1)  # [T, k]
+            if rows is not None:
+                kept = kept & rows[:, None]
+            w = orig_weights.detach().float()
+            mass = ((w * kept).sum(-1) / w.sum(-1).clamp_min(1e-30)).sum().to(torch.float64)
+            remapped = (~kept).sum().to(torch.float64) if rows is None else \
+                (rows[:, None] & ~kept).sum().to(torch.float64)
+            assignments = n * orig_idx.shape[1]
         row = torch.stack([  # kernels.telemetry_slots order
-            (n > 0).to(torch.float64),
-            union_size(orig_idx, num_experts, counted).to(torch.float64),
-            union_size(new_idx, num_experts, counted).to(torch.float64),
-            (counted[:, None] & ~kept).sum().to(torch.float64),
-            n * orig_idx.shape[1],
-            mass.to(torch.float64),
+            steps,
+            union_size(orig_idx, num_experts, rows).to(torch.float64),
+            union_size(new_idx, num_experts, rows).to(torch.float64),
+            remapped,
+            assignments,
+            mass,
             n,
-            torch.zeros((), dtype=torch.float64, device=acc.device) if fallback is None else fallback.to(torch.float64),
-            n if verify else torch.zeros((), dtype=torch.float64, device=acc.device),
+            zero if fallback is None else fallback.to(torch.float64),
+            n if verify else zero,
             # prefill tokens count only in steps that also decode (a StaticCache prefill outside generate has
             # a device decode mask that is all False: it is not a mixed step)
-            torch.zeros((), dtype=torch.float64, device=acc.device) if prefill_rows is None
-            else prefill_rows.sum().to(torch.float64) * (n > 0),
-            torch.zeros((), dtype=torch.float64, device=acc.device) if finished_rows is None
-            else finished_rows.sum().to(torch.float64),
+            zero if prefill_rows is None else prefill_rows.sum().to(torch.float64) * steps,
+            zero if finished_rows is None else finished_rows.sum().to(torch.float64),
         ])
         acc.add_(row)
 
@@ -102,14 +150,27 @@ class BlockTelemetry:
             "decode_steps": int(a[slots.STEPS]),
             "unique_experts_before": a[slots.BEFORE] / steps,
             "unique_experts_after": a[slots.AFTER] / steps,
-            "remapped_fraction": a[slots.REMAPPED] / max(a[slots.ASSIGNMENTS], 1.0),
-            "routing_mass_kept": a[slots.MASS] / a[slots.TOKENS] if a[slots.TOKENS] else 1.0,
+            # counting mode (or a stats dict of it): the assignments were not measured -> None
+            "remapped_fraction": (None if a[slots.TOKENS] and not a[slots.ASSIGNMENTS]
+                                  else a[slots.REMAPPED] / max(a[slots.ASSIGNMENTS], 1.0)),
+            "routing_mass_kept": (None if a[slots.TOKENS] and not a[slots.ASSIGNMENTS]
+                                  else a[slots.MASS] / a[slots.TOKENS] if a[slots.TOKENS] else 1.0),
             "fallbacks": int(a[slots.FALLBACKS]),
             "decode_tokens": int(a[slots.TOKENS]),
             "verify_tokens": int(a[slots.VERIFY_TOKENS]),
             "prefill_tokens_in_mixed_steps": int(a[slots.PREFILL_TOKENS]),
             "finished_row_tokens": int(a[slots.FINISHED_TOKENS]),
         }
+
+
+def _mean(values: list, n: int, empty: float):
+    """Mean over ``n`` layers of ``values``; ``None`` when a layer did not measure it (``telemetry="counts"``),
+    ``empty`` when no layer saw a decode step."""
+    if not values:
+        return empty
+    if any(v is None for v in values):
+        return None
+    return sum(values) / n
 
 
 def _offload_summary(layers: list[dict]) -> dict:
@@ -138,7 +199,7 @@ class LynxStats:
         use per block per decode step, with the model's own routing / with the policy's), ``ratio``
         (after/before), ``remapped_fraction`` (share of token->expert assignments changed),
         ``routing_mass_kept`` (mean over decode tokens of the original top-k weight still used, 1 =
-        all), ``fallbacks`` (steps in which some token kept the model's routing because its router
+        all; both ``None`` with ``LynxConfig.telemetry="counts"``, which does not measure them), ``fallbacks`` (steps in which some token kept the model's routing because its router
         logits were not finite), ``decode_tokens``, ``verify_tokens`` (decode tokens that came in
         verification forwards of assisted / prompt-lookup decoding), ``prefill_tokens_in_mixed_steps``
         (prefill tokens that shared a forward with decode tokens: continuous batching),
@@ -171,8 +232,8 @@ class LynxStats:
             "unique_experts_before": before,
             "unique_experts_after": after,
             "ratio": after / before if before else 1.0,
-            "remapped_fraction": sum(layer["remapped_fraction"] for layer in seen) / n,
-            "routing_mass_kept": (sum(layer["routing_mass_kept"] for layer in seen) / n) if seen else 1.0,
+            "remapped_fraction": _mean([layer["remapped_fraction"] for layer in seen], n, 0.0),
+            "routing_mass_kept": _mean([layer["routing_mass_kept"] for layer in seen], n, 1.0),
             "fallbacks": sum(layer["fallbacks"] for layer in self.layers),
             "decode_tokens": first.get("decode_tokens", 0),
             "verify_tokens": first.get("verify_tokens", 0),

@@ -2,6 +2,7 @@
 steps with per-token masks: finished rows do not vote, prefill rows seed the critical set, telemetry
 counts only live decode tokens (each test here kills a named mutant of eval/mutants.py)."""
 
+import contextlib
 import types
 
 import pytest
@@ -82,3 +83,68 @@ def test_telemetry_counts_only_live_decode_tokens():
     assert layer["finished_row_tokens"] == 1  # row 3
     # unique experts before: the union of rows 0 and 2's own top-k (hand count from the indices)
     assert layer["unique_experts_before"] == len(set(idx[0].tolist()) | set(idx[2].tolist()))
+
+
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_telemetry_counts_mode_counts_what_full_mode_counts(sync_free):
+    """``LynxConfig.telemetry="counts"``: the same routing and the same decode steps, unique experts and tokens as
+    the full mode (eager: the one-call CPU path; sync-free: the masked path compiled / accelerator code runs), with
+    ``remapped_fraction`` / ``routing_mass_kept`` not measured (None); unique experts checked against a count made
+    outside from the routing the block returned."""
+    from lynx_hf.kernels.routing_torch import strict_sync_free
+
+    model = fam.build("qwen2_moe")
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for mode in (True, "counts"):
+        with lynx_hf.patched(model, policy="lynx", gate="always", telemetry=mode):
+            block = model.__dict__["_lynx_state"].blocks[0]
+            seen_before, seen_after, routes = 0, 0, []
+            for seed in range(3):
+                g.manual_seed(seed)
+                logits = torch.randn(8, block.num_experts, generator=g) * 3
+                idx = _own_topk(logits, block.top_k)
+                weights = torch.softmax(logits, -1).gather(1, idx)
+                with strict_sync_free() if sync_free else contextlib.nullcontext():
+                    new_weights, new_idx = block.route(Step(DECODE), logits, weights, idx)
+                routes.append((new_weights, new_idx))
+                seen_before += len(set(idx.flatten().tolist()))
+                seen_after += len(set(new_idx.flatten().tolist()))
+            out[mode] = (lynx_hf.stats(model).summary()["per_layer"][0], routes)
+        layer = out[mode][0]
+        assert layer["decode_steps"] == 3 and layer["decode_tokens"] == 24
+        assert layer["unique_experts_before"] == seen_before / 3
+        assert layer["unique_experts_after"] == seen_after / 3
+    full, counts = out[True][0], out["counts"][0]
+    assert counts["remapped_fraction"] is None and counts["routing_mass_kept"] is None
+    assert full["remapped_fraction"] is not None and 0 < full["routing_mass_kept"] <= 1
+    for (w1, i1), (w2, i2) in zip(out[True][1], out["counts"][1]):  # the mode never changes the routing
+        assert torch.equal(i1, i2) and torch.equal(w1, w2)
+
+
+def test_config_telemetry_values():
+    assert LynxConfig(telemetry="counts").telemetry == "counts"
+    assert LynxConfig.from_options({"telemetry": "counts"}).telemetry == "counts"
+    assert LynxConfig.from_options({"telemetry": "false"}).telemetry is False
+    with pytest.raises(lynx_hf.LynxConfigError, match="telemetry"):
+        LynxConfig(telemetry="fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("step_name", ["fused_step", "remap_step"])
+def test_fp32_scores_reuses_the_cast_with_the_same_result(dtype, step_name):
+    """``core.fp32_scores`` lets the step reuse the fp32 scores as the weight rule's logits: bit-identical to the
+    same step given an equivalent selection function (which casts twice), bf16 and fp32 router logits."""
+    from lynx_hf import core
+
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(16, 32, generator=g) * 2).to(dtype)
+    idx = _own_topk(logits.float(), 4)
+    weights = torch.softmax(logits.float(), -1).gather(1, idx).to(dtype)
+    plan = make_plan(LynxConfig(gate="always"), 32, 4, torch.device("cpu"))
+    fn = getattr(core, step_name)
+    for host in (True, False):
+        a = fn(plan, SOFTMAX_ALL, Step(DECODE), core.fp32_scores, logits, weights, idx, host)
+        b = fn(plan, SOFTMAX_ALL, Step(DECODE), lambda x: x.float(), logits, weights, idx, host)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        assert a[0].dtype == dtype and a[1].dtype == idx.dtype

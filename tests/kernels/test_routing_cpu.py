@@ -3,6 +3,7 @@
 on hypothesis-drawn tensors (values drawn, so counterexamples shrink to small tensors): ties, -inf
 experts, vote and seed masks, N not a power of two, k = 1, T = 1."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -100,3 +101,37 @@ def test_telemetry_twin(step, data):
     torch.testing.assert_close(fast.acc, slow.acc, rtol=1e-6, atol=1e-6)
     exact = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]  # every slot but the (fp32 vs fp64) mass sum is an integer count
     assert torch.equal(fast.acc[exact], slow.acc[exact])
+
+
+@SETTINGS
+@given(steps(), st.data())
+def test_telemetry_counts_mode_and_every_row(step, data):
+    """The counting mode (``LynxConfig.telemetry="counts"``) and ``counted=None`` (every row), numba and torch: the
+    counted slots equal the full mode's with an all-True mask; the unmeasured slots (remapped, assignments, mass)
+    stay 0 and the summary reports them as None."""
+    from lynx_hf.kernels import telemetry_slots as sl
+    from lynx_hf.telemetry import COUNTS, BlockTelemetry
+
+    scores, idx, k, vote, seed = step
+    t, n = scores.shape
+    critical = torch.from_numpy(data.draw(arrays(np.bool_, (n,))))
+    new = rt.remap_topk(scores, critical, k, check=False)
+    weights = torch.softmax(torch.where(torch.isfinite(scores), scores, -1e4), -1).gather(1, idx)
+    full = BlockTelemetry()
+    full.record(n, idx, weights, new, torch.ones(t, dtype=torch.bool), fallback=torch.tensor(False))
+    counted_slots = [sl.STEPS, sl.BEFORE, sl.AFTER, sl.TOKENS, sl.FALLBACKS, sl.VERIFY_TOKENS, sl.PREFILL_TOKENS,
+                     sl.FINISHED_TOKENS]
+    unmeasured = [sl.REMAPPED, sl.ASSIGNMENTS, sl.MASS]
+    for strict in (False, True):
+        with rt.strict_sync_free() if strict else contextlib.nullcontext():
+            every = BlockTelemetry()
+            every.record(n, idx, weights, new, None, fallback=torch.tensor(False))
+            counts = BlockTelemetry(COUNTS)
+            counts.record(n, idx, weights, new, None, fallback=torch.tensor(False))
+        torch.testing.assert_close(every.acc, full.acc, rtol=1e-6, atol=1e-6)
+        assert torch.equal(counts.acc[counted_slots], full.acc[counted_slots])
+        assert not counts.acc[unmeasured].any()
+        summary = counts.summary()
+        assert summary["remapped_fraction"] is None and summary["routing_mass_kept"] is None
+        assert summary["unique_experts_before"] == len(set(idx.flatten().tolist()))
+        assert summary["unique_experts_after"] == len(set(new.flatten().tolist()))

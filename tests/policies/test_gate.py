@@ -110,7 +110,7 @@ def fixed_gate(monkeypatch):
     calls = []
 
     def install(on):
-        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None):
+        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None, route_fn=None):
             calls.append((shape, num_tokens))
             return _decision(on(num_tokens) if callable(on) else on)
 
@@ -208,7 +208,8 @@ def test_measurement_runs_on_a_real_shape():
         d = block.plan.gate.decision(8)
     assert d.cost_ms >= 0 and d.expert_ms >= 0 and math.isfinite(d.saving_ms)
     assert block.top_k <= d.experts_after <= d.experts_before <= block.num_experts
-    assert d.on == (d.saving_ms > d.cost_ms)
+    assert d.on == (d.saving_ms > gate.MARGIN * d.cost_ms)  # decided with the measured margin
+    assert block.plan.gate.route_fn is not None  # the HF path times the router hook's whole work
 
 
 # -- accuracy entry points force the gate on --------------------------------------------------------------------
