@@ -60,9 +60,9 @@ import numpy as np
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, RoutePlan, Step, WeightRule, host_reads_allowed, make_plan, record_step
+from ..core import MIXED, RoutePlan, Step, WeightRule, fp32_scores, host_reads_allowed, make_plan, record_step
 from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
-from ..telemetry import BlockTelemetry, LynxStats, union_size
+from ..telemetry import BlockTelemetry, LynxStats, mode_of, union_size
 from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
 from . import _config, _routers
 
@@ -260,6 +260,8 @@ def _plan_for(layer: _Layer, router_logits: torch.Tensor, cfg) -> RoutePlan:
                            mixed_steps=cfg.phase != "decode" and not (router_logits.device.type == "cpu"
                                                                       and FUSED_DECODE))
         plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape)
+        if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
+            layer.telemetry.mode = mode_of(cfg.telemetry)
     return plan
 
 
@@ -268,7 +270,7 @@ def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     if plan.gate is not None and not plan.gate.on(router_logits.shape[0]):  # static T: a host-side branch
         plan.gate.skip(router_logits.shape[0])
         return topk_weights, topk_ids
-    scores = layer.scores or _fp32_logits
+    scores = layer.scores or fp32_scores
     if step is DECODE_STEP and host:
         # every row a live decode row: the step function records the telemetry itself (the fused path in the same
         # call), and the experts the kernel loads are the telemetry's own before / after of this step
@@ -284,11 +286,6 @@ def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     if cfg.telemetry:
         _record(layer, step, topk_ids, topk_weights, new_ids, finite, host)
     return new_weights, new_ids
-
-
-def _fp32_logits(router_logits: torch.Tensor) -> torch.Tensor:
-    """Selection scores of softmax / sigmoid routers: the router logits in fp32 (``docs/design.md``)."""
-    return router_logits.float()
 
 
 def _decode_slots(telemetry: BlockTelemetry) -> np.ndarray:

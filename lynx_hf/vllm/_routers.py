@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import WeightRule
+from ..core import WeightRule, fp32_scores
 from ..errors import UnsupportedModelError
 from ..selection import BiasedSelection
 
@@ -155,16 +155,12 @@ def derive(router) -> RouterRule:
     return RouterRule(kind, WeightRule(rule_kind, renormalize, 1.0), None, False, top_k, num_experts)  # FusedTopK
 
 
-def _fp32_logits(router_logits: torch.Tensor) -> torch.Tensor:
-    return router_logits.float()
-
-
 def selection_scores_fn(rule: RouterRule, router):
     """``scores(router_logits [T, N]) -> [T, N]`` fp32 for the policies (``-inf`` outside the allowed groups);
     the bias is read from ``router`` (held weakly) at each call."""
     selection = rule.selection
     if selection is None:
-        return _fp32_logits
+        return fp32_scores  # the scores are the fp32 logits: the weight rule reuses them (one cast)
     ref = weakref.ref(router)
 
     def scores(router_logits: torch.Tensor) -> torch.Tensor:
