@@ -10,11 +10,12 @@ Part ``op`` -- the plugin's added time per MoE layer per decode step: ``torch.op
 on a constructed process state (one layer, a 16-token all-decode step, telemetry on, gate "always", under
 ``inference_mode`` as in vLLM's worker), for policy none and lynx, on four paths: ``before`` (the code before issue 25
 item 5: ``_hooks.FUSED_DECODE = False``, every step a masked ``Step("mixed", decode=..., live=...)`` + the plugin's own
-record, on the worker's torch threads), the masked path on one thread, the plain decode step (the core's one-call fused
-path that records its own telemetry) on the worker's threads, and ``after`` (fused, op body on one torch thread:
-``_hooks.SINGLE_THREAD``, what the op does now), beside vLLM's routing alone (``CPURouter._compute_routing``, what the
-op follows). Shapes: fixture A (N 32, k 4) and
-Qwen2-57B-A14B (N 64, k 8), bf16 router logits (the served dtype).
+record, on the worker's torch threads), the masked path with the op body on one torch thread, the plain decode step
+(the core's one-call fused path that records its own telemetry) on one torch thread (``_hooks.SINGLE_THREAD``, opt-in:
+in a served engine the per-call thread toggle made decode slower), and ``after`` (the fused path on the worker's threads,
+what the op does now), beside vLLM's routing alone (``CPURouter._compute_routing``, what the
+op follows). Shapes: fixture A (N 32, k 4), DeepSeek-V2-Lite (N 64, k 6; its greedy routing is softmax top-k, what
+``CPURouter`` does) and Qwen2-57B-A14B (N 64, k 8), bf16 router logits (the served dtype).
 
 Part ``step`` -- a decode step of serve_bench's ``qwen2-57b-2l`` model (2 layers, 16 requests) split into: vLLM's CPU
 experts kernel (``cpu_fused_moe``, bf16, H 3584, I 2560, 64 prepacked experts) at the unique experts per layer
@@ -40,9 +41,9 @@ from . import command
 
 QWEN2_57B = dict(hidden=3584, inter=2560, shared_inter=20480, experts=64, top_k=8, heads=28, kv_heads=4, vocab=4096,
                  layers=2)
-OP_SHAPES = {"fixture-a": (32, 4), "qwen2-57b": (64, 8)}
+OP_SHAPES = {"fixture-a": (32, 4), "dsv2-lite": (64, 6), "qwen2-57b": (64, 8)}
 #: the op's paths: (``_hooks.FUSED_DECODE``, ``_hooks.SINGLE_THREAD``); "before" is the code before issue 25 item 5
-PATHS = {"before": (False, False), "masked1": (False, True), "fused": (True, False), "after": (True, True)}
+PATHS = {"before": (False, False), "masked1": (False, True), "fused": (True, True), "after": (True, False)}
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -321,9 +322,11 @@ def op_table(rows: list[dict]) -> str:
     out = [f"Plugin op, ms per MoE layer per decode step ({rows[0]['rows']} decode rows, bf16 logits, telemetry on, "
            "torch threads as the worker's; added = op (vLLM routing + the plugin) - vLLM routing alone). before: "
            "masked Step('mixed') + the plugin's own record, on the worker's threads (the code before issue 25 item "
-           "5); masked 1 thread: that path with the op body on one torch thread; fused: the plain decode step (one-call fused path, telemetry in that call); after: fused, op body on "
-           "one torch thread (what the op does now):", "",
-           "| shape | policy | vLLM routing alone | added before | added masked 1 thread | added fused | added after | "
+           "5); masked 1 thread: that path with the op body on one torch thread; fused 1 thread: the plain decode step "
+           "(one-call fused path, telemetry in that call) on one torch thread (opt-in _hooks.SINGLE_THREAD); after: "
+           "the fused path on the worker's threads (what the op does now):", "",
+           "| shape | policy | vLLM routing alone | added before | added masked 1 thread | added fused 1 thread | "
+           "added after | "
            "after / before |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} (N {r['N']}, k {r['k']}) | {r['policy']} | {r['routing_ms']:.4f} | "

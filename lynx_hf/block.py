@@ -294,8 +294,9 @@ class BlockRouting:
     def _scores_fn(self):
         """The selection-scores function for the decode-step function: ``lynx_hf.core.fp32_scores`` where the scores
         are the router logits in fp32 (so the weight rule reuses them), else :meth:`_selection_scores`."""
-        if self.selection is None and getattr(self.spec.selection_scores, "__name__", "") == "fp32_logits" and \
-                getattr(self.spec.selection_scores, "__module__", "").endswith("patches.base"):
+        from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
+
+        if self.selection is None and self.spec.selection_scores is fp32_logits:
             return fp32_scores
         return self._selection_scores
 

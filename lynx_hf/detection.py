@@ -60,7 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .core import DECODE, MIXED, PREFILL, PREFILL_STEP, VERIFY, Step
+from .core import DECODE, MIXED, PREFILL, PREFILL_STEP, VERIFY, Step, host_reads_allowed
 from .errors import LynxNoDecodeWarning
 
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value")
@@ -209,7 +209,8 @@ def detect_step(args, kwargs, config, generation: Generation | None, requests=No
     :class:`Generation` of the patched ``generate`` this forward belongs to, or ``None``;
     ``requests``: the continuous-batching scheduler's requests of this forward (``FutureRequestState``
     list, in ``cu_seq_lens_q`` order), or ``None``. Updates ``generation`` (host token count, finished
-    rows). Never reads a device value on the host.
+    rows). Never reads a device value on the host (a cache length held in a CPU tensor is read in eager mode:
+    ``kernels.routing_torch.host_reads_allowed``).
     """
     x = _query(args, kwargs)
     if x is None:
@@ -243,6 +244,10 @@ def detect_step(args, kwargs, config, generation: Generation | None, requests=No
     if q_len > config.q_max:
         return PREFILL_STEP
     if isinstance(length, torch.Tensor):
+        if length.numel() == 1 and host_reads_allowed(length):
+            # CPU, eager (StaticCache outside generate): read the one scalar, so the step has no masks and the
+            # policy's one-call CPU path runs (lynx_hf.core.fused_step), the path the cost gate measured
+            return Step(DECODE) if bool(length > 0) else PREFILL_STEP
         return Step(DECODE, decode=(length > 0).expand(num_tokens))
     return Step(DECODE) if length > 0 else PREFILL_STEP
 

@@ -131,8 +131,10 @@ DECODE_STEP = Step(_DECODE_KIND)
 #: step; ``eval/serve_profile.py`` flips it to time the two paths
 FUSED_DECODE = True
 _LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
-#: on the host the op body runs on one torch thread (see :func:`_remap_layer`); False: on the worker's threads
-SINGLE_THREAD = True
+#: True: on the host the op body runs on one torch thread (see :func:`_remap_layer`); off by default: in a served
+#: engine the per-call toggle made decode slower (fixture A, vLLM compiled, 16 requests, gate off: 0.71x the unpatched
+#: decode throughput with it, 1.04x before it; ``eval/serve_profile.py`` times both without an engine)
+SINGLE_THREAD = False
 _INSTALL_LOCK = threading.Lock()
 _INSTALLED = False
 
@@ -237,7 +239,7 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
     # CPU eager: the routing work is a chain of ops on [T, N] / [T, k] tensors, far too small to share between
     # threads; several of them (exp, max, softmax) still open an OpenMP region, and each fork-join waits for every
     # worker thread (measured on a loaded 2-core host: 11 ms for one 16 x 64 exp with 2 threads, 3 us with 1; the
-    # toggle costs < 1 us). The gate measures the routing on one thread for the same reason (lynx_hf.gate).
+    # toggle costs < 1 us outside an engine, but more inside one: opt-in, see SINGLE_THREAD).
     torch.set_num_threads(1)
     try:
         return _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host)

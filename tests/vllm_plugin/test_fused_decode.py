@@ -183,7 +183,10 @@ def test_all_decode_step_outside_inference_mode_and_forced_decode(plugin, monkey
 
 def test_host_op_body_runs_on_one_thread_and_restores(plugin, monkeypatch):
     """On the host the op body's tiny [T, N] ops run on one torch thread (an OpenMP fork-join per op costs more than
-    the op on a busy host); the worker's thread count is restored after the call, also when it raises."""
+    the op on a busy host); the worker's thread count is restored after the call, also when it raises. Opt-in
+    (``_hooks.SINGLE_THREAD``): off by default."""
+    assert _hooks.SINGLE_THREAD is False
+    monkeypatch.setattr(_hooks, "SINGLE_THREAD", True)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
