@@ -48,6 +48,18 @@ def require_checkout(script: str) -> Path:
     return CHECKOUT
 
 
+def results_folder(out) -> Path | None:
+    """``--out`` of the scripts is the results folder the tables are written into: ``SystemExit`` (one line) before
+    any work when it names a file (an existing file, or a name ending in .json / .md / .csv / .txt / .png, which
+    would become a folder); ``None`` passes through (the script's default)."""
+    if out is None:
+        return None
+    path = Path(out)
+    if (path.exists() and not path.is_dir()) or path.suffix.lower() in (".json", ".md", ".csv", ".txt", ".png"):
+        raise SystemExit(f"--out is the results folder the tables are written into, got a file name: {out}")
+    return path
+
+
 def command(module: str, argv=None) -> str:
     """The command that reproduces a run, as results files record it: ``python -m lynx_hf.eval.<module> ARGS``
     (``argv`` as passed to the script's ``main``; ``None`` = ``sys.argv[1:]``)."""

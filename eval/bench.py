@@ -52,7 +52,7 @@ from lynx_hf import policies  # noqa: E402
 from lynx_hf.patches import find_spec  # noqa: E402
 
 from . import RESULTS_DIR as RESULTS  # noqa: E402
-from . import command  # noqa: E402
+from . import command, results_folder  # noqa: E402
 from .sparse_torch import sparse_experts_torch  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -591,6 +591,7 @@ def parse_args(argv=None):
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
     args = p.parse_args(argv)
+    results_folder(args.out)  # a file name is refused before any work
     quick = {"shapes": [QUICK_SHAPE], "batches": [16], "sources": ["real"]}
     full = {"shapes": list(SHAPES), "batches": [1, 4, 16, 32, 64], "sources": ["real", "uniform"]}
     for key, value in (quick if args.quick else full).items():

@@ -60,8 +60,9 @@ def start_run(args):
     """Set the threads and load ``args.model``: ``(checkpoint name, model, tokenizer, start time in s)``."""
     import time
 
-    if Path(args.out).suffix.lower() in (".json", ".md", ".csv", ".txt", ".png"):  # a file name would become a folder
-        raise SystemExit(f"--out is the results folder the tables are written into, got a file name: {args.out}")
+    from . import results_folder
+
+    results_folder(args.out)  # a file name is refused before anything loads
     torch.set_num_threads(args.threads)
     name = Path(args.model).resolve().name
     t0 = time.perf_counter()

@@ -76,7 +76,7 @@ import torch  # noqa: E402
 
 from lynx_hf import LynxConfig  # noqa: E402
 
-from . import CHECKOUT, command  # noqa: E402
+from . import CHECKOUT, command, results_folder  # noqa: E402
 from . import evaluation as ev  # noqa: E402
 
 DEFAULT_MODELS = [str(ev.FIXTURES_DIR / n) for n in ("qwen2moe-tiny", "mixtral-tiny", "deepseekv2-tiny")]
@@ -586,6 +586,7 @@ def main(argv=None) -> int:
     p.add_argument("--load", nargs="*", default=[], help="earlier sweep JSON files: reuse their runs (same settings) "
                    "instead of recomputing; missing (model, B) runs and fill-ins are computed")
     args = p.parse_args(argv)
+    results_folder(args.out)  # a file name is refused before any work
     if args.model is not None:
         from . import model_sweep
 

@@ -35,7 +35,8 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
         base, optional = types[f.name]
         kind = base.__name__ + (" or None" if optional else "")
         default = f.default_factory() if f.default is MISSING else f.default  # gate: from LYNX_HF_GATE
-        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=kind.upper().replace(" ", "_"),
+        metavar = "BOOL|counts" if f.name == "telemetry" else kind.upper().replace(" ", "_")
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=metavar,
                             help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {default!r})")
     for old, new in RENAMED.items():
         parser.add_argument(f"--{old.replace('_', '-')}", dest=f"deprecated_{old}", default=argparse.SUPPRESS,
@@ -103,8 +104,10 @@ def cmd_generate(args) -> int:
     agreement = (new_ref == new_out).float().mean().item()
     exact = (new_ref == new_out).all(dim=1).float().mean().item()
 
+    skipped = summary.get("gate_steps_skipped", 0)
     print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
-          f"  decode steps: {summary['decode_steps']}")
+          f"  decode steps: {summary['decode_steps']}"
+          + (f" (+ {skipped} layer-steps the cost gate left on the model's routing)" if skipped else ""))
     print_layer_table(summary, summary["per_layer"])
     from .gate import off_line
 
@@ -135,13 +138,18 @@ def print_layer_table(summary: dict, layers: list) -> None:
         ratio = after / max(before, 1e-9) if isinstance(before, (int, float)) and isinstance(after, (int, float)) else None
         mass = layer.get("routing_mass_kept")
         skipped = (layer.get("gate") or {}).get("steps_skipped", 0)
-        if not layer.get("decode_steps", 1) and skipped:  # the cost gate kept the model's routing on every step
+        counted = layer.get("decode_steps", 1)
+        if not counted:  # nothing measured: the cost gate kept the model's routing on every step, or telemetry off
             before = after = ratio = mass = None
         row = (f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
                f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(mass, '>11.3f')}")
-        print(row + (f"  gate off ({skipped} steps, model's own routing)" if before is None and skipped else ""))
-    print(f"{'mean':<37}{num(summary.get('unique_experts_before'), '>16.2f')}{num(summary.get('unique_experts_after'), '>15.2f')}"
-          f"{num(summary.get('ratio'), '>8.3f')}{num(summary.get('routing_mass_kept'), '>11.3f')}")
+        note = f"  gate off ({skipped} steps, model's own routing)" if skipped and not counted else \
+            "  no decode step counted" if not counted else ""
+        print(row + note)
+    means = [summary.get(key) for key in ("unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept")]
+    if not summary.get("decode_steps", 1):  # no layer counted a step: the summary's means are placeholders
+        means = [None] * 4
+    print(f"{'mean':<37}{num(means[0], '>16.2f')}{num(means[1], '>15.2f')}{num(means[2], '>8.3f')}{num(means[3], '>11.3f')}")
 
 
 def _read_json(path: Path, what: str):
@@ -235,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
     g.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="text file, one prompt per line")
     g.add_argument("--batch-size", type=int, default=16, help="number of prompts decoded together")
-    g.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt (default: 32)")
+    g.add_argument("--max-new-tokens", type=int, default=32, help="greedy tokens generated per prompt")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype the model is loaded in (default: float32)")
+                   help="dtype the model is loaded in")
     g.add_argument("--stats-json", default=None, help="write the stats summary to this JSON file")
     g.add_argument("--quiet", action="store_true", help="do not print the generated texts")
     g.add_argument("--config", default=None, metavar="FILE", help="LynxConfig JSON file (LynxConfig.to_file, or the "

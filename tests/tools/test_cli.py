@@ -164,3 +164,27 @@ def test_eval_out_must_be_a_folder(tmp_path):
     res = run("eval", "--out", str(target))
     assert res.returncode != 0 and "results folder" in res.stderr and "results.json" in res.stderr, res.stderr[-800:]
     assert not target.exists()
+
+
+def test_layer_table_dashes_when_nothing_was_counted(capsys):
+    """telemetry off (or every step gated off): no layer counted a decode step, so the table prints '-' for the
+    means instead of the summary's placeholders (0.00 experts, ratio 1.000)."""
+    from lynx_hf.cli import print_layer_table
+
+    layer = {"layer": "model.layers.0.mlp", "num_experts": 32, "top_k": 4, "decode_steps": 0,
+             "unique_experts_before": 0.0, "unique_experts_after": 0.0, "routing_mass_kept": 1.0, "gate": None}
+    print_layer_table({"decode_steps": 0, "unique_experts_before": 0.0, "unique_experts_after": 0.0, "ratio": 1.0,
+                       "routing_mass_kept": 1.0}, [layer])
+    out = capsys.readouterr().out
+    assert "no decode step counted" in out and "0.00" not in out and "1.000" not in out
+
+
+@pytest.mark.parametrize("sub, extra", [("sweep", ["--model", "x"]), ("bench", ["--quick"])])
+def test_sweep_and_bench_out_must_be_a_folder(sub, extra, tmp_path):
+    """--out of sweep / bench is a results folder too: an existing file or a file name is refused before any work."""
+    existing = tmp_path / "plainfile"
+    existing.write_text("")
+    for out in (existing, tmp_path / "s.json"):
+        res = run(sub, *extra, "--out", str(out))
+        assert res.returncode != 0 and "results folder" in res.stderr, (sub, out, res.stderr[-800:])
+    assert not (tmp_path / "s.json").exists() and existing.is_file()
