@@ -17,6 +17,7 @@ from lynx_hf import core  # noqa: E402
 from lynx_hf.core import WeightRule  # noqa: E402
 from lynx_hf.vllm import _config, _hooks  # noqa: E402
 from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
+from plugin_steps import set_kinds  # noqa: E402
 
 _RECORD = _hooks._record  # the masked path's recorder (each spy wraps this one, not an earlier spy)
 
@@ -46,18 +47,6 @@ def plugin(monkeypatch):
 
     yield make
     state.config, state.layers, state.step, state.capacity, state.resolved = saved
-
-
-def _set_kinds(kinds):
-    """What ``_write_kinds`` does for a step whose tokens have these kinds (padding rows after the step's tokens)."""
-    step = _hooks.STATE.step
-    buf = _hooks._buffer(torch.device("cpu"), len(kinds))
-    buf.zero_()
-    buf[: len(kinds)] = torch.tensor(kinds, dtype=torch.int8)
-    step.num_tokens = sum(1 for k in kinds if k != PADDING)
-    step.num_decode = sum(1 for k in kinds if k == DECODE)
-    step.num_prefill = step.num_tokens - step.num_decode
-    step.active = True
 
 
 def _routing(rows, num_experts, top_k, dtype, seed, nonfinite_row=None):
@@ -100,7 +89,7 @@ def _run(plugin, monkeypatch, options, steps, num_experts, top_k, dtype, fused, 
     outs = []
     for kinds, seed, bad in steps:
         logits, weights, ids = _routing(len(kinds), num_experts, top_k, dtype, seed, bad)
-        _set_kinds(kinds)
+        set_kinds(kinds)
         with torch.inference_mode(inference):  # vLLM's worker runs the forward under inference_mode
             outs.append(torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0))
         _hooks._end_step()
@@ -147,7 +136,7 @@ def test_mixed_steps_keep_the_masks(plugin, monkeypatch, kinds):
     through ``_record``; its result does not depend on ``FUSED_DECODE``."""
     layer = plugin({"policy": "lynx"}, 64, 8)
     logits, weights, ids = _routing(len(kinds), 64, 8, torch.bfloat16, 7)
-    _set_kinds(kinds)
+    set_kinds(kinds)
     step = _hooks._step_for(layer, logits, True)
     assert step.kind == core.MIXED and step.decode is not None and step.live is not None
     assert torch.equal(step.decode, torch.tensor(kinds) == DECODE)
@@ -201,7 +190,7 @@ def test_host_op_body_runs_on_one_thread_and_restores(plugin, monkeypatch):
 
         layer.plan = dataclasses.replace(layer.plan, fused=spy)
         logits, weights, ids = _routing(16, 32, 4, torch.bfloat16, 0)
-        _set_kinds([DECODE] * 16)
+        set_kinds([DECODE] * 16)
         torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
         assert seen == [1] and torch.get_num_threads() == 2
 

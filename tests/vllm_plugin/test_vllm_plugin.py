@@ -43,6 +43,7 @@ from lynx_hf.eval import DATA_DIR, FIXTURES_DIR  # noqa: E402
 from lynx_hf.kernels.routing_torch import routing_weights, strict_sync_free  # noqa: E402
 from lynx_hf.vllm import _config, _hooks  # noqa: E402
 from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
+from plugin_steps import set_kinds  # noqa: E402
 
 FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
 FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"
@@ -261,18 +262,6 @@ def fake_layer():
     state.config, state.layers, state.step, state.capacity, state.resolved = saved
 
 
-def _set_kinds(kinds):
-    """What _set_step does for a step whose tokens have these kinds (no runner)."""
-    step = _hooks.STATE.step
-    buf = _hooks._buffer(torch.device("cpu"), len(kinds))
-    buf.zero_()
-    buf[: len(kinds)] = torch.tensor(kinds, dtype=torch.int8)
-    step.num_tokens = sum(1 for k in kinds if k != PADDING)
-    step.num_decode = sum(1 for k in kinds if k == DECODE)
-    step.num_prefill = step.num_tokens - step.num_decode
-    step.active = True
-
-
 def _end():
     _hooks._end_step()
 
@@ -320,7 +309,7 @@ def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     logits = (torch.randn(9, 8, generator=gen) * 2).to(torch.bfloat16)
     weights, ids = _routing(logits, 2)
     kinds = [PREFILL, DECODE, DECODE, PREFILL, DECODE, DECODE, DECODE, PADDING, PADDING]
-    _set_kinds(kinds)
+    set_kinds(kinds)
     new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     ref_ids, ref_w, critical = _oea_reference(logits, ids, kinds, k0=1, top_k=2)
     assert new_ids.dtype == torch.int32 and new_w.dtype == torch.float32
@@ -352,7 +341,7 @@ def test_op_policy_none_leaves_routing_untouched_and_phase_never_is_refused(fake
     logits = torch.randn(6, 8, generator=gen)
     weights, ids = _routing(logits, 2)
     fake_layer({"policy": "none"})
-    _set_kinds([DECODE] * 6)
+    set_kinds([DECODE] * 6)
     new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
     _end()
@@ -369,7 +358,7 @@ def test_op_strict_path_is_sync_free_and_equal(fake_layer):
     logits = torch.randn(12, 8, generator=gen) * 2
     weights, ids = _routing(logits, 2)
     kinds = [DECODE] * 9 + [PREFILL] * 2 + [PADDING]
-    _set_kinds(kinds)
+    set_kinds(kinds)
     eager_w, eager_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert not torch.equal(eager_ids, ids)  # the step does remap something
     detector = SyncDetector()
@@ -399,7 +388,7 @@ def test_op_stays_live_under_torch_compile(fake_layer):
     w0, i0 = compiled(logits, weights, ids)
     assert torch.equal(i0, ids)
     kinds = [DECODE] * 6
-    _set_kinds(kinds)
+    set_kinds(kinds)
     w1, i1 = compiled(logits, weights, ids)
     ref_ids, _, _ = _oea_reference(logits, ids, kinds, k0=1, top_k=2)
     assert torch.equal(i1.long(), ref_ids) and not torch.equal(i1, ids)
@@ -414,7 +403,7 @@ def test_op_leaves_gathered_rows_alone(fake_layer):
     fake_layer({"policy": "oea", "oea_k0": 1}, runner=runner)
     logits = torch.randn(6, 8, generator=torch.Generator().manual_seed(4)) * 2
     weights, ids = _routing(logits, 2)
-    _set_kinds([DECODE] * 6)
+    set_kinds([DECODE] * 6)
     new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
     _end()
