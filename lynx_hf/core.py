@@ -196,7 +196,7 @@ def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, t
     if selection_scores is fp32_scores:
         logits = scores  # the same values in fp32: the weight rule needs no second cast
     if host and step.decode is None:
-        count = False if telemetry is None else ("counts" if telemetry.mode == "counts" else True)
+        count = False if telemetry is None else ("counts" if telemetry.counts_only else True)
         out = plan.fused(scores, logits, weights, idx, rule, step.live, telemetry=count, verify=step.kind == VERIFY)
         if out is not None:
             new_weights, new_idx, row = out

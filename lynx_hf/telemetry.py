@@ -97,7 +97,7 @@ class BlockTelemetry:
         acc = self._buf(orig_idx.device)
         if host is None:
             host = host_reads_allowed(orig_idx)
-        counts_only = self.mode == COUNTS
+        counts_only = self.counts_only
         if host:
             routing_cpu = _routing_cpu()
             if routing_cpu.AVAILABLE:  # CPU eager: one compiled loop, same sums
