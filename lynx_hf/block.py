@@ -29,6 +29,7 @@ from .core import (
     make_plan,
 )
 from .gate import LayerShape
+from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
 from .telemetry import BlockTelemetry, mode_of
 
 BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
@@ -294,8 +295,6 @@ class BlockRouting:
     def _scores_fn(self):
         """The selection-scores function for the decode-step function: ``lynx_hf.core.fp32_scores`` where the scores
         are the router logits in fp32 (so the weight rule reuses them), else :meth:`_selection_scores`."""
-        from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
-
         if self.selection is None and self.spec.selection_scores is fp32_logits:
             return fp32_scores
         return self._selection_scores
