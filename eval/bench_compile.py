@@ -10,8 +10,8 @@ random weights (lynx_hf.eval.bench.build_tpot_model; router weights scaled to th
 For each: prefill B prompts into a StaticCache, then time the forward of one decode token per row
 (the same inputs every call; the cache is rewound to the prompt before each, so every call writes the same slot). Variants: eager unpatched, eager LYNX,
 compiled unpatched, compiled LYNX (each compiled once, fullgraph, static shapes; compile time printed
-but not counted). Also checks compiled LYNX == eager LYNX logits (atol 1e-3 bf16 / 1e-4 fp32) and
-that the compiled step still remaps (lynx_hf.stats). Run it alone on the machine: it times.
+but not counted). Also checks that compiled LYNX routes as eager LYNX does (unique experts per layer before /
+after, lynx_hf.stats) and prints the largest compiled-vs-eager logit gap of LYNX beside the unpatched one. Run it alone on the machine: it times.
 Writes bench_compile.md to --out (default: eval/results in the source checkout, else ./lynx_hf_results).
 """
 
@@ -63,6 +63,15 @@ def _rewind(inputs) -> None:
             layer.cumulative_length.fill_(held)
 
 
+def _routes(model, fn, inputs) -> list:
+    """Per MoE layer, the (before, after) unique experts of one call of ``fn`` (``lynx_hf.stats`` of ``model``)."""
+    lynx_hf.reset_stats(model)
+    _rewind(inputs)
+    fn(**inputs)
+    return [(layer["unique_experts_before"], layer["unique_experts_after"])
+            for layer in lynx_hf.stats(model).summary()["per_layer"]]
+
+
 def bench(name, model, inputs, rounds: int, log) -> list[dict]:
     plain, lynx = model, _twin(model)
     lynx_hf.patch(lynx, policy="lynx")
@@ -80,13 +89,20 @@ def bench(name, model, inputs, rounds: int, log) -> list[dict]:
         for label, fn in variants.items():  # warm-up and correctness
             _rewind(inputs)
             outs[label] = fn(**inputs).logits.clone()
+        # compiled vs eager logits: inductor's fused bf16 arithmetic differs from eager's, so the unpatched pair is
+        # the yardstick the LYNX pair is read against (a routing difference would show as a far larger gap)
+        gap = {v: (outs[f"compiled {v}"].float() - outs[f"eager {v}"].float()).abs().max().item()
+               for v in ("unpatched", "lynx")}
+        eager_routes = _routes(lynx, variants["eager lynx"], inputs)
+        compiled_routes = _routes(lynx, variants["compiled lynx"], inputs)
+        same_routing = eager_routes == compiled_routes
+        log(f"  {name}: max |compiled - eager| logits: unpatched {gap['unpatched']:.3g}, lynx {gap['lynx']:.3g}; "
+            f"compiled lynx routing == eager lynx routing (unique experts per layer): {same_routing}")
         lynx_hf.reset_stats(lynx)
         _rewind(inputs)
         variants["compiled lynx"](**inputs)
         stats = lynx_hf.stats(lynx).summary()
-        tol = 1e-3 if outs["eager lynx"].dtype == torch.bfloat16 else 1e-4
-        same = torch.allclose(outs["compiled lynx"].float(), outs["eager lynx"].float(), atol=tol, rtol=tol)
-        log(f"  {name}: compiled lynx == eager lynx (atol {tol}): {same}; compiled step remaps: unique experts "
+        log(f"  {name}: compiled step remaps: unique experts "
             f"{stats['unique_experts_before']:.2f} -> {stats['unique_experts_after']:.2f}")
         times = {label: [] for label in variants}
         labels = list(variants)
@@ -104,7 +120,7 @@ def bench(name, model, inputs, rounds: int, log) -> list[dict]:
         med = statistics.median(ts)
         rows.append({"model": name, "variant": label, "ms": med * 1e3, "ratio": med / base,
                      "unique_after": stats["unique_experts_after"] if "lynx" in label else stats["unique_experts_before"],
-                     "equal": same if label == "compiled lynx" else ""})
+                     "equal": same_routing if label == "compiled lynx" else ""})
         log(f"  {name}: {label:20s} {med * 1e3:9.2f} ms  ({med / base:.2f} of eager unpatched)")
     return rows
 
@@ -144,7 +160,7 @@ def main(argv=None) -> int:
           "", f"One decode step (B = {args.batch}, StaticCache, prompt {args.prompt}), median of {args.rounds} "
           "interleaved rounds, ratio to eager unpatched; torch.compile(fullgraph=True, dynamic=False), inductor on "
           f"{args.threads} CPU threads; compile time excluded. Total run {time.perf_counter() - t_start:.0f} s.", "",
-          "| model | variant | ms / step | ratio | unique experts / layer | compiled == eager |", "|---|---|---|---|---|---|"]
+          "| model | variant | ms / step | ratio | unique experts / layer | compiled routing == eager |", "|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['model']} | {r['variant']} | {r['ms']:.2f} | {r['ratio']:.2f} | {r['unique_after']:.2f} | "
                   f"{r['equal']} |")

@@ -21,14 +21,17 @@ merged with ``torch.where``; telemetry accumulates on the device.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import weakref
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
 from . import policies
+from .kernels import telemetry_slots as _slots
 from .kernels.backend import resolve_backend, routing_ops
-from .kernels.routing_torch import host_reads_allowed, union_mask
+from .kernels.routing_torch import _STRICT, host_reads_allowed, union_mask
 
 # -- step kinds -------------------------------------------------------------------------------------------
 PREFILL = "prefill"
@@ -107,6 +110,9 @@ class RoutePlan:
     fused: object = None
     expert_ops: object = None
     gate: object = None
+    #: the key of this plan in the registry the compiled CPU step (:func:`compiled_cpu_step`) looks it up in (a
+    #: ``torch.compile`` graph carries an int, not the plan); 0: not registered (made outside :func:`make_plan`)
+    handle: int = dataclasses.field(default=0, compare=False)
 
     @property
     def expert_kernel(self) -> bool:
@@ -157,6 +163,8 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=
         gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn, route_fn=route_fn)
         if gate is not None:
             plan = dataclasses.replace(plan, gate=gate)
+    plan = dataclasses.replace(plan, handle=next(_HANDLES))
+    _PLANS[plan.handle] = plan
     return plan
 
 
@@ -183,7 +191,10 @@ def keep_routing(plan, rule, step, selection_scores, logits, weights, idx, host,
 
 def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None, seed=None):
     """The general path: :func:`remap`, then :func:`record_step`. ``seed [N]`` bool: experts free this step
-    besides the prefill tokens' (resident offloaded experts, ``lynx_hf.offload``), or ``None``."""
+    besides the prefill tokens' (resident offloaded experts, ``lynx_hf.offload``), or ``None``. Traced by
+    ``torch.compile`` on CPU: one opaque call of this same eager code (:func:`compiled_cpu_step`)."""
+    if not host and _compiled_cpu(plan, logits):
+        return compiled_cpu_step(plan, rule, step, selection_scores, logits, weights, idx, telemetry, seed)
     scores = selection_scores(logits)
     return _remap_and_record(plan, rule, step, scores, scores if selection_scores is fp32_scores else logits, weights,
                              idx, host, telemetry, seed=seed)
@@ -191,7 +202,10 @@ def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, t
 
 def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
     """The policy's one-call path (``plan.fused``) on CPU in eager mode when every token decodes; the general
-    path otherwise, and for a step with a non-finite row (the one-call path then returns ``None``)."""
+    path otherwise, and for a step with a non-finite row (the one-call path then returns ``None``). Traced by
+    ``torch.compile`` on CPU: one opaque call of this same eager code (:func:`compiled_cpu_step`)."""
+    if not host and _compiled_cpu(plan, logits):
+        return compiled_cpu_step(plan, rule, step, selection_scores, logits, weights, idx, telemetry)
     scores = selection_scores(logits)
     if selection_scores is fp32_scores:
         logits = scores  # the same values in fp32: the weight rule needs no second cast
@@ -295,5 +309,78 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     return out_weights, out_idx, finite
 
 
+# -- torch.compile on CPU: the eager decode step as one opaque op ---------------------------------------------
+#: plan registry of the compiled CPU step: handle -> RoutePlan (weak: a plan dies with its layer)
+_PLANS: "weakref.WeakValueDictionary[int, RoutePlan]" = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+def _compiled_cpu(plan: RoutePlan, logits: torch.Tensor) -> bool:
+    """Whether this step is being traced by ``torch.compile`` on CPU for a registered plan (outside
+    ``kernels.routing_torch.strict_sync_free``, without autograd): then the decode step is the opaque op."""
+    return (plan.device.type == "cpu" and plan.handle > 0 and not _STRICT[0]
+            and torch.compiler.is_compiling() and not logits.requires_grad)
+
+
+@torch.library.custom_op("lynx_hf::cpu_decode_step", mutates_args=(), device_types="cpu")
+def _cpu_decode_step(handle: int, kind: str, decode: Optional[torch.Tensor], live: Optional[torch.Tensor],
+                     scores: torch.Tensor, logits: torch.Tensor, same_scores: bool, weights: torch.Tensor,
+                     idx: torch.Tensor, rule_kind: str, renormalize: bool, scale: float, renorm_eps: float,
+                     telemetry: str, seed: Optional[torch.Tensor]
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The eager CPU decode step of plan ``handle`` (:func:`compiled_cpu_step` documents it); returns
+    ``(weights [T, k], idx [T, k], finite [T] bool, telemetry row fp64 [NUM_SLOTS])``, new tensors."""
+    from .telemetry import BlockTelemetry
+
+    plan = _PLANS[handle]
+    rule = WeightRule(rule_kind, renormalize, scale, renorm_eps)
+    if decode is not None and bool(decode.all()) and (live is None or bool(live.all())):
+        decode = live = None  # every row a live decode token (read on the host here): the plain step, one call
+        kind = DECODE if kind == MIXED else kind
+    step = Step(kind, decode, live)
+    scratch = BlockTelemetry(telemetry) if telemetry else None
+    select = fp32_scores if same_scores else (lambda _logits: scores)
+    if seed is not None or plan.step_fn is not fused_step:
+        out = remap_step(plan, rule, step, select, logits, weights, idx, True, scratch, seed=seed)
+    else:
+        out = fused_step(plan, rule, step, select, logits, weights, idx, True, scratch)
+    new_weights, new_idx, finite = out
+    if finite is None:
+        finite = torch.ones(idx.shape[0], dtype=torch.bool)
+    row = scratch.acc if scratch is not None and scratch.acc is not None else \
+        torch.zeros(_slots.NUM_SLOTS, dtype=torch.float64)
+    return (new_weights.clone() if new_weights is weights else new_weights,
+            new_idx.clone() if new_idx is idx else new_idx, finite, row)
+
+
+@_cpu_decode_step.register_fake
+def _cpu_decode_step_fake(handle, kind, decode, live, scores, logits, same_scores, weights, idx, rule_kind,
+                          renormalize, scale, renorm_eps, telemetry, seed):
+    return (torch.empty_like(weights), torch.empty_like(idx), idx.new_empty(idx.shape[0], dtype=torch.bool),
+            idx.new_empty(_slots.NUM_SLOTS, dtype=torch.float64))
+
+
+def compiled_cpu_step(plan: RoutePlan, rule: WeightRule, step: Step, selection_scores, logits, weights, idx,
+                      telemetry=None, seed=None):
+    """The decode-step function as ``torch.compile`` sees it on CPU: the selection scores are traced, the rest (the
+    plan's eager step: the policy's one-call path or the host ops, the remap, the weight rule, the telemetry row) is
+    one opaque custom op ``torch.ops.lynx_hf.cpu_decode_step``, so a compiled step runs the same code and gives the
+    same integers as an eager one, instead of the sync-free device path unrolled into the graph (the mass-greedy
+    loop's min(N, T k) rounds: ~950 ops per layer-step, measured slower than the experts it saves on small models,
+    ``eval/bench_compile.py``). A step whose device decode mask (``StaticCache`` length on the device) is all True
+    with every row live runs as a plain decode step inside the op (read on the host there). Arguments and return as
+    the decode-step functions (module comment above :func:`keep_routing`); ``seed [N]`` bool or ``None``
+    (:func:`remap_step`). The telemetry row is added to ``telemetry`` in the graph."""
+    scores = selection_scores(logits)
+    same = selection_scores is fp32_scores
+    mode = "" if telemetry is None else telemetry.mode
+    new_weights, new_idx, finite, row = torch.ops.lynx_hf.cpu_decode_step(
+        plan.handle, step.kind, step.decode, step.live, scores, scores if same else logits, same, weights, idx,
+        rule.kind, bool(rule.renormalize), float(rule.scale), float(rule.renorm_eps), mode, seed)
+    if telemetry is not None:
+        telemetry.add(row)
+    return new_weights, new_idx, finite
+
+
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "RoutePlan", "make_plan",
-           "keep_routing", "remap_step", "fused_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]
+           "keep_routing", "remap_step", "fused_step", "compiled_cpu_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]
