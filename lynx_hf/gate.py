@@ -61,6 +61,10 @@ DRAWS = 4
 POOL_BYTES = 96 << 20
 #: wall-clock budget of one timing (seconds); each timing takes at least 3 and at most ``reps`` calls
 TIME_BUDGET_S = 0.05
+#: served decode steps over which an engine whose step body runs eagerly on the host (the vLLM plugin on CPU) times
+#: the policy's real per-step cost where the gate decided on, before deciding again with it
+#: (:meth:`PlanGate.observe`)
+OBSERVE_STEPS = 8
 #: the margin :func:`measure` decides with (the saving must exceed ``MARGIN x cost``): the synthetic i.i.d. logits
 #: overestimate the experts a real batch saves. Measured on fixture A (``eval/fixtures/qwen2moe-tiny``, held-out
 #: prompts, ``generate`` 24 tokens, gate forced on, the mean over its 4 layers): B = 16 real 21.4 -> 10.8 distinct
@@ -366,7 +370,7 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
     expert = _EXPERT_CACHE.get(ekey) if expert_fn is None else None
     if before - after <= 0:
         expert = 0.0
-    if expert is None and expert_fn is not None:  # the layer's own experts path (HF): what it really saves
+    if expert is None and expert_fn is not None:  # the layer's own experts path: what it really saves
         expert = measure_module_expert_ms(expert_fn, shape.hidden, shape.num_experts, shape.top_k, b, before, after,
                                           edtype, plan.device)
     if expert is None:
@@ -393,8 +397,9 @@ class PlanGate:
     plan: object = None
     telemetry: bool | str = True
     extra_expert_ms: float = 0.0
-    #: the layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])`` (HF path), timed for
-    #: the saving per expert (:func:`measure_module_expert_ms`); ``None``: the batched-MLP model (vLLM)
+    #: the layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])`` (HF path; vLLM on CPU:
+    #: the runner's experts kernel), timed for the saving per expert (:func:`measure_module_expert_ms`); ``None``: the
+    #: batched-MLP model (:func:`measure_expert_ms`)
     expert_fn: object = None
     #: the engine's per-step routing path ``fn(plan, step, logits, weights, idx, host, telemetry)`` (HF: the router
     #: hook's work, ``lynx_hf.block.BlockRouting.gate_probe``), timed for the cost; ``None``: the plan's ``step_fn``
@@ -402,6 +407,10 @@ class PlanGate:
     decisions: dict = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
+    #: bucket -> per-step costs (ms) timed in the engine so far (:meth:`observe`); a bucket leaves it once decided
+    observed: dict = field(default_factory=dict)
+    #: buckets decided again from their served cost (:meth:`observe`)
+    checked: set = field(default_factory=set)
 
     def measure_all(self, buckets=BUCKETS) -> "PlanGate":
         """Measure every bucket now (eager, at patch time). Returns ``self``."""
@@ -429,6 +438,37 @@ class PlanGate:
         if not torch.compiler.is_compiling():
             self.seen[num_tokens] += 1
         return d.on
+
+    def observing(self, num_tokens: int) -> bool:
+        """Whether the caller should time this step's routing work for :meth:`observe`: the bucket was measured, the
+        gate is on there and it has not been decided again from served steps yet."""
+        b = bucket_of(num_tokens)
+        d = self.decisions.get(b)
+        return d is not None and d.on and b not in self.checked and math.isfinite(d.cost_ms)
+
+    def observe(self, num_tokens: int, cost_ms: float) -> None:
+        """One served step's routing cost (ms, host wall time of the step's whole routing work, on a host that runs
+        it synchronously: the vLLM plugin's op body on CPU). After :data:`OBSERVE_STEPS` of a bucket its decision is
+        made again (:func:`decide`, :data:`MARGIN`) with their median as the cost and the measured saving kept: the
+        patch-time cost is timed on a quiet host, one thread, the shortest call, and inside a running engine the same
+        work measured several times that (fixture A, vLLM CPU, 16 requests: ~0.3 ms against ~0.08 ms). Only an *on*
+        decision is checked (off, the work does not run), so this can switch the policy off, never on."""
+        b = bucket_of(num_tokens)
+        d = self.decisions.get(b)
+        if d is None or b in self.checked:
+            return
+        samples = self.observed.setdefault(b, [])
+        samples.append(float(cost_ms))
+        if len(samples) < OBSERVE_STEPS:
+            return
+        cost = statistics.median(samples)
+        new = decide(cost, d.experts_saved, d.expert_ms, d.extra_expert_ms, margin=MARGIN)
+        self.decisions[b] = GateDecision(new.on, new.cost_ms, new.saving_ms, new.experts_saved, new.expert_ms,
+                                         new.extra_expert_ms, d.experts_before, d.experts_after,
+                                         f"{new.reason} (cost: median of {len(samples)} served steps; "
+                                         f"{d.cost_ms:.3g} ms measured before serving)")
+        self.checked.add(b)
+        del self.observed[b]
 
     def skip(self, num_tokens: int) -> None:
         """Count one decode step the gate kept the model's routing on (eager only)."""
@@ -523,6 +563,6 @@ def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eag
     return gate
 
 
-__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "MARGIN", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
+__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "MARGIN", "OBSERVE_STEPS", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
            "default_gate", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
            "cannot_measure", "off_line", "plan_gate"]

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -261,17 +262,52 @@ def _plan_for(layer: _Layer, router_logits: torch.Tensor, cfg) -> RoutePlan:
                            # all-decode step is a plain decode step (the fused one-call path); off CPU none is fused
                            mixed_steps=cfg.phase != "decode" and not (router_logits.device.type == "cpu"
                                                                       and FUSED_DECODE))
-        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape)
+        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape,
+                                      expert_fn=_experts_fn(layer, router_logits.device))
         if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
             layer.telemetry.mode = mode_of(cfg.telemetry)
     return plan
 
 
+def _experts_fn(layer: _Layer, device: torch.device):
+    """The layer's own routed-experts path as ``fn(hidden [T, H], idx [T, k] int64, weights [T, k])`` for the cost
+    gate to time the saving per avoided expert on (``lynx_hf.gate.measure_module_expert_ms``): the runner's
+    ``routed_experts.quant_method.apply`` (on CPU vLLM's ``cpu_fused_moe`` on the layer's prepacked weights), with
+    the ids and weights in vLLM's dtypes (int32, fp32). ``None`` (the gate's batched-MLP model instead) off CPU (there
+    the first decode step may be a CUDA-graph capture and the kernel's workspaces are shared with the forward in
+    flight), under expert parallelism (``expert_map``: physical ids) or where the runner has no such path."""
+    if device.type != "cpu":
+        return None
+    runner = layer.runner() if layer.runner is not None else None
+    experts = getattr(runner, "routed_experts", None)
+    method = getattr(experts, "quant_method", None)
+    if method is None or not callable(getattr(method, "apply", None)) or \
+            getattr(experts, "expert_map", None) is not None:
+        return None
+
+    def fn(hidden, idx, weights):
+        return method.apply(experts, hidden, weights.float(), idx.to(torch.int32), None, None)
+
+    return fn
+
+
 def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
-    cfg = STATE.config.lynx
-    if plan.gate is not None and not plan.gate.on(router_logits.shape[0]):  # static T: a host-side branch
-        plan.gate.skip(router_logits.shape[0])
+    num_tokens = router_logits.shape[0]
+    if plan.gate is not None and not plan.gate.on(num_tokens):  # static T: a host-side branch
+        plan.gate.skip(num_tokens)
         return topk_weights, topk_ids
+    if host and plan.gate is not None and plan.gate.observing(num_tokens):
+        # CPU: the op body runs synchronously on the host, so its wall time is this step's routing cost as served;
+        # the gate decides again from a few of them (lynx_hf.gate.PlanGate.observe: it can only switch off)
+        start = time.perf_counter()
+        out = _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+        plan.gate.observe(num_tokens, (time.perf_counter() - start) * 1e3)
+        return out
+    return _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+
+
+def _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host):
+    cfg = STATE.config.lynx
     scores = layer.scores or fp32_scores
     if step is DECODE_STEP and host:
         # every row a live decode row: the step function records the telemetry itself (the fused path in the same

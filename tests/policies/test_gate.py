@@ -74,6 +74,34 @@ def test_plan_gate_lookup_counts_and_summary():
     assert g.summary() == {"gate": "auto", "by_tokens": {}, "steps_skipped": 0}
 
 
+def test_observe_decides_again_from_the_median_served_cost(monkeypatch):
+    """Patch time: cost 0.1 ms, 4 experts saved x 0.1 ms = 0.4 > 1.25 x 0.1: on. Served steps then cost 1.0 ms
+    (median of 1.0, 1.0, 0.2; the 0.2 is an outlier the median drops): 0.4 <= 1.25 x 1.0, off from then on."""
+    monkeypatch.setattr(gate, "OBSERVE_STEPS", 3)
+    g = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions={16: gate.decide(0.1, 4.0, 0.1, margin=gate.MARGIN)})
+    assert g.on(16) and g.observing(16) and g.observing(9)  # 9 tokens: bucket 16
+    g.observe(16, 1.0)
+    g.observe(9, 0.2)
+    assert g.on(16) and g.observing(16)  # 2 of 3 served steps: the patch-time decision stands
+    g.observe(16, 1.0)
+    d = g.decision(16)
+    assert not d.on and d.cost_ms == 1.0 and d.saving_ms == pytest.approx(0.4) and "3 served steps" in d.reason
+    assert not g.observing(16) and 16 in g.checked
+    g.observe(16, 0.0)  # decided: no more samples taken
+    assert not g.on(16) and g.observed == {}
+
+
+def test_observe_keeps_on_when_served_cost_is_low_and_never_checks_off(monkeypatch):
+    monkeypatch.setattr(gate, "OBSERVE_STEPS", 2)
+    g = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions={4: gate.decide(1.0, 0.0, 1.0),
+                                                               16: gate.decide(0.1, 4.0, 0.1, margin=gate.MARGIN)})
+    assert not g.observing(4)  # off: the work does not run, nothing to time, it stays off
+    g.observe(16, 0.2)
+    g.observe(16, 0.3)  # median 0.25: 0.4 > 1.25 x 0.25 = 0.3125, still on
+    d = g.decision(16)
+    assert d.on and d.cost_ms == pytest.approx(0.25) and not g.observing(16)
+
+
 def test_off_line():
     entry = {"on": False, "cost_ms": 0.05, "saving_ms": 0.02, "steps_skipped": 3}
     layers = [{"gate": {"by_tokens": {16: entry}}}, {"gate": {"by_tokens": {16: {**entry, "on": True}}}}]

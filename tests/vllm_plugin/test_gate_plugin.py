@@ -64,3 +64,21 @@ def test_gate_on_equals_always(layer):
     assert torch.equal(out[1], ref[1]) and torch.equal(out[0], ref[0])
     assert not torch.equal(out[1], ids)  # the policy ran
     assert _hooks.snapshot()["layers"][0]["gate"]["by_tokens"][8]["on"] is True
+
+
+def test_op_times_its_body_and_the_gate_switches_off_when_it_costs_more_than_measured(layer, monkeypatch):
+    """The patch-time decision is on (cost 1 ms, saving 4 x 1 ms). On CPU the op body's wall time is the served
+    cost: with a clock that advances 5 ms per reading, two served steps cost 5 ms each, 4 <= 1.25 x 5: off, and the
+    next step keeps vLLM's routing."""
+    monkeypatch.setattr(gate, "OBSERVE_STEPS", 2)
+    one = layer({"policy": "lynx", "mass_price": "None", "tau": "1000", "gate": "auto"}, on=True)
+    logits, weights, ids = _routing()
+    clock = iter(range(0, 10_000, 5))
+    monkeypatch.setattr(_hooks.time, "perf_counter", lambda: next(clock) / 1e3)
+    for _ in range(2):
+        out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+        assert not torch.equal(out[1], ids)  # on while observed
+    d = one.plan.gate.decision(8)
+    assert not d.on and d.cost_ms == 5.0 and "2 served steps" in d.reason
+    out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+    assert torch.equal(out[1], ids) and torch.equal(out[0], weights)
