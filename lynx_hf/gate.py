@@ -439,6 +439,18 @@ class PlanGate:
             self.seen[num_tokens] += 1
         return d.on
 
+    def served(self, num_tokens: int) -> bool:
+        """:meth:`on` and, when off, :meth:`skip`, in one host-side call, for a caller that is never traced (the vLLM
+        plugin's op body, eager by construction): whether the policy runs on this step of ``num_tokens`` tokens."""
+        b = bucket_of(num_tokens)
+        d = self.decisions.get(b)
+        if d is None:
+            d = self.decision(num_tokens)
+        self.seen[num_tokens] += 1
+        if not d.on:
+            self.skipped[num_tokens] += 1
+        return d.on
+
     def observing(self, num_tokens: int) -> bool:
         """Whether the caller should time this step's routing work for :meth:`observe`: the bucket was measured, the
         gate is on there and it has not been decided again from served steps yet."""

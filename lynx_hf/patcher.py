@@ -332,12 +332,16 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
 
 
 def _note_gate(state: ModelState) -> None:
-    """Warn once per patch when the cost gate measured at patch time switches the policy off somewhere."""
+    """Warn when the cost gate measured at patch time switches the policy off somewhere: once per patch, and on a
+    reconfiguration only when the note changed (``lynx_hf.patched(model, policy="none")`` and back, as ``lynx-hf
+    generate`` does for its reference, does not repeat it)."""
     from .gate import patch_note
 
     note = patch_note([b.plan for b in state.blocks])
-    if note:
+    if note and note != state.__dict__.get("gate_note"):
         warnings.warn(note, UserWarning, stacklevel=3)
+    if note:
+        state.gate_note = note
 
 
 def _has_generate(module) -> bool:

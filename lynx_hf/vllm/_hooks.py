@@ -9,8 +9,8 @@ Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`ins
   capture, then the EPLB logical->physical mapping, then the index dtype cast; so the remap acts on
   logical expert ids, before EPLB, and everything downstream (capture, EPLB load recording, the
   experts kernel) sees the remapped routing.
-- The remap runs inside the custom op ``torch.ops.lynx_vllm.remap_routing`` (``torch.library.custom_op``
-  with a fake implementation): under ``torch.compile`` (vLLM's compiled mode; on CPU Dynamo traces
+- The remap runs inside the custom op ``torch.ops.lynx_vllm.remap_routing`` (a ``torch.library.Library`` op
+  registered as vLLM registers its own, with a fake implementation): under ``torch.compile`` (vLLM's compiled mode; on CPU Dynamo traces
   straight through the MoE layer) the op is an opaque node, so its Python body (step mask, policy,
   telemetry) runs on every step instead of being traced once and frozen.
 - ``GPUModelRunner._prepare_inputs`` (also ``CPUModelRunner``'s): before the original, the step's
@@ -101,6 +101,8 @@ class _Layer:
 class _StepBuffer:
     kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
     staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
+    staging_np: np.ndarray | None = None  # the numpy view of ``staging`` (host writes without torch dispatch)
+    written: int = 0                      # entries of ``staging`` the last step wrote (PADDING after them)
     num_tokens: int = 0
     num_decode: int = 0
     num_prefill: int = 0
@@ -143,10 +145,10 @@ _INSTALLED = False
 # --------------------------------------------------------------------------- the custom op
 
 
-@torch.library.custom_op("lynx_vllm::remap_routing", mutates_args=())
-def remap_routing(router_logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(topk_weights, topk_ids)`` of MoE layer ``layer`` after the plugin's policy.
+def _remap_routing(router_logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(topk_weights, topk_ids)`` of MoE layer ``layer`` after the plugin's policy: the body of the op
+    ``torch.ops.lynx_vllm.remap_routing``.
 
     ``router_logits [T, N]`` (the model dtype), ``topk_weights [T, k]`` fp32 and ``topk_ids [T, k]``
     int32 (vLLM's routing, logical expert ids). Returns new tensors of the same shapes and dtypes
@@ -156,9 +158,25 @@ def remap_routing(router_logits: torch.Tensor, topk_weights: torch.Tensor, topk_
             ids.clone() if ids is topk_ids else ids)
 
 
-@remap_routing.register_fake
 def _remap_routing_fake(router_logits, topk_weights, topk_ids, layer):
     return torch.empty_like(topk_weights), torch.empty_like(topk_ids)
+
+
+# registered the way vLLM registers its own ops (``direct_register_custom_op``: a ``torch.library.Library`` kernel for
+# the platform's dispatch key and a fake kernel): ``torch.library.custom_op``'s Python dispatch layers cost ~15 us per
+# call (measured: 20 us an op call against 9 us, on every MoE layer of every step, with the gate off too)
+_LIB = torch.library.Library("lynx_vllm", "FRAGMENT")
+
+
+def _register_op() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("remap_routing", _remap_routing, mutates_args=[], fake_impl=_remap_routing_fake,
+                              target_lib=_LIB)
+
+
+_register_op()
+remap_routing = torch.ops.lynx_vllm.remap_routing
 
 
 def _buffer(device: torch.device, rows: int) -> torch.Tensor:
@@ -168,6 +186,8 @@ def _buffer(device: torch.device, rows: int) -> torch.Tensor:
         capacity = max(STATE.capacity, rows, 1)
         step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
         step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+        step.staging_np = step.staging.numpy()
+        step.written = 0
     return step.kind
 
 
@@ -293,8 +313,7 @@ def _experts_fn(layer: _Layer, device: torch.device):
 
 def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     num_tokens = router_logits.shape[0]
-    if plan.gate is not None and not plan.gate.on(num_tokens):  # static T: a host-side branch
-        plan.gate.skip(num_tokens)
+    if plan.gate is not None and not plan.gate.served(num_tokens):  # static T: a host-side branch (counts the skip)
         return topk_weights, topk_ids
     if host and plan.gate is not None and plan.gate.observing(num_tokens):
         # CPU: the op body runs synchronously on the host, so its wall time is this step's routing cost as served;
@@ -572,13 +591,15 @@ def _write_kinds(kinds: np.ndarray, device) -> None:
     if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
         _warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
         return
-    staging = step.staging
-    staging[:total] = torch.from_numpy(kinds)
-    staging[total:] = PADDING
-    if kind is not staging:
-        kind.copy_(staging, non_blocking=True)
+    staging = step.staging_np  # numpy view of the host buffer (on CPU the buffer itself): no torch op per step
+    staging[:total] = kinds
+    if step.written > total:
+        staging[total:step.written] = PADDING  # the rest is PADDING already (zeroed, or never written)
+    step.written = total
+    if kind is not step.staging:
+        kind.copy_(step.staging, non_blocking=True)
     step.num_tokens = total
-    step.num_decode = int((kinds == DECODE).sum())
+    step.num_decode = int(np.count_nonzero(kinds == DECODE))
     step.num_prefill = total - step.num_decode
     step.active = True
     STATE.steps += 1
@@ -685,6 +706,8 @@ def _end_step() -> None:
     step.num_decode = step.num_prefill = step.num_tokens = 0
     if step.kind is not None:
         step.kind.zero_()  # on the device stream, after the forward: the next dummy run sees padding only
+        if step.kind is step.staging:
+            step.written = 0  # the host buffer is the zeroed one (CPU)
     cfg = STATE.config
     if had_decode and cfg is not None and cfg.stats_path and cfg.stats_every and \
             STATE.decode_steps % cfg.stats_every == 0:

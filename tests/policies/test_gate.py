@@ -324,6 +324,23 @@ def test_patch_note_names_only_step_sizes_where_something_is_lost():
     assert gate.patch_note(plans[1:]) is None and gate.patch_note([Plan({})]) is None
 
 
+def test_patch_note_warns_once_across_a_reconfiguration_and_back(fixed_gate):
+    """``lynx-hf generate`` decodes its reference under ``patched(model, policy="none")`` and returns to the user's
+    configuration: the gate's patch-time note is warned at patch only, not again on the way back."""
+    import warnings
+
+    fixed_gate(False)
+    model = fam.build("qwen2_moe")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        lynx_hf.patch(model, policy="lynx", gate="auto")
+        with lynx_hf.patched(model, policy="none"):
+            pass
+    lynx_hf.unpatch(model)
+    notes = [w for w in seen if "the cost gate" in str(w.message)]
+    assert len(notes) == 1
+
+
 def test_module_expert_timing_falls_back_when_it_cannot_measure():
     """measure_module_expert_ms gives None (the caller uses the batched-MLP model) when fewer than one expert lies
     between before and after, or when the implementation rejects the synthetic routing."""

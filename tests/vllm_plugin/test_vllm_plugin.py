@@ -209,6 +209,24 @@ def test_weight_rule_refuses_routing_it_cannot_reproduce():
 # ------------------------------------------------------------------ per-token kinds (hand-worked)
 
 
+def test_write_kinds_pads_what_the_previous_step_wrote(monkeypatch):
+    """The host writes a step's kinds through the buffer's numpy view and pads only up to what the previous step
+    wrote (the rest is PADDING already): a 5-token step, then a 2-token one without the end-of-step zeroing between
+    them (a step that raised), then after it the buffer is all PADDING again."""
+    monkeypatch.setattr(_hooks.STATE, "step", _hooks._StepBuffer())
+    monkeypatch.setattr(_hooks.STATE, "capacity", 8)
+    monkeypatch.setattr(_hooks.STATE, "config", None)
+    _hooks._write_kinds(np.array([DECODE, DECODE, PREFILL, PREFILL, DECODE], dtype=np.int8), "cpu")
+    step = _hooks.STATE.step
+    assert step.kind.tolist() == [DECODE, DECODE, PREFILL, PREFILL, DECODE, PADDING, PADDING, PADDING]
+    assert (step.num_tokens, step.num_decode, step.num_prefill) == (5, 3, 2)
+    _hooks._write_kinds(np.array([PREFILL, DECODE], dtype=np.int8), "cpu")
+    assert step.kind.tolist() == [PREFILL, DECODE] + [PADDING] * 6
+    assert (step.num_tokens, step.num_decode) == (2, 1)
+    _hooks._end_step()
+    assert step.kind.tolist() == [PADDING] * 8 and step.written == 0
+
+
 def test_token_kinds_hand_worked():
     """Five requests in runner order, q_max 1:
     r0 prompt 5, nothing computed, query 5          -> prefill x5 (first chunk = whole prompt)
