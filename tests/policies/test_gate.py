@@ -324,12 +324,13 @@ def test_patch_note_names_only_step_sizes_where_something_is_lost():
     assert gate.patch_note(plans[1:]) is None and gate.patch_note([Plan({})]) is None
 
 
-def test_patch_note_warns_once_across_a_reconfiguration_and_back(fixed_gate):
+def test_patch_note_warns_once_across_a_reconfiguration_and_back(monkeypatch):
     """``lynx-hf generate`` decodes its reference under ``patched(model, policy="none")`` and returns to the user's
     configuration: the gate's patch-time note is warned at patch only, not again on the way back."""
     import warnings
 
-    fixed_gate(False)
+    off = gate.GateDecision(False, 1.0, 0.5, 2.0, 0.1, reason="off")  # 2 experts saved, below the cost: a loss
+    monkeypatch.setattr(gate, "measure", lambda *args, **kwargs: off)
     model = fam.build("qwen2_moe")
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
