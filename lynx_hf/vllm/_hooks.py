@@ -136,7 +136,9 @@ FUSED_DECODE = True
 _LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
 #: True: on the host the op body runs on one torch thread (see :func:`_remap_layer`); off by default: in a served
 #: engine the per-call toggle made decode slower (fixture A, vLLM compiled, 16 requests, gate off: 0.71x the unpatched
-#: decode throughput with it, 1.04x before it; ``eval/serve_profile.py`` times both without an engine)
+#: decode throughput with it, 1.04x before it; ``eval/serve_profile.py`` times both without an engine). The cause: vLLM's
+#: CPU worker replaces ``torch.set_num_threads`` after binding its threads with a function that only logs a warning, so
+#: inside an engine the toggle changes nothing and logs twice per call
 SINGLE_THREAD = False
 _INSTALL_LOCK = threading.Lock()
 _INSTALLED = False
