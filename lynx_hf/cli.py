@@ -107,7 +107,8 @@ def cmd_generate(args) -> int:
     skipped = summary.get("gate_steps_skipped", 0)
     print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
           f"  decode steps: {summary['decode_steps']}"
-          + (f" (+ {skipped} layer-steps the cost gate left on the model's routing)" if skipped else ""))
+          + (f" (the cost gate kept the model's routing on {skipped} MoE layer-steps: layers x decode steps)"
+             if skipped else ""))
     print_layer_table(summary, summary["per_layer"])
     from .gate import off_line
 

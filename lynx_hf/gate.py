@@ -281,7 +281,9 @@ def measure_module_expert_ms(expert_fn, hidden: int, num_experts: int, top_k: in
     synthetic routing that touches ``round(before)`` and ``round(after)`` distinct experts (row i uses experts
     ``(i k + j) mod E``), the difference divided by the experts between. This is the saving per avoided expert as the
     layer really runs (per-expert loops, launches and weight reads included). ``None`` when it cannot be measured
-    (fewer than one expert between, or the implementation raises on synthetic inputs): the caller falls back to
+    (fewer than one expert between, the implementation raises on synthetic inputs, or the median difference is not
+    positive: on a loaded host one burst can make the larger call the faster one, and "an expert costs 0 ms" would
+    switch the policy off at that step size for the whole process): the caller falls back to
     :func:`measure_expert_ms`."""
     device = torch.device(device)
     big = min(int(num_experts), int(round(before)))
@@ -302,7 +304,8 @@ def measure_module_expert_ms(expert_fn, hidden: int, num_experts: int, top_k: in
             diffs.append(t_big - t_small)
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
         return None
-    return max(statistics.median(diffs) / (big - small), 0.0)
+    median = statistics.median(diffs)
+    return median / (big - small) if median > 0 else None
 
 
 # -- the per-plan gate ---------------------------------------------------------------------------------------
