@@ -63,13 +63,17 @@ def _rewind(inputs) -> None:
             layer.cumulative_length.fill_(held)
 
 
-def _routes(model, fn, inputs) -> list:
-    """Per MoE layer, the (before, after) unique experts of one call of ``fn`` (``lynx_hf.stats`` of ``model``)."""
+def _step_stats(model, fn, inputs) -> dict:
+    """``lynx_hf.stats(model).summary()`` of one call of ``fn`` (stats reset before it)."""
     lynx_hf.reset_stats(model)
     _rewind(inputs)
     fn(**inputs)
-    return [(layer["unique_experts_before"], layer["unique_experts_after"])
-            for layer in lynx_hf.stats(model).summary()["per_layer"]]
+    return lynx_hf.stats(model).summary()
+
+
+def _routes(summary: dict) -> list:
+    """Per MoE layer, the (before, after) unique experts of a stats summary."""
+    return [(layer["unique_experts_before"], layer["unique_experts_after"]) for layer in summary["per_layer"]]
 
 
 def bench(name, model, inputs, rounds: int, log) -> list[dict]:
@@ -93,15 +97,10 @@ def bench(name, model, inputs, rounds: int, log) -> list[dict]:
         # the yardstick the LYNX pair is read against (a routing difference would show as a far larger gap)
         gap = {v: (outs[f"compiled {v}"].float() - outs[f"eager {v}"].float()).abs().max().item()
                for v in ("unpatched", "lynx")}
-        eager_routes = _routes(lynx, variants["eager lynx"], inputs)
-        compiled_routes = _routes(lynx, variants["compiled lynx"], inputs)
-        same_routing = eager_routes == compiled_routes
+        stats = _step_stats(lynx, variants["compiled lynx"], inputs)
+        same_routing = _routes(_step_stats(lynx, variants["eager lynx"], inputs)) == _routes(stats)
         log(f"  {name}: max |compiled - eager| logits: unpatched {gap['unpatched']:.3g}, lynx {gap['lynx']:.3g}; "
             f"compiled lynx routing == eager lynx routing (unique experts per layer): {same_routing}")
-        lynx_hf.reset_stats(lynx)
-        _rewind(inputs)
-        variants["compiled lynx"](**inputs)
-        stats = lynx_hf.stats(lynx).summary()
         log(f"  {name}: compiled step remaps: unique experts "
             f"{stats['unique_experts_before']:.2f} -> {stats['unique_experts_after']:.2f}")
         times = {label: [] for label in variants}

@@ -340,10 +340,10 @@ def _cpu_decode_step(handle: int, kind: str, decode: Optional[torch.Tensor], liv
     step = Step(kind, decode, live)
     scratch = BlockTelemetry(telemetry) if telemetry else None
     select = fp32_scores if same_scores else (lambda _logits: scores)
-    if seed is not None or plan.step_fn is not fused_step:
+    if seed is not None:  # resident offloaded experts (lynx_hf.offload's seeded remap_step)
         out = remap_step(plan, rule, step, select, logits, weights, idx, True, scratch, seed=seed)
     else:
-        out = fused_step(plan, rule, step, select, logits, weights, idx, True, scratch)
+        out = plan.step_fn(plan, rule, step, select, logits, weights, idx, True, scratch)
     new_weights, new_idx, finite = out
     if finite is None:
         finite = torch.ones(idx.shape[0], dtype=torch.bool)

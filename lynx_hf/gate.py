@@ -41,7 +41,7 @@ import os
 import statistics
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
@@ -442,18 +442,6 @@ class PlanGate:
             self.seen[num_tokens] += 1
         return d.on
 
-    def served(self, num_tokens: int) -> bool:
-        """:meth:`on` and, when off, :meth:`skip`, in one host-side call, for a caller that is never traced (the vLLM
-        plugin's op body, eager by construction): whether the policy runs on this step of ``num_tokens`` tokens."""
-        b = bucket_of(num_tokens)
-        d = self.decisions.get(b)
-        if d is None:
-            d = self.decision(num_tokens)
-        self.seen[num_tokens] += 1
-        if not d.on:
-            self.skipped[num_tokens] += 1
-        return d.on
-
     def observing(self, num_tokens: int) -> bool:
         """Whether the caller should time this step's routing work for :meth:`observe`: the bucket was measured, the
         gate is on there and it has not been decided again from served steps yet."""
@@ -478,10 +466,9 @@ class PlanGate:
             return
         cost = statistics.median(samples)
         new = decide(cost, d.experts_saved, d.expert_ms, d.extra_expert_ms, margin=MARGIN)
-        self.decisions[b] = GateDecision(new.on, new.cost_ms, new.saving_ms, new.experts_saved, new.expert_ms,
-                                         new.extra_expert_ms, d.experts_before, d.experts_after,
-                                         f"{new.reason} (cost: median of {len(samples)} served steps; "
-                                         f"{d.cost_ms:.3g} ms measured before serving)")
+        self.decisions[b] = replace(new, experts_before=d.experts_before, experts_after=d.experts_after,
+                                    reason=f"{new.reason} (cost: median of {len(samples)} served steps; "
+                                           f"{d.cost_ms:.3g} ms measured before serving)")
         self.checked.add(b)
         del self.observed[b]
 

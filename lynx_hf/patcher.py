@@ -38,8 +38,10 @@ class ModelState:
         self.blocks: list[BlockRouting] = []
         # [(config, implementation before "lynx")] while the "lynx" experts implementation is installed
         self.experts_impl_before: list | None = None
+        self.gate_note: str | None = None  # the cost gate's patch-time note last warned (lynx_hf.gate.patch_note)
 
     def __setstate__(self, state):  # deepcopy / pickle: the copy holds the (copied) configs it switched
+        self.__dict__.setdefault("gate_note", None)  # a state pickled before the attribute existed
         self.__dict__.update(state)
         experts_impl.adopt(self)
 
@@ -338,7 +340,7 @@ def _note_gate(state: ModelState) -> None:
     from .gate import patch_note
 
     note = patch_note([b.plan for b in state.blocks])
-    if note and note != state.__dict__.get("gate_note"):
+    if note and note != state.gate_note:
         warnings.warn(note, UserWarning, stacklevel=3)
     if note:
         state.gate_note = note

@@ -101,7 +101,6 @@ class _Layer:
 class _StepBuffer:
     kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
     staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
-    staging_np: np.ndarray | None = None  # the numpy view of ``staging`` (host writes without torch dispatch)
     written: int = 0                      # entries of ``staging`` the last step wrote (PADDING after them)
     num_tokens: int = 0
     num_decode: int = 0
@@ -188,7 +187,6 @@ def _buffer(device: torch.device, rows: int) -> torch.Tensor:
         capacity = max(STATE.capacity, rows, 1)
         step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
         step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
-        step.staging_np = step.staging.numpy()
         step.written = 0
     return step.kind
 
@@ -315,7 +313,8 @@ def _experts_fn(layer: _Layer, device: torch.device):
 
 def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     num_tokens = router_logits.shape[0]
-    if plan.gate is not None and not plan.gate.served(num_tokens):  # static T: a host-side branch (counts the skip)
+    if plan.gate is not None and not plan.gate.on(num_tokens):  # static T: a host-side branch
+        plan.gate.skip(num_tokens)
         return topk_weights, topk_ids
     if host and plan.gate is not None and plan.gate.observing(num_tokens):
         # CPU: the op body runs synchronously on the host, so its wall time is this step's routing cost as served;
@@ -593,7 +592,7 @@ def _write_kinds(kinds: np.ndarray, device) -> None:
     if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
         _warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
         return
-    staging = step.staging_np  # numpy view of the host buffer (on CPU the buffer itself): no torch op per step
+    staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
     staging[:total] = kinds
     if step.written > total:
         staging[total:step.written] = PADDING  # the rest is PADDING already (zeroed, or never written)
