@@ -21,6 +21,12 @@ Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`ins
   in 0.32): after the original, the same buffer from the ``InputBatch`` it returns (:func:`v2_token_kinds`).
 - ``execute_model`` of both runners: zeroes the buffer after the forward, so dummy / profiling /
   capture runs (which do not go through the input preparation) see no decode token and stay untouched.
+- ``_dummy_run`` and ``execute_model`` of both runners, before the first forward of the worker
+  (:func:`_before_forward`): every layer's plan is made on the runner's device and its cost gate decided; a layer
+  the gate keeps off at every step size the engine can run is *bypassed* (``_compute_routing`` returns vLLM's
+  routing without calling the op), so vLLM's compiled mode, which traces the forward once in its first profiling /
+  warm-up run, compiles vLLM's own routing there. A compiled or captured forward (:func:`_frozen`) keeps the bypass
+  it was traced with; :func:`configure` refuses a configuration that would need the op on a bypassed layer.
 - ``WorkerWrapperBase.initialize_from_config`` (every executor, after the model is loaded): a configured
   plugin whose worker has a model runner it does not hook, or no hooked MoE layer, stops the engine start
   (:func:`_check_start`). ``WorkerWrapperBase.execute_model``: the liveness rule
@@ -95,6 +101,9 @@ class _Layer:
     skipped: int = 0  # calls left untouched because the step's mask does not apply to their rows
     scores: object = None  # selection scores (logits -> [T, N] fp32, -inf outside allowed groups); None: fp32 logits
     router_rule: object = None  # the router class's rule (lynx_hf.vllm._routers.RouterRule); None: not derived
+    #: True: the cost gate keeps vLLM's routing at every step size this engine can run (:func:`_gated_off_everywhere`),
+    #: so ``_compute_routing`` returns vLLM's routing without calling the op (a compiled engine's graph is vLLM's own)
+    bypass: bool = False
 
 
 @dataclass
@@ -123,6 +132,13 @@ class _Process:
     warned: set = field(default_factory=set)
     seen_decode: int = 0  # steps the hooked input preparation classified with >= 1 decode token (never reset)
     strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
+    started: bool = False  # the plans were made before the first forward (:func:`_before_forward`)
+    #: the forward is compiled / captured (vLLM's compiled mode, CUDA graphs): each layer's ``bypass`` was read once,
+    #: when it was traced, so it cannot change any more (:func:`configure` refuses what would need it to)
+    frozen: bool = False
+    device: torch.device | None = None  # where the plans were made at start (the model runner's device)
+    dtype: torch.dtype | None = None  # the model's dtype (the router logits' dtype the gate measures with)
+    bypassed: tuple = ()  # the layers whose ``bypass`` is set (their gate counts the steps it skips per step)
 
 
 STATE = _Process()
@@ -253,7 +269,7 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
     step = _step_for(layer, router_logits, host)
     if step is None:
         return topk_weights, topk_ids
-    plan = _plan_for(layer, router_logits, STATE.config.lynx)
+    plan = _plan_for(layer, router_logits.device, router_logits.dtype, STATE.config.lynx)
     threads = torch.get_num_threads() if host and SINGLE_THREAD else 1
     if threads <= 1:
         return _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host)
@@ -268,25 +284,64 @@ def _remap_layer(router_logits, topk_weights, topk_ids, index):
         torch.set_num_threads(threads)
 
 
-def _plan_for(layer: _Layer, router_logits: torch.Tensor, cfg) -> RoutePlan:
-    """The layer's plan on the logits' device (made on first use; the cost gate measures then, on the worker's
-    threads)."""
+def _plan_for(layer: _Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
+    """The layer's plan on ``device`` (made on first use, or before the first forward by :func:`_before_forward`; the
+    cost gate measures then, on the worker's threads), the router logits having ``dtype``."""
     plan = layer.plan
-    if plan is None or plan.device != router_logits.device:
-        from ..gate import LayerShape  # the cost gate (LynxConfig.gate): H, I from the runner (_attach) if known
-
-        shape = getattr(layer, "gate_shape", None) or LayerShape(layer.num_experts, layer.top_k, None, None)
-        shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, router_logits.dtype,
-                           shape.expert_dtype,
-                           # the op's steps carry masks, except on CPU (eager: the op body always is) where an
-                           # all-decode step is a plain decode step (the fused one-call path); off CPU none is fused
-                           mixed_steps=cfg.phase != "decode" and not (router_logits.device.type == "cpu"
-                                                                      and FUSED_DECODE))
-        plan = layer.plan = make_plan(cfg, layer.num_experts, layer.top_k, router_logits.device, shape=shape,
-                                      expert_fn=_experts_fn(layer, router_logits.device))
-        if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
-            layer.telemetry.mode = mode_of(cfg.telemetry)
+    if plan is None or plan.device != device:
+        plan = _install_plan(layer, _make_plan(layer, device, dtype, cfg), cfg)
     return plan
+
+
+def _make_plan(layer: _Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
+    """A new plan of ``layer`` for ``cfg`` (a ``LynxConfig``) on ``device``; its cost gate measures now."""
+    from ..gate import LayerShape  # the cost gate (LynxConfig.gate): H, I from the runner (_attach) if known
+
+    shape = getattr(layer, "gate_shape", None) or LayerShape(layer.num_experts, layer.top_k, None, None)
+    shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
+                       # the op's steps carry masks, except on CPU (eager: the op body always is) where an
+                       # all-decode step is a plain decode step (the fused one-call path); off CPU none is fused
+                       mixed_steps=cfg.phase != "decode" and not (device.type == "cpu" and FUSED_DECODE))
+    return make_plan(cfg, layer.num_experts, layer.top_k, device, shape=shape, expert_fn=_experts_fn(layer, device))
+
+
+def _install_plan(layer: _Layer, plan: RoutePlan, cfg) -> RoutePlan:
+    """``plan`` becomes the layer's; it sets the layer's ``bypass`` (:func:`_gated_off_everywhere`) unless the
+    forward is frozen (:attr:`_Process.frozen`)."""
+    layer.plan = plan
+    if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
+        layer.telemetry.mode = mode_of(cfg.telemetry)
+    if not STATE.frozen:
+        _set_bypass(layer, _gated_off_everywhere(plan))
+    return plan
+
+
+def _step_buckets() -> tuple:
+    """The gate's buckets (``lynx_hf.gate.BUCKETS``) a step of this engine can fall in: up to the bucket of
+    ``max_num_batched_tokens`` (every bucket when it is not known)."""
+    from ..gate import BUCKETS, bucket_of
+
+    top = bucket_of(STATE.capacity) if STATE.capacity > 0 else BUCKETS[-1]
+    return tuple(b for b in BUCKETS if b <= top)
+
+
+def _gated_off_everywhere(plan: RoutePlan) -> bool:
+    """Whether ``plan``'s cost gate (``LynxConfig.gate="auto"``) keeps vLLM's routing at every step size this engine
+    can run (:func:`_step_buckets`), each bucket measured now if it was not. False without a gate (``gate="always"``,
+    a policy that never remaps), or where a bucket cannot be measured (the gate keeps the policy on there)."""
+    gate = plan.gate
+    if gate is None:
+        return False
+    for b in _step_buckets():
+        decision = gate.decision(b)
+        if decision.on or decision.reason.startswith("not measured"):
+            return False
+    return True
+
+
+def _set_bypass(layer: _Layer, bypass: bool) -> None:
+    layer.bypass = bool(bypass)
+    STATE.bypassed = tuple(one for one in STATE.layers if one.bypass)
 
 
 def _experts_fn(layer: _Layer, device: torch.device):
@@ -322,6 +377,8 @@ def _remap_step(layer, plan, step, router_logits, topk_weights, topk_ids, host):
         start = time.perf_counter()
         out = _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
         plan.gate.observe(num_tokens, (time.perf_counter() - start) * 1e3)
+        if not STATE.frozen and not plan.gate.decision(num_tokens).on:  # decided again: off; off everywhere now?
+            _set_bypass(layer, _gated_off_everywhere(plan))
         return out
     return _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
 
@@ -459,10 +516,58 @@ def _attach(runner) -> None:
 
     def _compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
         topk_weights, topk_ids = original(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        if layer.bypass:  # a Python branch: read on every eager call, once where the forward is traced / captured
+            return topk_weights, topk_ids
         return torch.ops.lynx_vllm.remap_routing(router_logits, topk_weights, topk_ids, index)
 
     router._compute_routing = _compute_routing
     router._lynx_original_compute_routing = original
+
+
+def _frozen(model_runner) -> bool:
+    """Whether ``model_runner``'s forward is traced once or captured (vLLM's compiled mode, CUDA graphs): a Python
+    branch in ``_compute_routing`` is then read when the forward is traced, not on every step."""
+    if getattr(getattr(model_runner, "model_config", None), "enforce_eager", False):
+        return False
+    compilation = getattr(model_runner, "compilation_config", None)
+    if compilation is None:
+        return True  # unknown: assume the forward is compiled (configure is then stricter, never wrong)
+    mode = getattr(compilation, "mode", None)
+    cudagraphs = getattr(compilation, "cudagraph_mode", None)
+    return bool(mode is None or int(mode) != 0 or (cudagraphs is not None and
+                                                   getattr(cudagraphs, "name", "NONE") != "NONE"))
+
+
+def _before_forward(model_runner) -> None:
+    """Before the first forward of this worker (a profiling / warm-up / capture run or a step; hooked on the model
+    runners' ``_dummy_run`` and ``execute_model``): every layer's plan is made on the runner's device, its cost gate
+    measured (``LynxConfig.gate="auto"``: every bucket, a few seconds per layer shape at most, shared by the layers of
+    one shape), and a layer the gate keeps off at every step size this engine can run is bypassed
+    (:attr:`_Layer.bypass`), so vLLM's compiled mode traces its own routing there and no op. Then the forward counts
+    as frozen where it is compiled or captured (:func:`_frozen`)."""
+    if STATE.started:
+        return
+    STATE.started = True
+    cfg = STATE.config
+    if cfg is None or not STATE.layers:
+        return
+    device = torch.device(getattr(model_runner, "device", "cpu"))
+    dtype = getattr(getattr(model_runner, "model_config", None), "dtype", None)
+    STATE.device, STATE.dtype = device, dtype if isinstance(dtype, torch.dtype) else torch.float32
+    start = time.perf_counter()
+    for layer in STATE.layers:
+        _plan_for(layer, STATE.device, STATE.dtype, cfg.lynx)
+    logger.debug("lynx_hf.vllm: %d plans made, cost gate decided in %.2f s", len(STATE.layers),
+                 time.perf_counter() - start)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the expert timing's scratch weights: not reserved when vLLM profiles memory
+    STATE.frozen = _frozen(model_runner)
+    if STATE.bypassed:
+        logger.warning("lynx_hf.vllm: the cost gate (gate='auto') keeps vLLM's routing on %d/%d MoE layers at every "
+                       "step size up to %d tokens on this device (expected saving <= measured routing cost); those "
+                       "layers run vLLM's own routing path without the plugin's op (stats: layers[i]['gate']). "
+                       "gate='always' or LYNX_HF_GATE=always runs the policy on every decode step",
+                       len(STATE.bypassed), len(STATE.layers), _step_buckets()[-1])
 
 
 def configure(options) -> bool:
@@ -481,6 +586,25 @@ def configure(options) -> bool:
             raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
         if getattr(layer, "router_rule", None) is not None:
             _routers.check_groups(layer.router_rule, _remaps(cfg), layer.name)
+    if STATE.started and STATE.device is not None:
+        # the new plans now (the cost gate measures here, not in a served step); a frozen forward cannot take the op
+        # back into a layer it was traced without
+        plans = {layer.index: _make_plan(layer, STATE.device, STATE.dtype, cfg.lynx) for layer in STATE.layers}
+        if STATE.frozen:
+            needs = [layer.name for layer in STATE.layers
+                     if layer.bypass and not _gated_off_everywhere(plans[layer.index])]
+            if needs:
+                raise LynxConfigError(
+                    f"lynx_hf.vllm.configure: this engine's forward is compiled (or captured) without the plugin's "
+                    f"op on MoE layers {', '.join(needs)}: at engine start the cost gate (gate='auto') kept vLLM's "
+                    "routing there at every step size, and the new configuration would need the op. Nothing changed. "
+                    "Start the engine with gate='always' (or LYNX_HF_GATE=always) or enforce_eager=True to switch "
+                    "configurations at run time.")
+        STATE.config = cfg
+        for layer in STATE.layers:
+            _install_plan(layer, plans[layer.index], cfg.lynx)
+        reset()
+        return True
     STATE.config = cfg
     for layer in STATE.layers:
         layer.plan = None
@@ -607,6 +731,10 @@ def _write_kinds(kinds: np.ndarray, device) -> None:
     if step.num_decode:
         STATE.decode_steps += 1
         STATE.seen_decode += 1
+        for layer in STATE.bypassed:  # a bypassed layer's gate counts the decode steps it kept vLLM's routing on
+            gate = layer.plan.gate
+            gate.seen[total] += 1
+            gate.skipped[total] += 1
         if step.num_prefill:
             STATE.mixed_steps += 1
 
@@ -740,19 +868,22 @@ def snapshot() -> dict:
         entry.update(layer.telemetry.summary())
         entry["gate"] = layer.plan.gate.summary() if layer.plan is not None and layer.plan.gate is not None else \
             {"gate": STATE.config.lynx.gate if STATE.config else "always", "by_tokens": {}, "steps_skipped": 0}
+        entry["gate"]["bypassed"] = layer.bypass
         loaded = [0.0, 0.0, 0.0] if layer.loaded is None else layer.loaded.tolist()
         steps = loaded[0]
         entry["loaded_experts_before"] = loaded[1] / steps if steps else None
         entry["loaded_experts_after"] = loaded[2] / steps if steps else None
         layers.append(entry)
     cfg = STATE.config
-    summary = LynxStats(cfg.lynx.policy if cfg else "off", layers).summary()
+    summary = LynxStats(cfg.lynx.policy if cfg else "off", layers,
+                        telemetry=mode_of(cfg.lynx.telemetry) if cfg else None).summary()
     summary.pop("per_layer")
     seen = [entry for entry in layers if entry["loaded_experts_before"] is not None]
     for key in ("loaded_experts_before", "loaded_experts_after"):
         summary[key] = sum(entry[key] for entry in seen) / len(seen) if seen else None
     summary["skipped_calls"] = sum(entry["skipped_calls"] for entry in layers)
     summary["gate_steps_skipped"] = sum(entry["gate"]["steps_skipped"] for entry in layers)
+    summary["gate_bypassed_layers"] = sum(1 for layer in STATE.layers if layer.bypass)
     return {"rank": STATE.rank, "pid": os.getpid(), "config": cfg.to_dict() if cfg else None,
             "steps": STATE.steps, "decode_steps": STATE.decode_steps, "mixed_steps": STATE.mixed_steps,
             "layers": layers, "summary": summary}
@@ -834,10 +965,12 @@ def install() -> None:
             GPUModelRunnerV2 = None
 
         needed = [(MoERunner, "__init__"), (GPUModelRunner, "_prepare_inputs"), (GPUModelRunner, "execute_model"),
+                  (GPUModelRunner, "_dummy_run"),
                   (EngineArgs, "create_engine_config"), (WorkerWrapperBase, "execute_model"),
                   (WorkerWrapperBase, "initialize_from_config")]
         if GPUModelRunnerV2 is not None:
-            needed += [(GPUModelRunnerV2, "prepare_inputs"), (GPUModelRunnerV2, "execute_model")]
+            needed += [(GPUModelRunnerV2, "prepare_inputs"), (GPUModelRunnerV2, "execute_model"),
+                       (GPUModelRunnerV2, "_dummy_run")]
         for cls, name in needed:
             if not callable(getattr(cls, name, None)):
                 raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in this vLLM")
@@ -861,6 +994,7 @@ def install() -> None:
         GPUModelRunner._prepare_inputs = _prepare_inputs
         HOOKED_RUNNERS[GPUModelRunner] = "_prepare_inputs"
         _wrap_execute_model(GPUModelRunner)
+        _wrap_dummy_run(GPUModelRunner)
 
         if GPUModelRunnerV2 is not None:
             prepare_inputs_v2 = GPUModelRunnerV2.prepare_inputs
@@ -874,6 +1008,7 @@ def install() -> None:
             GPUModelRunnerV2.prepare_inputs = prepare_inputs_hooked
             HOOKED_RUNNERS[GPUModelRunnerV2] = "prepare_inputs"
             _wrap_execute_model(GPUModelRunnerV2)
+            _wrap_dummy_run(GPUModelRunnerV2)
 
         worker_execute = WorkerWrapperBase.execute_model
 
@@ -911,12 +1046,29 @@ def install() -> None:
         _INSTALLED = True
 
 
+def _wrap_dummy_run(cls) -> None:
+    """``cls._dummy_run`` (profiling, warm-up / compilation and CUDA-graph capture runs): the plans are made and the
+    cost gate decided before the first of them (:func:`_before_forward`)."""
+    dummy_run = cls._dummy_run
+
+    def _dummy_run(self, *args, **kwargs):
+        if not STATE.started:
+            _before_forward(self)
+        return dummy_run(self, *args, **kwargs)
+
+    _dummy_run.__wrapped__ = dummy_run
+    cls._dummy_run = _dummy_run
+
+
 def _wrap_execute_model(cls) -> None:
-    """``cls.execute_model``: the step mask is cleared after every forward (dummy / profiling / capture runs,
-    which skip the input preparation, see padding only)."""
+    """``cls.execute_model``: the plans are made before the first forward (:func:`_before_forward`); the step mask
+    is cleared after every forward (dummy / profiling / capture runs, which skip the input preparation, see
+    padding only)."""
     execute_model = cls.execute_model
 
     def _execute_model(self, *args, **kwargs):
+        if not STATE.started:
+            _before_forward(self)
         STATE.step.active = False
         try:
             return execute_model(self, *args, **kwargs)
