@@ -250,6 +250,7 @@ def worker(spec_path: str, out_path: str) -> None:
         cell["unique_before"] = stats["summary"]["unique_experts_before"] if stats["layers"] else None
         cell["unique_after"] = stats["summary"]["unique_experts_after"] if stats["layers"] else None
         cell["decode_steps_seen"] = stats["summary"]["decode_steps"] if stats["layers"] else None
+        cell["gate_bypassed_layers"] = stats["summary"].get("gate_bypassed_layers") if stats["layers"] else None
         result["cells"][str(c)] = cell
         print(f"  {spec['model']} {spec['variant']:9s} C={c:3d}: TPOT {cell['tpot_ms']:8.1f} ms  decode "
               f"{cell['decode_tok_s']:8.1f} tok/s  T {cell['unique_before']} -> {cell['unique_after']}", flush=True)
@@ -298,6 +299,11 @@ def aggregate(results: list[dict], variants: list[str]) -> list[dict]:
             after = [x["unique_after"] for x in cells if x["unique_after"] is not None]
             row["unique_before"] = statistics.median(before) if before else None
             row["unique_after"] = statistics.median(after) if after else None
+            # no decode step went through the policy (the cost gate kept vLLM's routing): "gate off", not "0 -> 0"
+            seen = [x.get("decode_steps_seen") for x in cells if x.get("decode_steps_seen") is not None]
+            row["gate_off"] = bool(before) and bool(seen) and max(seen) == 0
+            bypassed = [x["gate_bypassed_layers"] for x in cells if x.get("gate_bypassed_layers") is not None]
+            row["gate_bypassed_layers"] = max(bypassed) if bypassed else None
             rows.append(row)
     return rows
 
@@ -311,6 +317,9 @@ def markdown(rows: list[dict], header: str) -> str:
            "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = "—" if r["unique_before"] is None else f"{r['unique_before']:.2f} → {r['unique_after']:.2f}"
+        if r.get("gate_off"):
+            bypassed = r.get("gate_bypassed_layers")
+            t = "gate off: vLLM's routing" + (f" ({bypassed} layers bypassed)" if bypassed else "")
         out.append(f"| {r['model']} | {r['concurrency']} | {r['variant']} | {f(r['tpot_ms'], '.1f')} | "
                    f"{f(r.get('tpot_ratio'), '.3f')} | {f(r['decode_tok_s'], '.1f')} | {f(r.get('decode_speedup'), '.3f')} | "
                    f"{f(r['total_tok_s'], '.1f')} | {t} | {r['tpot_ms_rounds']} |")

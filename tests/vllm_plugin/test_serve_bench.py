@@ -27,6 +27,20 @@ def test_aggregate_pairs_ratios_by_round():
     assert "| m | 16 | lynx | 70.0 | 0.625 |" in md
 
 
+def test_a_cell_without_remapped_steps_reads_gate_off():
+    """Telemetry from engines whose cost gate kept vLLM's routing on every step (no decode step counted, 0 -> 0
+    experts): the row says so instead of "0.00 -> 0.00"; one engine that remapped makes it a normal row."""
+    off = dict(_cell(50.0, 320.0, 0.0, 0.0), decode_steps_seen=0, gate_bypassed_layers=4)
+    results = [{"model": "m", "round": 0, "variant": "unpatched", "cells": {"16": _cell(100.0, 160.0)}},
+               {"model": "m", "round": 0, "variant": "lynx", "cells": {"16": off}}]
+    rows = {r["variant"]: r for r in sb.aggregate(results, ["unpatched", "lynx"])}
+    assert rows["lynx"]["gate_off"] and not rows["unpatched"]["gate_off"]
+    assert "| gate off: vLLM's routing (4 layers bypassed) |" in sb.markdown(list(rows.values()), "# t")
+    results.append({"model": "m", "round": 1, "variant": "lynx",
+                    "cells": {"16": dict(_cell(50.0, 320.0, 20.0, 9.0), decode_steps_seen=60)}})
+    assert not {r["variant"]: r for r in sb.aggregate(results, ["unpatched", "lynx"])}["lynx"]["gate_off"]
+
+
 def test_real_shape_config_is_qwen2_57b_cut_to_layers():
     cfg = sb.real_shape_config(layers=2, vocab=4096, scale=1)
     assert (cfg["hidden_size"], cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
