@@ -18,7 +18,7 @@ from .detection import StepTracker, cache_length, generation_scope
 from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
 from .kernels.backend import resolve_backend
 from .patches import find_spec, looks_like_moe, supported_families, why_unsupported
-from .telemetry import LynxStats
+from .telemetry import LynxStats, mode_of
 
 MODEL_ATTR = "_lynx_state"  # on the module whose generate runs (or the backbone): the ModelState
 
@@ -452,7 +452,8 @@ def stats(model: torch.nn.Module) -> LynxStats:
     layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary(),
                **offload.layer_summary(b),
                "gate": _gate_summary(state.config, b.plan)} for b in state.blocks]
-    return LynxStats(policy=state.config.policy, layers=layers, detection=state.tracker.counts())
+    return LynxStats(policy=state.config.policy, layers=layers, detection=state.tracker.counts(),
+                     telemetry=mode_of(state.config.telemetry))
 
 
 def reset_stats(model: torch.nn.Module) -> None:

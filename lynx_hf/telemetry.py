@@ -185,11 +185,13 @@ class LynxStats:
 
     ``detection``: the decode-step detector's self-check counts (``lynx_hf.detection.StepTracker.counts``:
     ``backbone_forwards``, ``decode_forwards``, ``unclassified_forwards``); empty where no detector ran
-    (the vLLM plugin)."""
+    (the vLLM plugin). ``telemetry``: the mode the figures were recorded in (:func:`mode_of` of
+    ``LynxConfig.telemetry``: ``"full"``, ``"counts"``, or ``None``: telemetry off, nothing recorded)."""
 
     policy: str
     layers: list[dict] = field(default_factory=list)
     detection: dict = field(default_factory=dict)
+    telemetry: str | None = FULL
 
     def summary(self) -> dict:
         """Means over MoE blocks of the per-block means per decode step.
@@ -204,7 +206,9 @@ class LynxStats:
         verification forwards of assisted / prompt-lookup decoding), ``prefill_tokens_in_mixed_steps``
         (prefill tokens that shared a forward with decode tokens: continuous batching),
         ``finished_row_tokens`` (tokens of finished rows, not counted above), ``num_moe_layers``,
-        ``policy``, ``gate_steps_skipped`` (layer-steps on which the cost gate, ``LynxConfig.gate="auto"``, kept the
+        ``policy``, ``telemetry`` (the recording mode: ``"full"``, ``"counts"`` or ``"off"``; with ``"off"`` nothing
+        was recorded and the figures above are the placeholders of "no decode step": 0 experts, ratio 1.0),
+        ``gate_steps_skipped`` (layer-steps on which the cost gate, ``LynxConfig.gate="auto"``, kept the
         model's own routing; they are not in the counts above) and ``per_layer`` (list of per-block dicts; each
         has ``"gate"``: ``lynx_hf.gate.PlanGate.summary``, per step size T seen: on / off, the measured cost and
         expected saving in ms per layer-step, the steps skipped). Where experts offloaded by accelerate are read per
@@ -227,6 +231,7 @@ class LynxStats:
         first = self.layers[0] if self.layers else {}
         return {
             "policy": self.policy,
+            "telemetry": self.telemetry or "off",
             "decode_steps": max((layer["decode_steps"] for layer in self.layers), default=0),
             "num_moe_layers": len(self.layers),
             "unique_experts_before": before,

@@ -122,6 +122,21 @@ def test_telemetry_counts_mode_counts_what_full_mode_counts(sync_free):
         assert torch.equal(i1, i2) and torch.equal(w1, w2)
 
 
+def test_summary_names_the_telemetry_mode():
+    """``stats().summary()["telemetry"]`` says which mode recorded the figures; with telemetry off a decode step
+    still routes with the policy but nothing is recorded: the summary says "off" beside its placeholders."""
+    model = fam.build("qwen2_moe")
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(0)) * 3
+    for mode, want, steps in ((True, "full", 1), ("counts", "counts", 1), (False, "off", 0)):
+        with lynx_hf.patched(model, policy="lynx", gate="always", telemetry=mode):
+            block = model.__dict__["_lynx_state"].blocks[0]
+            lg = logits[:, :block.num_experts]
+            idx = _own_topk(lg, block.top_k)
+            block.route(Step(DECODE), lg, torch.softmax(lg, -1).gather(1, idx), idx)
+            summary = lynx_hf.stats(model).summary()
+        assert summary["telemetry"] == want and summary["decode_steps"] == steps
+
+
 def test_config_telemetry_values():
     assert LynxConfig(telemetry="counts").telemetry == "counts"
     assert LynxConfig.from_options({"telemetry": "counts"}).telemetry == "counts"
