@@ -205,7 +205,8 @@ def test_C29_compiled_regions_run_and_remap_like_eager_lynx(order):
     assert backend.graphs > 0 and backend.calls >= NEW * layers  # the compiled layers ran in every forward
     _same_run(got, want, atol=1e-5)
     stats = _telemetry(compiled)
-    assert stats.pop("policy") == want_stats.pop("policy")
+    for key in ("policy", "telemetry"):  # the strings; the rest are numbers
+        assert stats.pop(key) == want_stats.pop(key)
     assert stats == pytest.approx(want_stats, rel=1e-6)  # counts exact; routing mass summed in another order
     assert stats["decode_steps"] == NEW - 1 and stats["unique_experts_after"] < stats["unique_experts_before"]
     lynx_hf.unpatch(compiled)
