@@ -61,6 +61,10 @@ DRAWS = 4
 POOL_BYTES = 96 << 20
 #: wall-clock budget of one timing (seconds); each timing takes at least 3 and at most ``reps`` calls
 TIME_BUDGET_S = 0.05
+#: further timings of the figure that decided a bucket (:func:`measure`: the smallest of them counts)
+CONFIRM = 2
+#: a figure whose timing took this long (seconds) or more is not timed again (:func:`measure`)
+CONFIRM_MAX_S = 0.5
 #: served decode steps over which an engine whose step body runs eagerly on the host (the vLLM plugin on CPU) times
 #: the policy's real per-step cost where the gate decided on, before deciding again with it
 #: (:meth:`PlanGate.observe`)
@@ -186,6 +190,13 @@ def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, dtype: torc
     return logits, weights.to(dtype), idx
 
 
+def thread_count_settable() -> bool:
+    """Whether ``torch.set_num_threads`` is torch's own. vLLM's CPU worker replaces it, once its threads are bound to
+    cores, with a function that only logs a warning (``vllm/v1/worker/cpu_worker.py``); there the timings run on the
+    worker's threads, as its served steps do (the repeated timings of :func:`measure` take the load spikes out)."""
+    return torch.set_num_threads is getattr(torch._C, "set_num_threads", torch.set_num_threads)
+
+
 @torch.no_grad()
 def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool | str = True,
                     draws: int = DRAWS, mixed: bool = False, route_fn=None) -> tuple[float, float, float]:
@@ -224,7 +235,7 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     host = host_reads_allowed(logits)
     scratch = BlockTelemetry(mode_of(telemetry)) if mode_of(telemetry) else None
     threads = torch.get_num_threads()
-    if plan.device.type == "cpu" and threads > 1:
+    if plan.device.type == "cpu" and threads > 1 and thread_count_settable():
         # the routing work is a chain of small ops (T x N, far below torch's intra-op grain size: they run on one
         # thread anyway); timed on one thread it is the work itself, not OpenMP's barriers on a busy host, which
         # measured up to 200x slower and flipped decisions between runs on a loaded 2-core machine
@@ -349,7 +360,10 @@ def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
 def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = True,
             extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None) -> GateDecision:
     """The gate's decision for ``plan`` at a step of ``num_tokens`` tokens (the bucket's, cached in-process per shape,
-    device, policy configuration and bucket), decided with :data:`MARGIN`. ``route_fn``: the engine's per-step
+    device, policy configuration and bucket), decided with :data:`MARGIN`. The figure that decided is timed again up to
+    :data:`CONFIRM` times while the decision flips, the smallest timing kept (on: the saving per expert; off: the
+    cost), so that one burst of load does not fix a wrong decision for the process; not where that timing took
+    :data:`CONFIRM_MAX_S` or more (a burst does not move a timing of seconds). ``route_fn``: the engine's per-step
     routing path (:func:`measure_routing`). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
     where :func:`cannot_measure` says so, :func:`always_on`."""
     if shape.hidden is None or shape.intermediate is None:
@@ -363,23 +377,59 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
-    cost, before, after = measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps,
-                                          route_fn=route_fn)
+    def routing_cost(draws: int = DRAWS):
+        return measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps, route_fn=route_fn,
+                               draws=draws)
+
+    took = {"cost": 0.0, "expert": 0.0}  # seconds the last timing of each figure took
+    start = time.perf_counter()
+    cost, before, after = routing_cost()
+    took["cost"] = time.perf_counter() - start
     # tokens per expert at this step size, rounded up to a power of two (the expert time grows slowly with it in
     # decode; fewer distinct measurements); nothing saved (one token, every expert kept): no expert timing needed
     tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
     edtype = shape.expert_dtype or shape.dtype
     ekey = (shape.hidden, shape.intermediate, edtype, str(plan.device), tokens, shape.num_experts)
-    expert = _EXPERT_CACHE.get(ekey) if expert_fn is None else None
-    if before - after <= 0:
-        expert = 0.0
-    if expert is None and expert_fn is not None:  # the layer's own experts path: what it really saves
-        expert = measure_module_expert_ms(expert_fn, shape.hidden, shape.num_experts, shape.top_k, b, before, after,
-                                          edtype, plan.device)
+
+    def expert_time() -> float:
+        if expert_fn is not None:  # the layer's own experts path: what it really saves
+            own = measure_module_expert_ms(expert_fn, shape.hidden, shape.num_experts, shape.top_k, b, before, after,
+                                           edtype, plan.device)
+            if own is not None:
+                return own
+        slope = measure_expert_ms(shape.hidden, shape.intermediate, edtype, plan.device, tokens, shape.num_experts)
+        _EXPERT_CACHE[ekey] = min(slope, _EXPERT_CACHE.get(ekey, slope))
+        return _EXPERT_CACHE[ekey]
+
+    saved = before - after
+    expert = 0.0 if saved <= 0 else (_EXPERT_CACHE.get(ekey) if expert_fn is None else None)
     if expert is None:
-        expert = _EXPERT_CACHE[ekey] = measure_expert_ms(shape.hidden, shape.intermediate, edtype, plan.device,
-                                                         tokens, shape.num_experts)
-    d = decide(cost, before - after, expert, extra_expert_ms, margin=MARGIN)
+        start = time.perf_counter()
+        expert = expert_time()
+        took["expert"] = time.perf_counter() - start
+    d = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)
+    # confirm: a burst of load during one timing inflates it (the cost; the expert figure, a difference, when it hits
+    # the larger call), and the decision is kept for the whole process. So the figure that decided is timed again, up
+    # to CONFIRM times, keeping the smallest: on -> the saving per expert (a spike there switched a bypassed vLLM
+    # layer back on: 0.39 ms for an expert that costs ~0.004), off -> the cost (one timing of 23.9 ms for ~0.1 ms work).
+    # Only where that timing is short (< CONFIRM_MAX_S): a long one (large experts: seconds of calls) is not moved
+    # by a burst, and timing it again would add seconds per bucket to the start
+    for _ in range(CONFIRM if saved > 0 else 0):
+        start = time.perf_counter()
+        if d.on:
+            if took["expert"] >= CONFIRM_MAX_S:
+                break
+            expert = min(expert, expert_time())
+            took["expert"] = time.perf_counter() - start
+        else:
+            if took["cost"] >= CONFIRM_MAX_S:
+                break
+            cost = min(cost, routing_cost(draws=1)[0])
+            took["cost"] = time.perf_counter() - start
+        again = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)
+        flipped, d = again.on != d.on, again
+        if not flipped:
+            break
     d = GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, d.extra_expert_ms, before, after,
                      d.reason)
     _CACHE[key] = d

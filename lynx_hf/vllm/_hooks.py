@@ -597,7 +597,9 @@ def configure(options) -> bool:
                 raise LynxConfigError(
                     f"lynx_hf.vllm.configure: this engine's forward is compiled (or captured) without the plugin's "
                     f"op on MoE layers {', '.join(needs)}: at engine start the cost gate (gate='auto') kept vLLM's "
-                    "routing there at every step size, and the new configuration would need the op. Nothing changed. "
+                    "routing there at every step size, and the new configuration would need the op there (a policy the "
+                    "gate does not keep off everywhere, gate='always', or policy 'none', whose telemetry the op "
+                    "records). Nothing changed. "
                     "Start the engine with gate='always' (or LYNX_HF_GATE=always) or enforce_eager=True to switch "
                     "configurations at run time.")
         STATE.config = cfg

@@ -379,3 +379,64 @@ def test_module_expert_timing_is_the_median_difference_and_none_when_not_positiv
     monkeypatch.setattr(gate, "_time_ms", fake([1.0, 1.1, 1.0, 1.1, 1.5, 0.4]))
     assert gate.measure_module_expert_ms(fn, 16, 8, 2, 4, before=8.0, after=2.0, dtype=torch.float32,
                                          device="cpu") is None
+
+
+def _timed_measure(monkeypatch, costs, experts, saved=(13.0, 6.0)):
+    """``gate.measure`` on a real plan (fixture-like shape N 32, k 4) with the timings replaced by sequences: routing
+    costs (ms) and the layer's own saving per expert (ms), one value per timing; the experts before / after fixed.
+    Returns ``(decision, costs timed, expert figures timed)``."""
+    from lynx_hf.config import LynxConfig
+    from lynx_hf.core import make_plan
+
+    gate._CACHE.clear()
+    cost_seq, expert_seq, seen = iter(costs), iter(experts), {"cost": 0, "expert": 0}
+
+    def routing(plan, num_tokens, dtype=torch.float32, telemetry=True, draws=gate.DRAWS, mixed=False, route_fn=None):
+        seen["cost"] += 1
+        return next(cost_seq), saved[0], saved[1]
+
+    def own(*args):
+        seen["expert"] += 1
+        return next(expert_seq)
+
+    monkeypatch.setattr(gate, "measure_routing", routing)
+    monkeypatch.setattr(gate, "measure_module_expert_ms", own)
+    plan = make_plan(LynxConfig(policy="lynx", gate="always"), 32, 4, torch.device("cpu"))
+    shape = gate.LayerShape(32, 4, 64, 32)
+    d = gate.measure(plan, shape, 16, expert_fn=lambda h, i, w: h)
+    gate._CACHE.clear()
+    return d, seen["cost"], seen["expert"]
+
+
+def test_measure_confirms_the_figure_that_decided_and_keeps_the_smallest(monkeypatch):
+    """Hand-worked, 7 experts saved, margin 1.25:
+    - an expert timing spike (0.4 ms, then 0.004): on (2.8 > 1.25 x 0.087) -> the saving is timed again: 0.028 <=
+      0.109 -> off (flipped) -> the cost is timed again (0.08): still off, stop. Off, 2 costs and 2 expert timings;
+    - a cost spike (23.9 ms, then 0.07) with 0.2 ms per expert (saving 1.4): off -> cost again -> on (flipped) ->
+      saving again (0.25: the smaller 0.2 is kept) -> still on, stop;
+    - a clear decision is confirmed once: on at 0.2 ms per expert and cost 0.07 -> one more expert timing, same."""
+    d, costs, experts = _timed_measure(monkeypatch, [0.087, 0.08], [0.4, 0.004])
+    assert not d.on and (costs, experts) == (2, 2)
+    assert d.expert_ms == 0.004 and d.cost_ms == 0.08
+    d, costs, experts = _timed_measure(monkeypatch, [23.9, 0.07], [0.2, 0.25])
+    assert d.on and (costs, experts) == (2, 2) and d.cost_ms == 0.07 and d.expert_ms == 0.2
+    d, costs, experts = _timed_measure(monkeypatch, [0.07], [0.2, 0.2])
+    assert d.on and (costs, experts) == (1, 2)
+    d, costs, experts = _timed_measure(monkeypatch, [0.07], [], saved=(4.0, 4.0))  # nothing saved: no timing
+    assert not d.on and (costs, experts) == (1, 0)
+
+
+def test_thread_count_settable_sees_vllms_replacement(monkeypatch):
+    """vLLM's CPU worker replaces ``torch.set_num_threads`` with a warning-only function: the gate then times on the
+    worker's threads instead of calling it (it would log twice per measured shape and change nothing)."""
+    assert gate.thread_count_settable()
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    assert not gate.thread_count_settable()
+
+
+def test_measure_does_not_time_a_long_figure_again(monkeypatch):
+    """A figure whose timing took ``CONFIRM_MAX_S`` or more (large experts) is kept as measured: the expert spike
+    case above stays on, timed once."""
+    monkeypatch.setattr(gate, "CONFIRM_MAX_S", 0.0)
+    d, costs, experts = _timed_measure(monkeypatch, [0.087], [0.4])
+    assert d.on and (costs, experts) == (1, 1)
