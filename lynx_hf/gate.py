@@ -381,10 +381,11 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
         return measure_routing(plan, b, shape.dtype, telemetry=telemetry, mixed=shape.mixed_steps, route_fn=route_fn,
                                draws=draws)
 
-    took = {"cost": 0.0, "expert": 0.0}  # seconds the last timing of each figure took
-    start = time.perf_counter()
-    cost, before, after = routing_cost()
-    took["cost"] = time.perf_counter() - start
+    def timed(fn):  # (fn(), seconds it took)
+        start = time.perf_counter()
+        return fn(), time.perf_counter() - start
+
+    (cost, before, after), cost_s = timed(routing_cost)
     # tokens per expert at this step size, rounded up to a power of two (the expert time grows slowly with it in
     # decode; fewer distinct measurements); nothing saved (one token, every expert kept): no expert timing needed
     tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
@@ -403,10 +404,9 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
 
     saved = before - after
     expert = 0.0 if saved <= 0 else (_EXPERT_CACHE.get(ekey) if expert_fn is None else None)
+    expert_s = 0.0  # seconds the last timing of the expert figure took (0: not timed here)
     if expert is None:
-        start = time.perf_counter()
-        expert = expert_time()
-        took["expert"] = time.perf_counter() - start
+        expert, expert_s = timed(expert_time)
     d = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)
     # confirm: a burst of load during one timing inflates it (the cost; the expert figure, a difference, when it hits
     # the larger call), and the decision is kept for the whole process. So the figure that decided is timed again, up
@@ -415,19 +415,18 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
     # Only where that timing is short (< CONFIRM_MAX_S): a long one (large experts: seconds of calls) is not moved
     # by a burst, and timing it again would add seconds per bucket to the start
     for _ in range(CONFIRM if saved > 0 else 0):
-        start = time.perf_counter()
         if d.on:
-            if took["expert"] >= CONFIRM_MAX_S:
+            if expert_s >= CONFIRM_MAX_S:
                 break
-            expert = min(expert, expert_time())
-            took["expert"] = time.perf_counter() - start
+            again, expert_s = timed(expert_time)
+            expert = min(expert, again)
         else:
-            if took["cost"] >= CONFIRM_MAX_S:
+            if cost_s >= CONFIRM_MAX_S:
                 break
-            cost = min(cost, routing_cost(draws=1)[0])
-            took["cost"] = time.perf_counter() - start
-        again = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)
-        flipped, d = again.on != d.on, again
+            (again, _, _), cost_s = timed(lambda: routing_cost(draws=1))
+            cost = min(cost, again)
+        new = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)
+        flipped, d = new.on != d.on, new
         if not flipped:
             break
     d = GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, d.extra_expert_ms, before, after,

@@ -586,6 +586,7 @@ def configure(options) -> bool:
             raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
         if getattr(layer, "router_rule", None) is not None:
             _routers.check_groups(layer.router_rule, _remaps(cfg), layer.name)
+    plans = None
     if STATE.started and STATE.device is not None:
         # the new plans now (the cost gate measures here, not in a served step); a frozen forward cannot take the op
         # back into a layer it was traced without
@@ -602,14 +603,12 @@ def configure(options) -> bool:
                     "records). Nothing changed. "
                     "Start the engine with gate='always' (or LYNX_HF_GATE=always) or enforce_eager=True to switch "
                     "configurations at run time.")
-        STATE.config = cfg
-        for layer in STATE.layers:
-            _install_plan(layer, plans[layer.index], cfg.lynx)
-        reset()
-        return True
     STATE.config = cfg
     for layer in STATE.layers:
-        layer.plan = None
+        if plans is None:
+            layer.plan = None  # made on first use
+        else:
+            _install_plan(layer, plans[layer.index], cfg.lynx)
     reset()
     return True
 
@@ -733,10 +732,9 @@ def _write_kinds(kinds: np.ndarray, device) -> None:
     if step.num_decode:
         STATE.decode_steps += 1
         STATE.seen_decode += 1
-        for layer in STATE.bypassed:  # a bypassed layer's gate counts the decode steps it kept vLLM's routing on
-            gate = layer.plan.gate
-            gate.seen[total] += 1
-            gate.skipped[total] += 1
+        for layer in STATE.bypassed:  # a bypassed layer's gate counts the decode steps it kept vLLM's routing on,
+            if not layer.plan.gate.on(total):  # as the op body does for a step the gate skips
+                layer.plan.gate.skip(total)
         if step.num_prefill:
             STATE.mixed_steps += 1
 
@@ -885,7 +883,7 @@ def snapshot() -> dict:
         summary[key] = sum(entry[key] for entry in seen) / len(seen) if seen else None
     summary["skipped_calls"] = sum(entry["skipped_calls"] for entry in layers)
     summary["gate_steps_skipped"] = sum(entry["gate"]["steps_skipped"] for entry in layers)
-    summary["gate_bypassed_layers"] = sum(1 for layer in STATE.layers if layer.bypass)
+    summary["gate_bypassed_layers"] = len(STATE.bypassed)
     return {"rank": STATE.rank, "pid": os.getpid(), "config": cfg.to_dict() if cfg else None,
             "steps": STATE.steps, "decode_steps": STATE.decode_steps, "mixed_steps": STATE.mixed_steps,
             "layers": layers, "summary": summary}
