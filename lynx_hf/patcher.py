@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import os
 import types
@@ -51,20 +52,32 @@ class ModelState:
         return [block.block for block in self.blocks]
 
 
-class _BoundMethod:
-    """An instance attribute shadowing one of the model's class methods, shaped like a bound method:
-    ``__self__`` is the model it is installed on and ``__func__`` a module-level function of
-    ``(model, *args, **kwargs)``. Code that copies a model and rebinds its bound methods to the copy
-    (accelerate's ``compile_regions`` builds a new root this way, ``docs/cases.md`` C29) therefore gets a method
-    of the copy, and ``copy.deepcopy`` / ``pickle`` carry ``__self__`` to the copy; each function finds the
-    :class:`ModelState` on the model it runs on."""
+class _BoundMethod(functools.partial):
+    """An instance attribute shadowing one of the model's class methods: ``_BoundMethod(func, model)`` calls
+    ``func(model, *args, **kwargs)``, ``func`` a module-level function of ``(model, *args, **kwargs)``. Shaped
+    both as a bound method (``__self__`` is the model it is installed on, ``__func__`` the function) and as a
+    ``functools.partial`` whose first argument is the model, so code that copies a model and rebinds the copy's
+    bound methods and partials to the copy gets a method of the copy: accelerate's ``compile_regions`` builds a
+    new root this way (``docs/cases.md`` C29; accelerate <= 1.15 rebinds whatever has ``__func__`` / ``__self__``,
+    1.16 rebinds ``types.MethodType`` and ``functools.partial`` instances). ``copy.deepcopy`` / ``pickle`` carry
+    the model argument to the copy (``partial``'s own reduce); each function finds the :class:`ModelState` on the
+    model it runs on."""
 
-    def __init__(self, model: torch.nn.Module, func) -> None:
-        self.__self__ = model
-        self.__func__ = func
+    @property
+    def __self__(self) -> torch.nn.Module:
+        return self.args[0]
 
-    def __call__(self, *args, **kwargs):
-        return self.__func__(self.__self__, *args, **kwargs)
+    @property
+    def __func__(self):
+        return self.func
+
+
+def _installed_func(value):
+    """The module-level function behind an installed method ``value`` (a :class:`_BoundMethod`, or the bound
+    method / plain ``functools.partial`` a copying tool rebound it to), else ``None``."""
+    if isinstance(value, functools.partial):
+        return value.func
+    return getattr(value, "__func__", None)
 
 
 def _patched_generate(model, *args, **kwargs):
@@ -116,13 +129,13 @@ def _install_model_methods(state: ModelState) -> None:
         return
     for name, func in _MODEL_METHODS.items():
         if callable(getattr(type(state.model), name, None)) and name not in state.model.__dict__:
-            object.__setattr__(state.model, name, _BoundMethod(state.model, func))
+            object.__setattr__(state.model, name, _BoundMethod(func, state.model))
 
 
 def _remove_model_methods(module: torch.nn.Module) -> None:
     """Remove the methods :func:`_install_model_methods` put on ``module`` (or a copy of it rebound them to)."""
     for name, func in _MODEL_METHODS.items():
-        if getattr(module.__dict__.get(name), "__func__", None) is func:
+        if _installed_func(module.__dict__.get(name)) is func:
             del module.__dict__[name]
 
 
