@@ -25,7 +25,10 @@ class LynxHookError(LynxError, RuntimeError):
     """The vLLM plugin (``lynx_hf.vllm``) is configured in an engine but cannot tell which tokens decode: the
     worker's model runner is not one whose input preparation it hooks (raised at engine start), or requests
     are decoding while the hooked input preparation has reported no decode token for several consecutive
-    steps (raised in the engine's step). The message names the runner class and the hook it could not reach."""
+    steps (raised in the engine's step), or the hooks could not be installed on this vLLM at all (raised at engine
+    start, on every configuration path: ``LYNX_VLLM_CONFIG`` in ``register()``, ``additional_config`` in the driver's
+    ``EngineArgs.create_engine_config`` or at worker start). The message names the runner class and the hook it could
+    not reach, or the installed vLLM version and why."""
 
 
 class NotPatchedError(LynxError, RuntimeError):

@@ -39,21 +39,33 @@ __all__ = ["register", "stats", "reset_stats", "configure", "summary", "ENV_VAR"
 def register() -> None:
     """Entry point (``vllm.general_plugins``). Validates ``LYNX_VLLM_CONFIG`` (raising
     :class:`~lynx_hf.LynxConfigError`, which aborts engine start) and installs the hooks; they stay
-    dormant in engines that are not configured. Without vLLM: returns. With a vLLM whose internals
-    differ: a warning (plugin inactive), or the ``ImportError`` / ``AttributeError`` if the plugin
-    is configured."""
+    dormant in engines that are not configured. Without vLLM: returns.
+
+    With a vLLM the hooks cannot be installed on (``_hooks.install`` raises ``ImportError`` /
+    ``AttributeError``): configured by ``LYNX_VLLM_CONFIG``, raises :class:`~lynx_hf.LynxHookError` naming the
+    installed vLLM version now; otherwise logs a warning and remembers the failure
+    (:func:`lynx_hf.vllm._compat.guard`), so an engine configured by ``additional_config={"lynx": {...}}`` raises
+    the same error when its configuration is first seen (the driver's ``EngineArgs.create_engine_config``, a
+    worker's start), and an engine without a lynx configuration starts as without the plugin."""
     configured = parse(os.environ.get(ENV_VAR))  # raises on a bad value
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:  # no vLLM (or only a namespace directory named vllm)
         return
-    from . import _hooks
+    from . import _compat
 
     try:
+        from . import _hooks
+
         _hooks.install()
     except (ImportError, AttributeError) as exc:
+        error = _compat.unsupported(exc)
         if configured is not None:
-            raise
-        logger.warning("lynx_hf.vllm: this vLLM is not supported, plugin inactive (%s)", exc)
+            raise error from exc
+        first = _compat.failure() is None  # vLLM calls register() again in the same process: warn once
+        guarded = _compat.guard(error)
+        if first:
+            logger.warning("lynx_hf.vllm: the plugin cannot hook this vLLM (%s); an engine configured for it will "
+                           "raise at start (%s)", exc, ", ".join(guarded) or "no place to check a configuration found")
 
 
 def stats(llm) -> list[dict]:

