@@ -1,6 +1,6 @@
 """What each vLLM router class computes, stated as lynx_hf's own family rules (imports no vLLM).
 
-vLLM 0.32 builds one router per MoE layer (``vllm/model_executor/layers/fused_moe/router/router_factory.py``):
+vLLM 0.32 to 0.34 build one router per MoE layer (``vllm/model_executor/layers/fused_moe/router/router_factory.py``):
 on CPU always ``CPURouter``; elsewhere ``GroupedTopKRouter`` (DeepSeek-V2/V3, GLM-4.5+, Kimi-K2, ...),
 ``CustomRoutingRouter`` (Llama-4, Cohere2-MoE, ...), ``FusedTopKBiasRouter`` (a score-correction bias without
 groups) or ``FusedTopKRouter`` (plain top-k). :func:`derive` reads a router's attributes and returns a
@@ -17,7 +17,9 @@ groups) or ``FusedTopKRouter`` (plain top-k). :func:`derive` reads a router's at
 (c) the **weight rule** (:class:`lynx_hf.core.WeightRule`): the unbiased ``softmax`` over all N or ``sigmoid``
     of the chosen experts, renormalized iff the router renormalizes, times the router's own
     ``routed_scaling_factor`` *only where the router applies it*: the grouped paths and ``FusedTopKBiasRouter``
-    multiply by it; ``CPURouter``'s plain and custom paths and ``FusedTopKRouter`` do not. vLLM's DeepSeek-V2/V3
+    multiply by it; ``CPURouter``'s plain softmax and custom paths and ``FusedTopKRouter`` do not. vLLM 0.34 added
+    a plain *sigmoid* path to ``CPURouter`` (MiniMax-M2; 0.32 and 0.33 assert softmax there): its grouped top-k
+    with one group, so it reads the bias for selection and scales like the grouped path. vLLM's DeepSeek-V2/V3
     pass ``apply_routed_scale_to_output=True`` (``FusedMoE``), so their routers get a factor of 1 and the
     ``MoERunner`` scales the layer output; the rule reads the router's attribute, so the factor is applied
     exactly once either way.
@@ -101,9 +103,10 @@ def _refuse_extras(router, kind: str) -> None:
         raise UnsupportedModelError(f"lynx_hf.vllm: {kind} with {extras} is not supported")
 
 
-def _grouped(router, num_experts: int, scoring: str, bias: bool) -> BiasedSelection | None:
-    """The grouped / biased selection rule (``None``: plain top-k). ``n_group`` 1 with a bias: no groups."""
-    groups = int(getattr(router, "num_expert_group", None) or 1)
+def _grouped(router, num_experts: int, scoring: str, bias: bool, one_group: bool = False) -> BiasedSelection | None:
+    """The grouped / biased selection rule (``None``: plain top-k). ``n_group`` 1 with a bias: no groups.
+    ``one_group``: the router's path groups nothing whatever its ``num_expert_group`` says."""
+    groups = 1 if one_group else int(getattr(router, "num_expert_group", None) or 1)
     topk_group = int(getattr(router, "topk_group", None) or 1)
     if groups <= 1 or num_experts <= groups or num_experts % groups:
         groups, topk_group = 1, 1  # vLLM's one-group / invalid grouping: every expert allowed
@@ -139,6 +142,11 @@ def derive(router) -> RouterRule:
                               num_experts)
         if custom is not None:
             return RouterRule(kind, _custom_rule(custom, router), None, False, top_k, num_experts)
+        if scoring == "sigmoid":
+            # vLLM >= 0.34 (0.32 / 0.33 assert softmax here): cpu_router._grouped_topk with one group: top-k of
+            # sigmoid(logits) + bias, weights the unbiased sigmoid, renormalized iff renormalize, x routed_scaling_factor
+            return RouterRule(kind, WeightRule("sigmoid", renormalize, scale),
+                              _grouped(router, num_experts, scoring, bias, one_group=True), bias, top_k, num_experts)
         # cpu_router._softmax_topk: softmax top-k of the logits; no bias, no scaling factor in this path
         return RouterRule(kind, WeightRule("softmax_all", renormalize, 1.0), None, False, top_k, num_experts)
     if kind == "GroupedTopKRouter":

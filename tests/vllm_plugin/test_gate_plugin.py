@@ -159,6 +159,7 @@ def _decode_step(rows=8):
     _hooks._write_kinds(_hooks.token_kinds([1] * rows, [40] * rows, [32] * rows, 1), "cpu")
 
 
+@pytest.mark.vllm_code  # vLLM's own CPURouter traced with the hook (also on vLLM 0.33 / 0.34)
 @pytest.mark.parametrize("on", [set(), {32}], ids=["off_everywhere", "on_above_capacity"])
 def test_layer_off_at_every_step_size_is_traced_without_the_op(attached, monkeypatch, on):
     """Off at every bucket this engine can run (capacity 16: buckets 1-16; on at 32 cannot happen): the plans are
@@ -185,6 +186,7 @@ def test_layer_off_at_every_step_size_is_traced_without_the_op(attached, monkeyp
     assert snap["summary"]["gate_bypassed_layers"] == 1
 
 
+@pytest.mark.vllm_code
 def test_layer_on_at_some_step_size_keeps_the_op(attached):
     """On at one bucket the engine can run (8): not bypassed, the compiled graph calls the op once, and the policy
     remaps a decode step of 8 tokens (``tau`` 1000: every decode token may move)."""

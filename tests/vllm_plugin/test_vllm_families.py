@@ -31,7 +31,7 @@ from lynx_hf.core import Step, make_plan, remap
 from lynx_hf.eval import DATA_DIR
 from lynx_hf.kernels.backend import routing_ops
 from lynx_hf.kernels.routing_torch import routing_weights
-from lynx_hf.vllm import _hooks, _routers
+from lynx_hf.vllm import _compat, _hooks, _routers
 
 vllm = pytest.importorskip("vllm")
 
@@ -87,6 +87,18 @@ CASES = {
     "gpu_bias_softmax": (lambda: FusedTopKBiasRouter(4, N, _bias(), renormalize=False, routed_scaling_factor=1.8,
                                                      scoring_func="softmax"), False),
 }
+#: vLLM 0.34's plain sigmoid path of CPURouter (MiniMax-M2: sigmoid + selection-only bias, renormalized, scaled): its
+#: grouped top-k with one group whatever num_expert_group says; vLLM 0.32 / 0.33 assert softmax there
+CPU_SIGMOID_PLAIN = {
+    "cpu_sigmoid_bias": lambda: CPURouter(4, N, renormalize=True, scoring_func="sigmoid", routed_scaling_factor=2.5,
+                                          e_score_correction_bias=_bias()),
+    "cpu_sigmoid": lambda: CPURouter(4, N, renormalize=False, scoring_func="sigmoid", routed_scaling_factor=1.5),
+    "cpu_sigmoid_groups_unused": lambda: CPURouter(4, N, num_expert_group=4, topk_group=1, renormalize=True,
+                                                   scoring_func="sigmoid", e_score_correction_bias=_bias()),
+}
+HAS_CPU_SIGMOID_PLAIN = _compat.minor(vllm.__version__) >= (0, 34)
+if HAS_CPU_SIGMOID_PLAIN:
+    CASES.update({case: (factory, False) for case, factory in CPU_SIGMOID_PLAIN.items()})
 
 
 @pytest.fixture
@@ -110,6 +122,7 @@ def _sorted(ids, weights):
     return ids.long().gather(1, order), weights.float().gather(1, order)
 
 
+@pytest.mark.vllm_code
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_rule_reproduces_the_router_class(case, torch_reference_paths):
     """Same logits: (1) the rule's weights on vLLM's ids equal vLLM's weights (fp32 tight, bf16 logits within
@@ -141,6 +154,7 @@ def test_rule_reproduces_the_router_class(case, torch_reference_paths):
     assert kept_w is weights and kept_ids is ids
 
 
+@pytest.mark.vllm_code
 def test_rules_state_each_router_class():
     """The derived rules, by hand: routed_scaling_factor only where the router itself applies it."""
     rules = {case: _routers.derive(factory()) for case, (factory, _) in CASES.items()}
@@ -154,6 +168,16 @@ def test_rules_state_each_router_class():
     plain = _routers.derive(CPURouter(4, N, renormalize=True, routed_scaling_factor=2.5,
                                       e_score_correction_bias=_bias()))
     assert plain.weight.scale == 1.0 and plain.selection is None and not plain.bias
+    # CPURouter's plain sigmoid path (vLLM 0.34): selection on sigmoid + bias in one group, unbiased sigmoid weights,
+    # renormalized iff asked, x routed_scaling_factor; without a bias: top-k of the logits
+    sigmoid = {case: _routers.derive(factory()) for case, factory in CPU_SIGMOID_PLAIN.items()}
+    assert (sigmoid["cpu_sigmoid_bias"].weight.kind, sigmoid["cpu_sigmoid_bias"].weight.renormalize,
+            sigmoid["cpu_sigmoid_bias"].weight.scale) == ("sigmoid", True, 2.5)
+    sel = sigmoid["cpu_sigmoid_bias"].selection
+    assert sigmoid["cpu_sigmoid_bias"].bias and (sel.score, sel.owner, sel.n_group) == ("sigmoid", "router", 1)
+    assert sigmoid["cpu_sigmoid_groups_unused"].selection.n_group == 1
+    assert sigmoid["cpu_sigmoid"].selection is None and not sigmoid["cpu_sigmoid"].bias
+    assert (sigmoid["cpu_sigmoid"].weight.kind, sigmoid["cpu_sigmoid"].weight.scale) == ("sigmoid", 1.5)
     sel = rules["cpu_v3"].selection
     assert (sel.score, sel.owner, sel.n_group, sel.topk_group, sel.group_score) == ("sigmoid", "router", 4, 2,
                                                                                      "top2_sum")
@@ -163,6 +187,7 @@ def test_rules_state_each_router_class():
     assert rules["cpu_v2_grouped"].allowed_experts == 8
 
 
+@pytest.mark.vllm_code
 def test_selection_reads_the_live_bias():
     """The bias is read at each call (vLLM loads the checkpoint into the router's tensor after the hook)."""
     bias = torch.zeros(N)
@@ -178,6 +203,7 @@ def test_selection_reads_the_live_bias():
     assert torch.equal(after.topk(4, dim=-1).indices.sort(-1).values, ids.long().sort(-1).values)
 
 
+@pytest.mark.vllm_code
 @pytest.mark.parametrize("case", [c for c, (_, grouped) in CASES.items() if grouped])
 @pytest.mark.parametrize("policy", [{"policy": "lynx"}, {"policy": "oea", "oea_k0": 1}])
 def test_remap_never_leaves_the_allowed_groups(case, policy, torch_reference_paths):
@@ -205,6 +231,26 @@ def test_remap_never_leaves_the_allowed_groups(case, policy, torch_reference_pat
     assert len(set(step_ids.flatten().tolist())) < len(set(ids.flatten().tolist()))
 
 
+@pytest.mark.vllm_code
+def test_cpu_router_plain_sigmoid_path_matches_the_installed_vllm():
+    """vLLM 0.34's CPURouter has a plain sigmoid path (its cases join CASES, checked against vLLM's own routing by
+    test_rule_reproduces_the_router_class); 0.32 and 0.33 have none (the router asserts softmax), so no served model
+    reaches the rule there."""
+    router = CPU_SIGMOID_PLAIN["cpu_sigmoid_bias"]()
+    logits = _logits()[:4]
+    if HAS_CPU_SIGMOID_PLAIN:
+        weights, ids = router._compute_routing(torch.zeros(4, 8), logits, None)
+        picked = (logits.float().sigmoid() + router.e_score_correction_bias).topk(4, dim=-1).indices  # by hand
+        assert torch.equal(ids.long().sort(-1).values, picked.sort(-1).values)
+        by_hand = logits.float().sigmoid().gather(1, ids.long())
+        torch.testing.assert_close(weights, by_hand / by_hand.sum(-1, keepdim=True) * 2.5)
+        assert "cpu_sigmoid_bias" in CASES
+    else:
+        with pytest.raises(AssertionError):
+            router._compute_routing(torch.zeros(4, 8), logits, None)
+
+
+@pytest.mark.vllm_code
 def test_groups_too_small_for_k_refuse_remapping_policies():
     """Two groups of 4 allow 8 experts, k = 10: vLLM fills slots with forbidden experts; a remap cannot."""
     rule = _routers.derive(CPURouter(10, N, use_grouped_topk=True, num_expert_group=4, topk_group=2))
@@ -213,6 +259,7 @@ def test_groups_too_small_for_k_refuse_remapping_policies():
     _routers.check_groups(rule, False, "layer")  # policy none
 
 
+@pytest.mark.vllm_code
 def test_routing_the_plugin_cannot_reproduce_is_refused():
     def my_routing(hidden_states, gating_output, topk, renormalize):
         return torch.topk(gating_output, topk)
@@ -338,6 +385,7 @@ def hooked(monkeypatch):
     state.config, state.layers, state.step, state.capacity, state.resolved = saved
 
 
+@pytest.mark.vllm_code
 def test_attach_hooks_a_grouped_biased_router_and_the_op_stays_in_groups(hooked):
     """``_attach`` derives the router's rule (weights, live-bias selection); the custom op then remaps the
     decode rows of a mixed step inside their allowed groups and leaves the prefill row alone; a router whose
