@@ -88,6 +88,8 @@ OVERRIDES = {
     # sliding-attention layers use twice the key/value heads: with 4 query heads, 4 KV heads gave 8 there and
     # num_key_value_groups 4 // 8 = 0 (no keys at all)
     "mimo_v2_flash": dict(num_key_value_heads=2),
+    # its NVFP4 key/value rounding needs head_dim % 16 == 0; its indexer at most the query heads per key head (5.25)
+    "kolibri1_1": dict(head_dim=16, index_num_heads=1),
 }
 _ROUTER_WEIGHTS = ("gate.weight", "router.weight", "gate.wg.weight", "router.gate.weight", "router.proj.weight")
 # the paper's rule without consensus: S = cover set grown to k (remaps on tiny batches); the cost gate forced on (a

@@ -7,10 +7,12 @@ and leaves the model untouched. A new transformers release that adds a family sh
 One process, ~1 s per implementation; ``docs/families-matrix.md`` is this matrix written out
 (``python -m lynx_hf.eval.family_matrix``)."""
 
+import dataclasses
+
 import pytest
 import transformers
 from packaging.version import Version
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
 from lynx_hf.eval import family_matrix as fm
 
@@ -53,12 +55,31 @@ def test_family_patches_or_refuses_cleanly(case):
         f"lynx_hf.eval.family_matrix (TINY / OVERRIDES), or list it in NOT_BUILDABLE with exactly why")
 
 
+#: model types that build another family's model class from a text config class of their own (transformers 5.25's
+#: param2moe: ``Glm4MoeForCausalLM`` from ``Param2MoeConfig``): the matrix counts them as aliases of that class, so
+#: each is also built here from its own config (its routing fields, e.g. groups and scaling, may differ). Composite
+#: (multimodal) config classes are left out: their text decoder is the implementation the matrix already builds.
+OWN_CONFIG_ALIASES = [dataclasses.replace(c, model_type=a, config_cls=CONFIG_MAPPING[a], aliases=[])
+                      for c in CASES if c.model_cls is not None for a in c.aliases
+                      if CONFIG_MAPPING[a] is not c.config_cls and not getattr(CONFIG_MAPPING[a], "sub_configs", None)]
+
+
+@pytest.mark.parametrize("case", OWN_CONFIG_ALIASES, ids=_id)
+def test_alias_with_its_own_config_patches_or_refuses_cleanly(case):
+    row = fm.check(case)
+    assert row.status in ("dedicated", "generic", "refused"), f"{case.model_type}: {row.status}: {row.reason}"
+    if row.status == "refused":
+        assert "need" in row.reason, row.reason
+
+
 def test_matrix_covers_the_families_and_meets_the_bar():
     """Enumeration finds the families lynx_hf has dedicated specs for and the selection-bias families; enough of
     the implementations patch (checked on the rows the per-family test builds, counted once here)."""
     types = {c.model_type for c in CASES} | {a for c in CASES for a in c.aliases}
     for model_type in ("qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "ernie4_5_moe",
-                       "lfm2_moe", "afmoe", "kimi_linear", "dots1", "hunyuan_v1_moe", "gemma4", "mimo_v2_flash"):
+                       "lfm2_moe", "afmoe", "kimi_linear", "dots1", "hunyuan_v1_moe", "gemma4", "mimo_v2_flash",
+                       # transformers 5.25's four selection-bias families
+                       "minicpm5_moe", "kolibri1_1", "ergo", "param2moe"):
         # every one the installed transformers ships (an older release lacks some: then it is not enumerated)
         assert model_type in types or model_type not in CONFIG_MAPPING_NAMES, model_type
     if CENSUS:

@@ -1,6 +1,7 @@
 """Public API: config validation, typed errors, patch/unpatch exactness, save/load round-trip (C6)."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -151,6 +152,10 @@ def test_C6_save_pretrained_round_trip_while_patched(family, tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     lynx_hf.patch(model)
     model.save_pretrained(tmp_path)
+    # the checkpoint names no experts implementation (lynx_hf's is a run-time switch): it loads the same whether
+    # transformers reads the field from a checkpoint's config (<= 5.24) or ignores it (5.25)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not [key for key in saved if "experts_implementation" in key], saved
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     after = loaded.state_dict()
     assert set(after) == set(before)
