@@ -200,7 +200,10 @@ def _lynx_critical_kernel(
                                 BLOCK_T)
             b = tl.where(rv[:, None], _bins_f(s, alpha, cand_b), float("-inf"))
             for j in tl.static_range(BETA + 1):
-                c = tl.sum((b == -j).to(tl.int32), axis=0)
+                # Counted in fp32 (exact: at most BLOCK_T <= 64 ones per tile): the sum of an int32 cast of a
+                # bool became a popcount of packed bits (ctpop <4 x i4>) that triton 3.8's LLVM built through
+                # a 2-byte `.local` array on sm_90 (Qwen2-57B / DeepSeek-V2-Lite, T >= 16); fp32 adds are kept.
+                c = tl.sum(tl.where(b == -j, 1.0, 0.0), axis=0).to(tl.int32)
                 counts += tl.where(offs_j[:, None] == j, c[None, :], 0)
         # Exponential batch score, fixed order j = 0..beta, fp64 (products exact).
         score = tl.zeros([BLOCK_N], dtype=tl.float64)
