@@ -152,8 +152,8 @@ def project_kernels() -> list[str]:
 # ----------------------------------------------------------------------------------------- compiling
 def _specialize(fn, args, kwargs, arch: int):
     """Signature, constexprs, attrs and options exactly as ``JITFunction.run`` builds them for ``arch``, on every
-    triton release pyproject.toml admits (3.4 inlines the packing in ``run``; later releases have ``_pack_args``; the
-    compilation knobs ``run`` passes as options differ: each one the backend's options take is passed)."""
+    triton release pyproject.toml admits (3.7.1 - 3.9: the compilation knobs ``run`` passes as options differ, each
+    one the backend's options take is passed)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -170,19 +170,7 @@ def _specialize(fn, args, kwargs, arch: int):
         if knob in accepted and hasattr(knobs.compilation, knob):
             kw[knob] = getattr(knobs.compilation, knob)
     bound_args, specialization, options = binder(*args, **kw)
-    if hasattr(fn, "_pack_args"):
-        options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound_args, specialization, options)
-        return target, signature, constexprs, attrs, options
-    from triton._utils import find_paths_if, get_iterable_path  # triton 3.4: JITFunction.run's own lines
-
-    options = backend.parse_options(kw)
-    sigvals = [x[0] for x in specialization]
-    signature = {param.name: value for param, value in zip(fn.params, sigvals)}
-    constexprs = find_paths_if(sigvals, lambda _, val: val == "constexpr")
-    constexprs = {path: get_iterable_path(list(bound_args.values()), path) for path in constexprs}
-    attrvals = [x[1] for x in specialization]
-    attrs = find_paths_if(attrvals, lambda _, x: isinstance(x, str))
-    attrs = {k: backend.parse_attr(get_iterable_path(attrvals, k)) for k in attrs}
+    options, signature, constexprs, attrs = fn._pack_args(backend, kw, bound_args, specialization, options)
     return target, signature, constexprs, attrs, options
 
 
