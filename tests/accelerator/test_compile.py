@@ -35,6 +35,7 @@ def test_patched_decode_forward_has_no_graph_break(family):
     assert explanation.graph_count == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", [dict(policy="lynx"), dict(policy="oea", oea_k0=1)], ids=["lynx", "oea"])
 def test_generate_compiled_static_cache_equals_eager(policy):
     model = fam.build("qwen2_moe")

@@ -294,6 +294,7 @@ def test_gpu_check_exits_cleanly_without_cuda(capsys):
     assert "no CUDA device" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(capsys):
     # every section of the GPU script on tiny CPU shapes under the interpreter (keeps eval/gpu_check.py
     # runnable where no GPU is); its checks compare kernels with their references, so it can fail

@@ -101,6 +101,7 @@ def test_pickle_and_torch_save_round_trip_patched_and_unpatched(how):
     lynx_hf.unpatch(model)
 
 
+@pytest.mark.slow
 def test_torch_load_of_a_patched_model_in_a_fresh_process(tmp_path):
     """A fresh interpreter has no ``"lynx"`` experts implementation registered until lynx_hf is imported by
     unpickling: the loaded model still generates (what the saving process generated) and unpatches."""

@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_bench_quick_runs_and_prints_tables(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     proc = subprocess.run(

@@ -77,6 +77,7 @@ def test_dense_model_is_refused_with_one_line(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_help_of_each_subcommand():
     for sub in ("generate", "plot", "eval", "sweep", "bench", "report"):
         res = run(sub, "--help")
