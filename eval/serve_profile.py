@@ -6,16 +6,21 @@ plugin's custom op directly, at the served models' shapes. Runs in the vLLM envi
     .venv-vllm/bin/python -m lynx_hf.eval.serve_profile --part op       # the plugin op only (seconds)
     .venv-vllm/bin/python -m lynx_hf.eval.serve_profile --part step     # the decode-step breakdown (~4 GB of RAM)
 
-Part ``op`` -- the plugin's added time per MoE layer per decode step: ``torch.ops.lynx_vllm.remap_routing`` called
-on a constructed process state (one layer, a 16-token all-decode step, telemetry on, gate "always", under
-``inference_mode`` as in vLLM's worker), for policy none and lynx, on four paths: ``before`` (the code before issue 25
-item 5: ``_hooks.FUSED_DECODE = False``, every step a masked ``Step("mixed", decode=..., live=...)`` + the plugin's own
-record, on the worker's torch threads), the masked path with the op body on one torch thread, the plain decode step
-(the core's one-call fused path that records its own telemetry) on one torch thread (``_hooks.SINGLE_THREAD``, opt-in:
-in a served engine the per-call thread toggle made decode slower), and ``after`` (the fused path on the worker's threads,
-what the op does now), beside vLLM's routing alone (``CPURouter._compute_routing``, what the
-op follows). Shapes: fixture A (N 32, k 4), DeepSeek-V2-Lite (N 64, k 6; its greedy routing is softmax top-k, what
-``CPURouter`` does) and Qwen2-57B-A14B (N 64, k 8), bf16 router logits (the served dtype).
+Part ``op`` -- the plugin's added time per MoE layer per decode step, on a constructed process state
+(``lynx_hf.vllm.state.isolated``: one layer per policy and path, a 16-token all-decode step written with
+``lynx_hf.vllm.steps.write_kinds``, telemetry on, gate "always", under ``inference_mode`` as in vLLM's worker), for
+policy none and lynx, beside vLLM's routing alone (``CPURouter._compute_routing``, what the op follows): ``masked``
+(the body on the step described with masks, ``lynx_hf.vllm.plans.masked_step`` passed to
+``lynx_hf.vllm.op.remap_step``: the path every step took before issue 25 item 5, what mixed steps take now), ``fused``
+(the same body on the plain decode step ``plans.DECODE_STEP``: the core's one-call fused path that records its own
+telemetry, what an all-decode step takes on CPU) and ``op`` (``torch.ops.lynx_vllm.remap_routing`` itself: the fused
+path plus the op's dispatch, what a served step pays). ``masked`` and ``fused`` are called without the op's dispatch,
+so they compare like for like. No longer measured (issue 35 removed the switches from the plugin): the masked path
+through the op's dispatch (the ``before`` column of earlier tables; ~10 us above ``masked``) and the op body on one
+torch thread (``SINGLE_THREAD``: in a served engine vLLM's CPU worker makes ``torch.set_num_threads`` a no-op that
+logs, and the toggle made decode slower). Shapes: fixture A (N 32, k 4), DeepSeek-V2-Lite (N 64, k 6; its greedy
+routing is softmax top-k, what ``CPURouter`` does) and Qwen2-57B-A14B (N 64, k 8), bf16 router logits (the served
+dtype).
 
 Part ``step`` -- a decode step of serve_bench's ``qwen2-57b-2l`` model (2 layers, 16 requests) split into: vLLM's CPU
 experts kernel (``cpu_fused_moe``, bf16, H 3584, I 2560, 64 prepacked experts) at the unique experts per layer
@@ -35,15 +40,14 @@ import argparse
 import os
 import sys
 import time
-import weakref
 
 from . import command
 
 QWEN2_57B = dict(hidden=3584, inter=2560, shared_inter=20480, experts=64, top_k=8, heads=28, kv_heads=4, vocab=4096,
                  layers=2)
 OP_SHAPES = {"fixture-a": (32, 4), "dsv2-lite": (64, 6), "qwen2-57b": (64, 8)}
-#: the op's paths: (``_hooks.FUSED_DECODE``, ``_hooks.SINGLE_THREAD``); "before" is the code before issue 25 item 5
-PATHS = {"before": (False, False), "masked1": (False, True), "fused": (True, True), "after": (True, False)}
+#: the op's paths (see the module docstring): masked (the reference), fused (the body on the plain decode step), op
+PATHS = ("masked", "fused", "op")
 
 
 # ------------------------------------------------------------------------------------------ timing
@@ -63,70 +67,44 @@ def _interleaved_min(fns: dict, reps: int, inner: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ part op
-def _op_state(policy: str, num_experts: int, top_k: int, rows: int, renormalize: bool):
-    """The plugin's process state with one MoE layer and an active all-decode step of ``rows`` tokens."""
+def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
+    """ms per layer-step of vLLM's routing alone and of the plugin (policy none / lynx; masked / fused / op)."""
+    import numpy as np
     import torch
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
-    from lynx_hf.vllm import _config, _hooks
-
-    router = CPURouter(top_k=top_k, global_num_experts=num_experts, renormalize=renormalize)
-    state = _hooks.STATE
-    state.config = _config.parse({"policy": policy, "gate": "always"})
-    state.resolved = True
-    state.step = _hooks._StepBuffer()
-    state.capacity = max(rows, 16)
-
-    class _Runner:
-        do_naive_dispatch_combine = False
-
-    runner = _Runner()
-    layer = _hooks._Layer(index=0, name="bench", top_k=top_k, num_experts=num_experts, rule=_hooks.weight_rule(router),
-                          runner=weakref.ref(runner))
-    layer.gathered = False
-    layer._bench_runner = runner  # keep the weak reference alive
-    state.layers = [layer]
-    kinds = _hooks._buffer(torch.device("cpu"), rows)
-    kinds.zero_()
-    kinds[:rows] = _hooks.DECODE
-    step = state.step
-    step.num_tokens = step.num_decode = rows
-    step.num_prefill = 0
-    step.active = True
-    return router, layer
-
-
-def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
-    """ms per layer-step of vLLM's routing alone and of the plugin op (policy none / lynx, masked / fused)."""
-    import torch
-
     from lynx_hf.gate import synthetic_routing
-    from lynx_hf.vllm import _hooks
+    from lynx_hf.vllm import layers, op, parse, plans, state, steps
 
-    saved = (_hooks.STATE.config, _hooks.STATE.layers, _hooks.STATE.step, _hooks.STATE.capacity,
-             _hooks.STATE.resolved, _hooks.FUSED_DECODE, _hooks.SINGLE_THREAD)
+    policies = ("none", "lynx")
+    configs = {policy: parse({"policy": policy, "gate": "always"}) for policy in policies}
     out = []
-    try:
-        for model, (n, k) in OP_SHAPES.items():
-            logits, _, _ = synthetic_routing(rows, n, k, torch.bfloat16, "cpu", seed=0)
-            fns, layers = {}, {}
-            for policy in ("none", "lynx"):
+    for model, (n, k) in OP_SHAPES.items():
+        logits, _, _ = synthetic_routing(rows, n, k, torch.bfloat16, "cpu", seed=0)
+        router = CPURouter(top_k=k, global_num_experts=n, renormalize=False)
+        with state.isolated({"policy": "none", "gate": "always"}, capacity=max(rows, 16)) as st:
+            steps.write_kinds(np.full(rows, state.DECODE, dtype=np.int8), "cpu")  # an all-decode step of `rows`
+            masked = plans.masked_step(steps.buffer(torch.device("cpu"), rows)[:rows])
+            fns = {}
+            for policy in policies:
                 for path in PATHS:
-                    # one state per (policy, path): make it current before each call (two attribute writes)
-                    router, layer = _op_state(policy, n, k, rows, renormalize=False)
-                    saved_state = (_hooks.STATE.config, _hooks.STATE.layers, _hooks.STATE.step)
-                    layers[(policy, path)] = layer
+                    # one layer per (policy, path); the policy's configuration made current before each call
+                    layer = state.Layer(index=len(st.layers), name=f"{policy}/{path}", top_k=k, num_experts=n,
+                                        rule=layers.weight_rule(router), gathered=False)
+                    st.layers.append(layer)
 
-                    def call(s=saved_state, flags=PATHS[path], r=router):
-                        _hooks.STATE.config, _hooks.STATE.layers, _hooks.STATE.step = s
-                        _hooks.FUSED_DECODE, _hooks.SINGLE_THREAD = flags
-                        weights, ids = r._compute_routing(None, logits, None)
-                        return torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+                    def call(cfg=configs[policy], path=path, layer=layer):
+                        st.config = cfg
+                        weights, ids = router._compute_routing(None, logits, None)
+                        if path == "op":
+                            return op.remap_routing(logits, weights, ids, layer.index)
+                        step = masked if path == "masked" else plans.DECODE_STEP
+                        return op.remap_step(layer, step, logits, weights, ids, True)
 
                     fns[f"{policy}/{path}"] = call
 
-            def routing_only(r=router):
-                return r._compute_routing(None, logits, None)
+            def routing_only():
+                return router._compute_routing(None, logits, None)
 
             fns["vllm routing"] = routing_only
             with torch.inference_mode():
@@ -134,16 +112,10 @@ def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
                     for _ in range(3):
                         fn()
                 best = _interleaved_min(fns, reps, inner)
-            base = best["vllm routing"]
-            for policy in ("none", "lynx"):
-                out.append({"model": model, "N": n, "k": k, "rows": rows, "policy": policy, "routing_ms": base,
-                            "added_before_ms": best[f"{policy}/before"] - base,
-                            "added_fused_ms": best[f"{policy}/fused"] - base,
-                            "added_masked1_ms": best[f"{policy}/masked1"] - base,
-                            "added_after_ms": best[f"{policy}/after"] - base})
-    finally:
-        (_hooks.STATE.config, _hooks.STATE.layers, _hooks.STATE.step, _hooks.STATE.capacity, _hooks.STATE.resolved,
-         _hooks.FUSED_DECODE, _hooks.SINGLE_THREAD) = saved
+        base = best["vllm routing"]
+        for policy in policies:
+            out.append({"model": model, "N": n, "k": k, "rows": rows, "policy": policy, "routing_ms": base,
+                        **{f"added_{path}_ms": best[f"{policy}/{path}"] - base for path in PATHS}})
     return out
 
 
@@ -320,18 +292,17 @@ def step_table(r: dict, tpot=None) -> str:
 
 def op_table(rows: list[dict]) -> str:
     out = [f"Plugin op, ms per MoE layer per decode step ({rows[0]['rows']} decode rows, bf16 logits, telemetry on, "
-           "torch threads as the worker's; added = op (vLLM routing + the plugin) - vLLM routing alone). before: "
-           "masked Step('mixed') + the plugin's own record, on the worker's threads (the code before issue 25 item "
-           "5); masked 1 thread: that path with the op body on one torch thread; fused 1 thread: the plain decode step "
-           "(one-call fused path, telemetry in that call) on one torch thread (opt-in _hooks.SINGLE_THREAD); after: "
-           "the fused path on the worker's threads (what the op does now):", "",
-           "| shape | policy | vLLM routing alone | added before | added masked 1 thread | added fused 1 thread | "
-           "added after | "
-           "after / before |", "|---|---|---|---|---|---|---|---|"]
+           "torch threads as the worker's; added = vLLM routing + the plugin - vLLM routing alone). masked: the body on "
+           "the step described with masks (the path before issue 25 item 5; mixed steps now); fused: the same body on "
+           "the plain decode step (one-call fused path, telemetry in that call); both without the op's dispatch; op: "
+           "torch.ops.lynx_vllm.remap_routing (the fused path + the op's dispatch: what a served all-decode step "
+           "pays):", "",
+           "| shape | policy | vLLM routing alone | added masked | added fused | added op | fused / masked |",
+           "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['model']} (N {r['N']}, k {r['k']}) | {r['policy']} | {r['routing_ms']:.4f} | "
-                   f"{r['added_before_ms']:.4f} | {r['added_masked1_ms']:.4f} | {r['added_fused_ms']:.4f} | {r['added_after_ms']:.4f} | "
-                   f"{r['added_after_ms'] / max(r['added_before_ms'], 1e-9):.2f} |")
+                   f"{r['added_masked_ms']:.4f} | {r['added_fused_ms']:.4f} | {r['added_op_ms']:.4f} | "
+                   f"{r['added_fused_ms'] / max(r['added_masked_ms'], 1e-9):.2f} |")
     return "\n".join(out)
 
 
@@ -352,8 +323,7 @@ def main(argv=None) -> int:
     except ImportError:
         print("serve_profile needs vLLM: run it with .venv-vllm/bin/python", file=sys.stderr)
         return 2
-    import lynx_hf.vllm  # noqa: F401 (registers the custom op)
-    from lynx_hf.vllm import _hooks  # noqa: F401
+    from lynx_hf.vllm import op  # noqa: F401 (registers the custom op)
 
     print(f"# {command('serve_profile', argv)}\n# vLLM {vllm.__version__}, torch {torch.__version__}, "
           f"{os.cpu_count()} CPUs, {torch.get_num_threads()} torch threads; minimum over interleaved repetitions "
@@ -362,10 +332,10 @@ def main(argv=None) -> int:
     if args.part in ("op", "all"):
         rows = profile_op(args.tokens, reps=args.reps or 30)
         print(op_table(rows) + "\n", flush=True)
-        op_ms = next(r["added_after_ms"] for r in rows if r["model"] == "qwen2-57b" and r["policy"] == "lynx")
+        op_ms = next(r["added_op_ms"] for r in rows if r["model"] == "qwen2-57b" and r["policy"] == "lynx")
     if args.part in ("step", "all"):
         if op_ms is None:
-            op_ms = next(r["added_after_ms"] for r in profile_op(args.tokens, reps=10)
+            op_ms = next(r["added_op_ms"] for r in profile_op(args.tokens, reps=10)
                          if r["model"] == "qwen2-57b" and r["policy"] == "lynx")
         r = profile_step(args.tokens, args.unique[0], args.unique[1], op_ms, reps=args.reps or 5,
                          sweep=not args.no_sweep)

@@ -7,7 +7,7 @@ is **off** unless configured, per engine, by either
 - the environment variable ``LYNX_VLLM_CONFIG='{"policy": "lynx"}'``
 
 (a JSON object of :class:`~lynx_hf.LynxConfig` fields plus ``stats_path`` / ``stats_every``, see
-:mod:`lynx_hf.vllm._config`; ``additional_config`` wins). A bad value raises
+:mod:`lynx_hf.vllm.config`; ``additional_config`` wins). A bad value raises
 :class:`~lynx_hf.LynxConfigError` when the engine is created, before any engine process starts.
 Once on, every MoE layer remaps the routing of its **decode** tokens with the configured policy
 (the same core as the HF path, ``lynx_hf.core``): prefill tokens of a mixed
@@ -19,6 +19,16 @@ recomputed in fp32 with the router's own rule. Telemetry and run-time switching:
     lynx_vllm.configure(llm, {"policy": "oea", "k0": 1})   # same engine, another policy
 
 Importing this module never imports vLLM; a missing vLLM makes :func:`register` a no-op.
+
+The package, by job (each module's docstring says more): :mod:`~lynx_hf.vllm.config` (the configuration),
+:mod:`~lynx_hf.vllm.compat` (vLLM releases, the wrap helper, the raise-at-start guard), :mod:`~lynx_hf.vllm.install`
+(the table of hooked vLLM methods), :mod:`~lynx_hf.vllm.state` (the per-process state),
+:mod:`~lynx_hf.vllm.layers` (hooking each MoE layer's router; ``configure``), :mod:`~lynx_hf.vllm.routers` (each
+router class's rules), :mod:`~lynx_hf.vllm.steps` (the step mask, model runners V1 / V2),
+:mod:`~lynx_hf.vllm.runners` (the runners hooked by release), :mod:`~lynx_hf.vllm.op` (the custom op),
+:mod:`~lynx_hf.vllm.plans` (plans, cost gate, bypass: every call into the core), :mod:`~lynx_hf.vllm.checks`
+(start check, liveness), :mod:`~lynx_hf.vllm.telemetry` (the telemetry: snapshot, reset, stats file). ``config``, ``compat``, ``state``, ``steps``,
+``runners``, ``checks`` and ``telemetry`` import no vLLM.
 """
 
 from __future__ import annotations
@@ -28,11 +38,11 @@ import logging
 import os
 
 from ..errors import LynxConfigError
-from ._config import ADDITIONAL_CONFIG_KEY, ENV_VAR, PLUGIN_KEYS, PluginConfig, parse, resolve
+from .config import ADDITIONAL_CONFIG_KEY, ENV_VAR, PLUGIN_KEYS, PluginConfig, parse, resolve
 
 logger = logging.getLogger("lynx_hf.vllm")
 
-__all__ = ["register", "stats", "reset_stats", "configure", "summary", "ENV_VAR", "ADDITIONAL_CONFIG_KEY",
+__all__ = ["register", "stats", "reset_stats", "configure", "ENV_VAR", "ADDITIONAL_CONFIG_KEY",
            "PLUGIN_KEYS", "PluginConfig", "parse", "resolve"]
 
 
@@ -41,28 +51,28 @@ def register() -> None:
     :class:`~lynx_hf.LynxConfigError`, which aborts engine start) and installs the hooks; they stay
     dormant in engines that are not configured. Without vLLM: returns.
 
-    With a vLLM the hooks cannot be installed on (``_hooks.install`` raises ``ImportError`` /
+    With a vLLM the hooks cannot be installed on (:func:`lynx_hf.vllm.install.install` raises ``ImportError`` /
     ``AttributeError``): configured by ``LYNX_VLLM_CONFIG``, raises :class:`~lynx_hf.LynxHookError` naming the
     installed vLLM version now; otherwise logs a warning and remembers the failure
-    (:func:`lynx_hf.vllm._compat.guard`), so an engine configured by ``additional_config={"lynx": {...}}`` raises
+    (:func:`lynx_hf.vllm.compat.guard`), so an engine configured by ``additional_config={"lynx": {...}}`` raises
     the same error when its configuration is first seen (the driver's ``EngineArgs.create_engine_config``, a
     worker's start), and an engine without a lynx configuration starts as without the plugin."""
     configured = parse(os.environ.get(ENV_VAR))  # raises on a bad value
     spec = importlib.util.find_spec("vllm")
     if spec is None or spec.origin is None:  # no vLLM (or only a namespace directory named vllm)
         return
-    from . import _compat
+    from . import compat
 
     try:
-        from . import _hooks
+        from . import install
 
-        _hooks.install()
+        install.install()
     except (ImportError, AttributeError) as exc:
-        error = _compat.unsupported(exc)
+        error = compat.unsupported(exc)
         if configured is not None:
             raise error from exc
-        first = _compat.failure() is None  # vLLM calls register() again in the same process: warn once
-        guarded = _compat.guard(error)
+        first = compat.failure() is None  # vLLM calls register() again in the same process: warn once
+        guarded = compat.guard(error)
         if first:
             logger.warning("lynx_hf.vllm: the plugin cannot hook this vLLM (%s); an engine configured for it will "
                            "raise at start (%s)", exc, ", ".join(guarded) or "no place to check a configuration found")
@@ -70,7 +80,7 @@ def register() -> None:
 
 def stats(llm) -> list[dict]:
     """Telemetry of every worker of ``llm`` (a ``vllm.LLM``), one dict per worker (see
-    ``lynx_hf.vllm._hooks.snapshot``): ``rank``, ``config``, ``steps`` / ``decode_steps`` /
+    :func:`lynx_hf.vllm.stats.snapshot`): ``rank``, ``config``, ``steps`` / ``decode_steps`` /
     ``mixed_steps``, ``layers`` (per MoE layer) and ``summary`` (means over layers, the keys of
     ``lynx_hf.stats(model).summary()``: ``unique_experts_before`` / ``_after`` per decode step,
     ``ratio``, ``remapped_fraction``, ``routing_mass_kept``, ``decode_tokens``, ... plus
@@ -99,7 +109,3 @@ def configure(llm, options) -> None:
         raise LynxConfigError("lynx_hf.vllm.configure: the plugin is off in this engine (no MoE layer hooked); "
                               "start it with additional_config={'lynx': {...}}")
 
-
-def summary(worker_stats: dict) -> dict:
-    """The means over layers of one worker's stats (``stats(llm)[rank]["summary"]``)."""
-    return worker_stats["summary"]

@@ -1,7 +1,9 @@
-"""Which vLLM is installed, and what a configured plugin does when it cannot hook it (imports no vLLM at import
-time, and nothing of the plugin's vLLM side: it must work where ``_hooks`` does not import).
+"""Which vLLM is installed, the one helper every hook is installed with (:func:`wrap`), and what a configured plugin
+does when it cannot hook the installed vLLM (imports no vLLM at import time, and nothing of the plugin's vLLM side: it
+must work where :mod:`lynx_hf.vllm.install` does not import).
 
-:func:`register` (``lynx_hf/vllm/__init__.py``) calls ``_hooks.install()``; when that fails on the installed vLLM
+:func:`register` (``lynx_hf/vllm/__init__.py``) calls :func:`lynx_hf.vllm.install.install`; when that fails on the
+installed vLLM
 (a moved module, a renamed method), the plugin cannot act. Configured through ``LYNX_VLLM_CONFIG``, ``register``
 raises at once; configured through ``additional_config={"lynx": {...}}``, which ``register`` cannot see, the
 failure is remembered by :func:`guard`: it wraps the points where an engine's configuration is first seen
@@ -19,7 +21,7 @@ import re
 import threading
 
 from ..errors import LynxHookError
-from . import _config
+from . import config as plugin_config
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -78,7 +80,7 @@ def _raise_if_configured(additional_config) -> None:
     error = _STATE["error"]
     if error is None:
         return
-    if _config.resolve(additional_config if isinstance(additional_config, dict) else None) is not None:
+    if plugin_config.resolve(additional_config if isinstance(additional_config, dict) else None) is not None:
         raise LynxHookError(str(error)) from error.__cause__
 
 
@@ -92,15 +94,27 @@ def _worker_config(wrapper, *args, **kwargs):
     return getattr(vllm_config, "additional_config", None)
 
 
-def _guarded(original, read):
-    """``original`` (an unbound method) preceded by the check of the configuration ``read(self, ...)`` returns."""
+def wrap(cls, name: str, hook) -> None:
+    """``cls.<name>`` replaced by ``hook(original, self, *args, **kwargs)`` (``original``: the unbound method it
+    replaces, kept as the wrapper's ``__wrapped__``). Every method the plugin hooks in vLLM is wrapped this way
+    (:data:`lynx_hf.vllm.install.hooks`, :func:`guard`)."""
+    original = getattr(cls, name)
 
-    def guarded(self, *args, **kwargs):
+    def wrapper(self, *args, **kwargs):
+        return hook(original, self, *args, **kwargs)
+
+    wrapper.__wrapped__ = original
+    setattr(cls, name, wrapper)
+
+
+def _guard_hook(read):
+    """A :func:`wrap` hook: the configuration ``read(self, ...)`` returns is checked, then the original runs."""
+
+    def hook(original, self, *args, **kwargs):
         _raise_if_configured(read(self, *args, **kwargs))
         return original(self, *args, **kwargs)
 
-    guarded.__wrapped__ = original
-    return guarded
+    return hook
 
 
 _READERS = {"create_engine_config": _engine_args_config, "initialize_from_config": _worker_config}
@@ -122,12 +136,12 @@ def guard(error: LynxHookError) -> list[str]:
             except (ImportError, AttributeError) as exc:
                 logger.debug("lynx_hf.vllm: guard point %s.%s not available (%s)", module, cls_name, exc)
                 continue
-            original = getattr(cls, method, None)
-            if not callable(original):
+            if not callable(getattr(cls, method, None)):
                 continue
-            setattr(cls, method, _guarded(original, _READERS[method]))
+            wrap(cls, method, _guard_hook(_READERS[method]))
             _STATE["guarded"].append(f"{module}.{cls_name}.{method}")
         return list(_STATE["guarded"])
 
 
-__all__ = ["TESTED_VLLM", "GUARD_POINTS", "installed_version", "minor", "tested", "unsupported", "failure", "guard"]
+__all__ = ["TESTED_VLLM", "GUARD_POINTS", "installed_version", "minor", "tested", "unsupported", "failure", "guard",
+           "wrap"]

@@ -13,7 +13,7 @@ from transformers import MixtralConfig, MixtralForCausalLM
 
 import lynx_hf
 from lynx_hf import LynxConfig, LynxConfigError
-from lynx_hf.vllm import _config
+from lynx_hf.vllm import config as vllm_config
 
 NON_DEFAULT = dict(policy="oea", oea_k0=2, mass_price=None, price_unit="token", tau=0.5, alpha=1.5, beta=3,
                    xshare_budget=5, xshare_fraction=0.25, xshare_warmup=0, q_max=2, verify=False,
@@ -104,13 +104,13 @@ def test_patch_with_a_bad_or_missing_file_changes_nothing(tiny_mixtral, tmp_path
 
 def test_vllm_plugin_reads_a_config_file(tmp_path):
     path = LynxConfig(policy="oea", oea_k0=2).to_file(tmp_path / "lynx_config.json", about="from a sweep")
-    cfg = _config.parse({"config_file": str(path), "oea_k0": 3, "stats_path": "/tmp/s.json"})  # keys override the file
+    cfg = vllm_config.parse({"config_file": str(path), "oea_k0": 3, "stats_path": "/tmp/s.json"})  # keys override the file
     assert cfg.lynx == LynxConfig(policy="oea", oea_k0=3) and cfg.stats_path == "/tmp/s.json"
-    assert _config.resolve({"lynx": {"config_file": str(path)}}).lynx == LynxConfig(policy="oea", oea_k0=2)
+    assert vllm_config.resolve({"lynx": {"config_file": str(path)}}).lynx == LynxConfig(policy="oea", oea_k0=2)
     # the environment variable: a JSON object with config_file, or the file's path itself
     for value in (json.dumps({"config_file": str(path)}), str(path), f"  {path} "):
-        assert _config.resolve(None, {"LYNX_VLLM_CONFIG": value}).lynx == LynxConfig(policy="oea", oea_k0=2)
-    assert "config_file" not in _config.resolve(None, {"LYNX_VLLM_CONFIG": str(path)}).to_dict()
+        assert vllm_config.resolve(None, {"LYNX_VLLM_CONFIG": value}).lynx == LynxConfig(policy="oea", oea_k0=2)
+    assert "config_file" not in vllm_config.resolve(None, {"LYNX_VLLM_CONFIG": str(path)}).to_dict()
 
 
 def test_vllm_plugin_config_file_errors_name_the_source(tmp_path):
@@ -122,5 +122,5 @@ def test_vllm_plugin_config_file_errors_name_the_source(tmp_path):
     for value, message in cases:
         with pytest.raises(LynxConfigError) as info, warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
-            _config.parse(value, source='additional_config["lynx"]')
+            vllm_config.parse(value, source='additional_config["lynx"]')
         assert message in str(info.value) and 'additional_config["lynx"]' in str(info.value), str(info.value)

@@ -1,5 +1,5 @@
 """`lynx-hf vllm-stats`: the vLLM plugin's telemetry file printed by the CLI. The file
-is the dict ``lynx_hf.vllm._hooks.snapshot()`` writes; the printed table must carry its values."""
+is the dict ``lynx_hf.vllm.telemetry.snapshot()`` writes; the printed table must carry its values."""
 
 import json
 

@@ -68,12 +68,13 @@ def _staggered(llm, run, SamplingParams) -> dict:
 
 
 def _disable_step_hooks(worker) -> int:
-    """Run in each worker: the hooked input preparation of both model runners reaches no step mask."""
-    from lynx_hf.vllm import _hooks
+    """Run in each worker: every hooked model runner's input preparation is vLLM's own again (the wrapper's
+    ``__wrapped__``), so no step mask is written: what a runner the plugin did not reach looks like."""
+    from lynx_hf.vllm.runners import HOOKED_RUNNERS
 
-    _hooks._set_step = lambda *args, **kwargs: None
-    _hooks._set_step_v2 = lambda *args, **kwargs: None
-    return 1
+    for cls, name in HOOKED_RUNNERS.items():
+        setattr(cls, name, getattr(cls, name).__wrapped__)
+    return len(HOOKED_RUNNERS)
 
 
 def _unhooked(llm, run, SamplingParams) -> dict:

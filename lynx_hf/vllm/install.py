@@ -1,0 +1,173 @@
+"""Where the plugin hooks vLLM (0.32 to 0.34, V1 engine): :func:`hooks` is the table, :func:`install` applies it
+once per process with the one wrap helper (:func:`lynx_hf.vllm.compat.wrap`), after looking everything up, so a
+failure leaves vLLM untouched. Imported only from ``register()`` when vLLM is importable.
+
+======================================================  =====================================================
+hooked method                                           what the plugin does there
+======================================================  =====================================================
+``MoERunner.__init__`` (every MoE layer)                after: hook its router (:func:`lynx_hf.vllm.layers.attach`)
+input preparation of each runner in ``RUNNER_HOOKS``    the step mask (:mod:`lynx_hf.vllm.steps`): V1 before, V2 after
+that runner's ``_dummy_run``                            before the first forward: plans and cost gate
+                                                        (:func:`lynx_hf.vllm.plans.before_forward`)
+that runner's ``execute_model``                         the same; after the forward the mask is cleared
+``WorkerWrapperBase.initialize_from_config``            the start check (:func:`lynx_hf.vllm.checks.check_start`)
+``WorkerWrapperBase.execute_model``                     the liveness rule (:func:`lynx_hf.vllm.checks.after_worker_step`)
+``EngineArgs.create_engine_config`` (driver)            validate the configuration before any engine process starts;
+                                                        copy ``LYNX_VLLM_CONFIG`` into ``additional_config["lynx"]``
+                                                        (vLLM's config hash, every worker)
+======================================================  =====================================================
+
+``WorkerBase`` gains ``lynx_stats`` / ``lynx_reset_stats`` / ``lynx_configure`` for ``LLM.collective_rpc``
+(:func:`lynx_hf.vllm.stats`, :func:`lynx_hf.vllm.reset_stats`, :func:`lynx_hf.vllm.configure`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from . import checks, compat, layers, plans, steps, telemetry
+from . import config as plugin_config
+from .runners import HOOKED_RUNNERS, resolve_runners
+from .state import STATE
+
+logger = logging.getLogger("lynx_hf.vllm")
+
+__all__ = ["install", "hooks", "validate_engine_args"]
+
+_LOCK = threading.Lock()
+_INSTALLED = False
+
+
+# --------------------------------------------------------------------------- the hooks (``hook(original, self, ...)``)
+
+
+def _runner_init(original, self, *args, **kwargs):
+    original(self, *args, **kwargs)
+    layers.attach(self)
+
+
+def _prepare_v1(original, self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+    steps.set_step_v1(self, scheduler_output, num_scheduled_tokens)
+    return original(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+
+
+def _prepare_v2(original, self, *args, **kwargs):
+    input_batch = original(self, *args, **kwargs)
+    steps.set_step_v2(self, input_batch)
+    return input_batch
+
+
+def _dummy_run(original, self, *args, **kwargs):
+    if not STATE.start.started:
+        plans.before_forward(self)
+    return original(self, *args, **kwargs)
+
+
+def _runner_execute(original, self, *args, **kwargs):
+    if not STATE.start.started:
+        plans.before_forward(self)
+    STATE.step.active = False
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        steps.end_step()
+
+
+def _worker_start(original, self, *args, **kwargs):
+    checks.check_start(self.worker)  # the model is loaded: MoE layers hooked, model runner built
+    return original(self, *args, **kwargs)
+
+
+def _worker_execute(original, self, scheduler_output, *args, **kwargs):
+    seen = STATE.counts.seen_decode
+    out = original(self, scheduler_output, *args, **kwargs)
+    checks.after_worker_step(self.worker, scheduler_output, seen)
+    return out
+
+
+def _engine_config(original, self, *args, **kwargs):
+    validate_engine_args(self)
+    return original(self, *args, **kwargs)
+
+
+def validate_engine_args(engine_args) -> None:
+    """Driver side: a bad configuration stops here, before any engine process starts
+    (:class:`~lynx_hf.LynxConfigError`); an environment configuration is copied into
+    ``additional_config`` (config hash, workers)."""
+    additional = engine_args.additional_config
+    if additional is None:
+        additional = {}
+    if not isinstance(additional, dict):
+        return
+    cfg = plugin_config.resolve(additional)
+    if cfg is None:
+        return
+    if additional.get(plugin_config.ADDITIONAL_CONFIG_KEY) is None:
+        engine_args.additional_config = {**additional, plugin_config.ADDITIONAL_CONFIG_KEY: cfg.to_dict()}
+
+
+def _worker_lynx_stats(self) -> dict:
+    out = telemetry.snapshot()
+    telemetry.write_stats()
+    return out
+
+
+def _worker_lynx_reset_stats(self) -> None:
+    telemetry.reset()
+
+
+def _worker_lynx_configure(self, options) -> bool:
+    return layers.configure(options)
+
+
+# --------------------------------------------------------------------------- the table and install
+
+
+def hooks(version: tuple | None) -> list:
+    """``[(class, method, hook)]``: every method the plugin wraps in vLLM ``version`` (``(major, minor)``; ``None``:
+    unknown), each with ``compat.wrap(class, method, hook)``; the model runners by release
+    (:func:`lynx_hf.vllm.runners.resolve_runners`). Raises ``ImportError`` / ``AttributeError`` when this vLLM lacks
+    one; wraps nothing."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+    from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+    table = [(MoERunner, "__init__", _runner_init)]
+    for row, cls in resolve_runners(version):
+        table += [(cls, row.prepare, _prepare_v1 if row.kind == "v1" else _prepare_v2),
+                  (cls, "execute_model", _runner_execute), (cls, "_dummy_run", _dummy_run)]
+    table += [(WorkerWrapperBase, "execute_model", _worker_execute),
+              (WorkerWrapperBase, "initialize_from_config", _worker_start),
+              (EngineArgs, "create_engine_config", _engine_config)]
+    for cls, name, _hook in table:
+        if not callable(getattr(cls, name, None)):
+            raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in vLLM {compat.installed_version()}")
+    return table
+
+
+def install() -> None:
+    """Install the hooks (idempotent): the table (:func:`hooks`) is built first, then every row wrapped, so a failure
+    leaves vLLM untouched. Raises ``ImportError`` / ``AttributeError`` when this vLLM does not have the classes and
+    methods the plugin needs (``MoERunner.__init__``, ``EngineArgs.create_engine_config``, ``WorkerWrapperBase`` /
+    ``WorkerBase``, and at least one model runner of :data:`lynx_hf.vllm.runners.RUNNER_HOOKS`)."""
+    global _INSTALLED
+    with _LOCK:
+        if _INSTALLED:
+            return
+        version = compat.installed_version()
+        if not compat.tested(version):
+            logger.warning("lynx_hf.vllm is tested on vLLM %s; found %s (hooks still tried)",
+                           "/".join(compat.TESTED_VLLM), version)
+        from vllm.v1.worker.worker_base import WorkerBase
+
+        table = hooks(compat.minor(version))
+        for cls, name, hook in table:
+            compat.wrap(cls, name, hook)
+            if hook in (_prepare_v1, _prepare_v2):
+                HOOKED_RUNNERS[cls] = name
+        if not hasattr(WorkerBase, "lynx_stats"):
+            WorkerBase.lynx_stats = _worker_lynx_stats
+            WorkerBase.lynx_reset_stats = _worker_lynx_reset_stats
+            WorkerBase.lynx_configure = _worker_lynx_configure
+        _INSTALLED = True

@@ -1,0 +1,150 @@
+"""The MoE layers of this process: :func:`attach` hooks one vLLM ``MoERunner`` (hooked on its ``__init__``), and
+:func:`configure` switches every layer to another configuration at run time (imports vLLM through the op).
+
+``BaseRouter._select_experts`` calls ``_compute_routing`` (router logits -> logical ``(topk_weights, topk_ids)``),
+then the routed-experts capture, then the EPLB logical->physical mapping, then the index dtype cast; :func:`attach`
+wraps the runner's router's ``_compute_routing``, so the remap acts on logical expert ids, before EPLB, and everything
+downstream (capture, EPLB load recording, the experts kernel) sees the remapped routing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from ..core import WeightRule
+from ..errors import LynxConfigError, UnsupportedModelError
+from . import config as plugin_config
+from . import plans, routers, telemetry
+from .op import remap_routing
+from .state import STATE, Layer, resolve_config
+
+__all__ = ["attach", "original_routing", "weight_rule", "monolithic", "configure"]
+
+
+def weight_rule(router) -> WeightRule:
+    """The fp32 rule that reproduces ``router``'s own ``topk_weights`` on any expert set: the weight part of
+    :func:`lynx_hf.vllm.routers.derive` (every router class and its rule are listed there; e.g. ``CPURouter``'s
+    plain softmax path: softmax over all N picked, renormalized iff ``renormalize``, no scaling factor; its
+    grouped path: times ``routed_scaling_factor``). Raises :class:`~lynx_hf.UnsupportedModelError` for routing
+    the plugin cannot remap (hash routing, ``sqrtsoftplus``, unknown custom routing functions, other router
+    classes)."""
+    return routers.derive(router).weight
+
+
+def monolithic(runner) -> bool:
+    """Whether ``runner``'s experts kernel takes the router logits itself (the router is bypassed)."""
+    try:
+        return bool(runner.routed_experts.quant_method.is_monolithic)
+    except AttributeError:
+        return False
+
+
+def attach(runner) -> None:
+    """A vLLM ``MoERunner`` was built (its ``__init__`` returned): when the plugin is configured in this engine, its
+    router's rules are derived (:func:`lynx_hf.vllm.routers.derive`, refusing routing the plugin cannot reproduce),
+    a :class:`~lynx_hf.vllm.state.Layer` is added to :data:`~lynx_hf.vllm.state.STATE` and the router's
+    ``_compute_routing`` is wrapped: vLLM's routing, then the op (or, on a bypassed layer, vLLM's routing alone).
+    Raises :class:`~lynx_hf.UnsupportedModelError`."""
+    cfg = _process_config()
+    if cfg is None:
+        return
+    router = runner.router
+    if not hasattr(router, "_compute_routing"):
+        raise UnsupportedModelError(f"lynx_hf.vllm: router {type(router).__name__} has no _compute_routing")
+    if monolithic(runner) and cfg.lynx.policy != "none":
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {runner.layer_name} uses a monolithic experts kernel that routes "
+            "internally (the router is bypassed), so its routing cannot be remapped")
+    rule = routers.derive(router)  # the router class's selection (scores, allowed groups); read live at each call
+    layer = Layer(index=len(STATE.layers), name=str(runner.layer_name), top_k=int(router.top_k),
+                  num_experts=int(router.global_num_experts), rule=rule.weight, runner=weakref.ref(runner),
+                  router_rule=rule, scores=routers.selection_scores_fn(rule, router))
+    routers.check_groups(rule, plans.remaps(cfg), layer.name)
+    # the cost gate's layer shape: H and I (this rank's shard) from the runner's FusedMoEConfig; where they are not
+    # there the gate cannot measure and keeps the policy on (reason "not measured")
+    moe = getattr(runner, "moe_config", None)
+    hidden, inter = getattr(moe, "hidden_dim", None), getattr(moe, "intermediate_size_per_partition", None)
+    layer.gate_shape = plans.layer_shape(layer.num_experts, layer.top_k, int(hidden) if hidden else None,
+                                         int(inter) if inter and inter > 0 else None, getattr(moe, "in_dtype", None))
+    STATE.layers.append(layer)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        STATE.rank = torch.distributed.get_rank()
+    original = router._compute_routing
+    index = layer.index
+
+    def _compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
+        topk_weights, topk_ids = original(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        if layer.bypass:  # a Python branch: read on every eager call, once where the forward is traced / captured
+            return topk_weights, topk_ids
+        return remap_routing(router_logits, topk_weights, topk_ids, index)
+
+    _compute_routing.__wrapped__ = original
+    router._compute_routing = _compute_routing
+
+
+def _process_config():
+    """This process's configuration (read once, from the engine's ``VllmConfig`` being built)."""
+    if STATE.resolved:
+        return STATE.config
+    from vllm.config import get_current_vllm_config
+
+    return resolve_config(get_current_vllm_config())
+
+
+def original_routing(router):
+    """vLLM's own ``_compute_routing`` of ``router`` (the bound method :func:`attach` wrapped; the router's own where
+    it is not hooked)."""
+    routing = router._compute_routing
+    if inspect.ismethod(routing):  # not hooked: vLLM's own method, bound to the router
+        return routing
+    return routing.__wrapped__
+
+
+def configure(options) -> bool:
+    """Replace this process's configuration (``options``: as ``additional_config["lynx"]``); the per-layer plans are
+    re-resolved (made now where the engine has started: the cost gate measures here, not in a served step) and the
+    telemetry restarts. Returns False (nothing changed) when the plugin is off in this engine (no layer attached).
+    Raises :class:`~lynx_hf.LynxConfigError` for a bad value, or where the engine's forward is compiled without the
+    op on a layer the new configuration would need it on; :class:`~lynx_hf.UnsupportedModelError` for a policy a
+    layer cannot remap."""
+    cfg = plugin_config.parse(options, source="lynx_hf.vllm.configure")
+    if cfg is None:
+        raise LynxConfigError("lynx_hf.vllm.configure: empty configuration (the plugin cannot be switched off "
+                              "at run time; use policy 'none')")
+    if STATE.config is None or not STATE.layers:
+        return False
+    for layer in STATE.layers:
+        runner = layer.runner() if layer.runner is not None else None
+        if runner is not None and monolithic(runner) and cfg.lynx.policy != "none":
+            raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
+        if layer.router_rule is not None:
+            routers.check_groups(layer.router_rule, plans.remaps(cfg), layer.name)
+    start = STATE.start
+    made = None
+    if start.started and start.device is not None:
+        # a frozen forward cannot take the op back into a layer it was traced without
+        made = {layer.index: plans.make_layer_plan(layer, start.device, start.dtype, cfg.lynx)
+                for layer in STATE.layers}
+        if start.frozen:
+            needs = [layer.name for layer in STATE.layers
+                     if layer.bypass and not plans.gated_off_everywhere(made[layer.index])]
+            if needs:
+                raise LynxConfigError(
+                    f"lynx_hf.vllm.configure: this engine's forward is compiled (or captured) without the plugin's "
+                    f"op on MoE layers {', '.join(needs)}: at engine start the cost gate (gate='auto') kept vLLM's "
+                    "routing there at every step size, and the new configuration would need the op there (a policy the "
+                    "gate does not keep off everywhere, gate='always', or policy 'none', whose telemetry the op "
+                    "records). Nothing changed. "
+                    "Start the engine with gate='always' (or LYNX_HF_GATE=always) or enforce_eager=True to switch "
+                    "configurations at run time.")
+    STATE.config = cfg
+    for layer in STATE.layers:
+        if made is None:
+            layer.plan = None  # made on first use
+        else:
+            plans.install_plan(layer, made[layer.index], cfg.lynx)
+    telemetry.reset()
+    return True

