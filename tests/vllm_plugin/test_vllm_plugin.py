@@ -153,6 +153,22 @@ def test_missing_vllm_never_breaks_import_or_register():
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+@pytest.mark.vllm_code
+def test_public_api_is_not_shadowed_by_a_submodule():
+    """Once every module of the package is imported (as an engine does), ``lynx_hf.vllm``'s functions are still the
+    functions: a submodule named like one (``lynx_hf.vllm.stats``) would replace the package attribute."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lynx_hf.vllm as lynx_vllm
+
+    for module in pkgutil.iter_modules(lynx_vllm.__path__):
+        importlib.import_module(f"lynx_hf.vllm.{module.name}")
+    for name in ("register", "stats", "reset_stats", "configure", "parse", "resolve"):
+        assert inspect.isfunction(getattr(lynx_vllm, name)), name
+
+
 REGISTER_PROBE = """
 import json, os, sys
 import vllm
