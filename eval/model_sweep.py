@@ -48,12 +48,11 @@ import torch
 
 from lynx_hf import LynxConfig, LynxError, patcher
 
-from . import RESULTS_DIR, command
+from . import RESULTS_DIR, command, pareto
 from . import evaluation as ev
-from . import sweep as sw
 
 #: the library's default configuration, by its catalog name
-DEFAULT_NAME = sw.price_name(LynxConfig().mass_price, LynxConfig().price_unit)
+DEFAULT_NAME = pareto.price_name(LynxConfig().mass_price, LynxConfig().price_unit)
 DEFAULT_BATCH_SIZES = (8, 16, 32, 64)
 SERIES = ("paper", "token", "batch", "sqrt", "oea", "xshare")
 #: tie-break between configurations with equal experts and dCE (price twins at one B are identical)
@@ -70,13 +69,13 @@ def priority_tiers(cat: dict, series: set[str]) -> list[list[str]]:
     none, always first). Within a price series, nearest the default's threshold (in token-price terms) first;
     the paper rule's taus nearest tau = 1 first."""
     default = LynxConfig()
-    centre = default.mass_price * sw.UNIT_SCALE[default.price_unit]
+    centre = default.mass_price * pareto.UNIT_SCALE[default.price_unit]
 
     def of(s, pred=lambda cfg: True):
         return [n for n, (ser, cfg) in cat.items() if ser == s and pred(cfg)]
 
     def by_price(names):
-        return sorted(names, key=lambda n: abs(math.log(cat[n][1].mass_price * sw.UNIT_SCALE[cat[n][1].price_unit]
+        return sorted(names, key=lambda n: abs(math.log(cat[n][1].mass_price * pareto.UNIT_SCALE[cat[n][1].price_unit]
                                                          / centre)))
 
     def by_tau(names):
@@ -84,7 +83,7 @@ def priority_tiers(cat: dict, series: set[str]) -> list[list[str]]:
 
     paper_1x = [n for n in of("paper") if n.endswith(" a=1x")]
     tiers = [
-        ["none", DEFAULT_NAME, "oea k0=1", sw.paper_name(1.0, 1.0)],
+        ["none", DEFAULT_NAME, "oea k0=1", pareto.paper_name(1.0, 1.0)],
         by_price(of("sqrt")) + of("oea") + of("xshare", lambda c: c.xshare_warmup == 1),
         by_tau(paper_1x) + by_price(of("token")) + by_price(of("batch")),
         by_tau([n for n in of("paper") if n not in paper_1x]) + of("xshare", lambda c: c.xshare_warmup == 0),
@@ -122,7 +121,7 @@ def choose_config(runs: list[dict], budget: float) -> dict | None:
     if not cands:
         return None
     within = [c for c in cands if c[2] <= budget]
-    pref = lambda name: _SERIES_PREFERENCE.get(sw.series_of(per_b[0][name]), 9)  # noqa: E731
+    pref = lambda name: _SERIES_PREFERENCE.get(pareto.series_of(per_b[0][name]), 9)  # noqa: E731
     if within:
         name, rows, worst, mean_ratio = min(within, key=lambda c: (round(c[3], 9), round(c[2], 12), pref(c[0]), c[0]))
     else:
@@ -133,14 +132,14 @@ def choose_config(runs: list[dict], budget: float) -> dict | None:
         cells.append({"batch_size": run["batch_size"], "unique_experts_before": none["unique_experts_before"],
                       **{k: r[k] for k in ("unique_experts_after", "unique_ratio_vs_none", "delta_ce_rel",
                                            "delta_ce_rel_se")}})
-    return {"name": name, "series": sw.series_of(rows[0]), "within_budget": bool(within),
+    return {"name": name, "series": pareto.series_of(rows[0]), "within_budget": bool(within),
             "worst_delta_ce_rel": worst, "mean_unique_ratio": mean_ratio, "cells": cells}
 
 
 def best_per_batch_size(run: dict, budget: float) -> dict | None:
     """At one B alone: the fewest unique experts with dCE <= budget over every series (the fixture sweep's
-    rule, :func:`lynx_hf.eval.sweep.choose_default`); ``None`` when no point is within budget."""
-    return sw.choose_default(run["results"], budget, lambda r: r.get("policy") not in (None, "none"))
+    rule, :func:`lynx_hf.eval.pareto.choose_default`); ``None`` when no point is within budget."""
+    return pareto.choose_default(run["results"], budget, lambda r: r.get("policy") not in (None, "none"))
 
 
 # -- inputs ----------------------------------------------------------------------------------------------
@@ -187,7 +186,7 @@ def _validate(args) -> dict:
     if not series or series - set(SERIES):
         _fail(f"--series must name some of {', '.join(SERIES)}, got {args.series!r}")
     try:
-        grids = sw.parse_grids(args)
+        grids = pareto.parse_grids(args)
     except ValueError as exc:
         _fail(f"a grid option is not a list of numbers: {exc}")
     try:
@@ -296,7 +295,7 @@ def _run(args, argv) -> int:
     done = _read_points(points_file, key, log)
 
     taus, mults, tprices, fractions = v["grids"]
-    cat = sw.catalog(num_experts, top_k, taus, mults, tprices, fractions, sw.XSHARE_WARMUPS)
+    cat = pareto.catalog(num_experts, top_k, taus, mults, tprices, fractions, pareto.XSHARE_WARMUPS)
     tiers = priority_tiers(cat, v["series"])
     plan = [(b, name) for tier in tiers for b in sizes for name in tier]
     todo = [p for p in plan if p not in done]
@@ -366,12 +365,12 @@ def _run(args, argv) -> int:
         ref_row = done.get((b, "unpatched"))
         if ref_row is None or not any(r.get("policy") == "none" for r in rows):
             continue
-        results = [ref_row] + sorted(rows, key=sw._sort_key)
+        results = [ref_row] + sorted(rows, key=pareto.sort_key)
         ev.add_unique_ratios(results)
         none = next(r for r in results if r.get("policy") == "none")
-        anchor_front = sw.frontier([(r["unique_experts_after"], r["delta_ce_rel"]) for r in results[1:]])
+        anchor_front = pareto.frontier([(r["unique_experts_after"], r["delta_ce_rel"]) for r in results[1:]])
         front = [{k: r.get(k) for k in ("name", "unique_experts_after", "delta_ce_rel", "delta_ce_rel_se")}
-                 | {"series": sw.series_of(r)} for r in results[1:]
+                 | {"series": pareto.series_of(r)} for r in results[1:]
                  if (r["unique_experts_after"], r["delta_ce_rel"]) in anchor_front]
         runs.append({"model": model_name, "batch_size": b, "num_experts": num_experts, "top_k": top_k,
                      "scored_tokens": int(windows.shape[0] * args.decode), "threads": torch.get_num_threads(),
@@ -398,7 +397,7 @@ def _run(args, argv) -> int:
               "points": {"planned": len(plan), "measured": sum(1 for p in plan if p in done),
                          "trimmed": len(trimmed), "trimmed_names": sorted({n for _, n in trimmed})},
               "seconds": time.perf_counter() - t_start, "command": command("sweep", argv)}
-    sw.compare_runs(report, "sqrt" if "sqrt" in v["series"] else None)
+    pareto.compare_runs(report, "sqrt" if "sqrt" in v["series"] else None)
     missing = [b for b in sizes if b not in settings["batch_sizes"]] if runs else sizes
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
     (out / f"{args.name}.md").write_text(markdown(report, missing))
@@ -406,7 +405,7 @@ def _run(args, argv) -> int:
     written = [f"{args.name}.json", f"{args.name}.md"]
     if runs:
         try:
-            sw.plot(report, png)
+            pareto.plot(report, png)
             written.append(png.name)
         except ImportError:
             log("matplotlib is not installed (pip install 'lynx-hf[eval]'): no PNG written")
@@ -493,4 +492,4 @@ def markdown(report: dict, missing: list[int]) -> str:
                 lines.append(f"| {cs['title']} | {cs['counts'][cs['names'][0]]} | {cs['counts']['tie']} | "
                              f"{cs['counts'][cs['names'][1]]} | {cs['counts']['out of range']} |")
         lines += ["", "(\"the default's series\" = the sqrt(B)-price routing-mass greedy, the library default's.)", ""]
-    return "\n".join(lines + sw.run_sections(report)) + "\n"
+    return "\n".join(lines + pareto.run_sections(report)) + "\n"

@@ -142,17 +142,12 @@ def test_heldout_windows_are_deterministic_interleaved_and_unpadded():
         ev.heldout_windows(tok, 4096, 10_000)
 
 
-def _sweep_module():
-    from lynx_hf.eval import sweep
-
-    return sweep
-
-
 def test_sweep_frontier_comparison_and_default_rule():
-    sweep = _sweep_module()
-    assert sweep.frontier([(10, 0.0), (8, 0.01), (9, 0.02), (6, 0.03), (6, 0.05)]) == [(6, 0.03), (8, 0.01), (10, 0.0)]
+    from lynx_hf.eval import pareto
+
+    assert pareto.frontier([(10, 0.0), (8, 0.01), (9, 0.02), (6, 0.03), (6, 0.05)]) == [(6, 0.03), (8, 0.01), (10, 0.0)]
     front = [(6, 0.03), (8, 0.01), (10, 0.0)]
-    assert sweep.interpolate(front, 7) == pytest.approx(0.02) and sweep.interpolate(front, 5) is None
+    assert pareto.interpolate(front, 7) == pytest.approx(0.02) and pareto.interpolate(front, 5) is None
     results = [
         {"name": "none", "policy": "none", "unique_experts_after": 10.0, "delta_ce_rel": 0.0, "delta_ce_rel_se": 0.0},
         {"name": "l1", "policy": "lynx", "tau": 1.0, "unique_experts_after": 7.0, "delta_ce_rel": 0.006,
@@ -162,9 +157,9 @@ def test_sweep_frontier_comparison_and_default_rule():
         {"name": "o1", "policy": "oea", "k0": 1, "unique_experts_after": 6.0, "delta_ce_rel": 0.008,
          "delta_ce_rel_se": 0.001},
     ]
-    assert sweep.choose_default(results, 0.01)["name"] == "l1"
-    assert sweep.choose_default(results, 0.001) is None
-    rows = {r["at"]: r for r in sweep.compare(results)["rows"]}
+    assert pareto.choose_default(results, 0.01)["name"] == "l1"
+    assert pareto.choose_default(results, 0.001) is None
+    rows = {r["at"]: r for r in pareto.compare(results)["rows"]}
     assert rows["o1"]["lynx_delta"] == pytest.approx(0.013) and rows["o1"]["winner"] == "oea"
     assert rows["l1"]["oea_delta"] == pytest.approx(0.006) and rows["l1"]["winner"] == "tie"  # within se
     assert rows["l2"]["oea_delta"] is None and rows["l2"]["winner"] is None
