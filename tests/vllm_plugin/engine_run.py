@@ -86,7 +86,9 @@ def _unhooked(llm, run, SamplingParams) -> dict:
     return {"error_type": None, "error": None}
 
 
-def main(spec_path: str, out_path: str) -> None:
+def main(spec_path: str, out_path: str, on_run=None) -> None:
+    """Run SPEC, write OUT. ``on_run(name, entry)``: called after each batch / staggered run (it may add to the
+    entry)."""
     with open(spec_path) as fh:
         spec = json.load(fh)
     t0 = time.perf_counter()
@@ -117,6 +119,8 @@ def main(spec_path: str, out_path: str) -> None:
             entry = _staggered(llm, run, SamplingParams)
         entry["seconds"] = time.perf_counter() - t
         entry["stats"] = lynx_vllm.stats(llm)
+        if on_run is not None:
+            on_run(run["name"], entry)
         result["runs"][run["name"]] = entry
     with open(out_path, "w") as fh:
         json.dump(result, fh)

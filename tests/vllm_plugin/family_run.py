@@ -4,10 +4,11 @@
 
 Runs ``engine_run.main`` (same SPEC and OUT). With ``"probe": true`` in SPEC (eager engines only: the probe is
 plain Python around each router, which ``torch.compile`` would trace once), every MoE router's routing is
-checked after the plugin, on every call: the expert ids the experts kernel receives must lie inside the
-token's allowed groups, computed by vLLM's own CPU grouped top-k (``cpu_router._grouped_topk`` asked for
-every allowed expert); calls, rows, rows whose ids differ from vLLM's own routing and violations are written
-to ``OUT.probe.json``. The plugin is registered first so the probe wraps the plugin's routing, not vLLM's.
+checked after the plugin, on every call, against vLLM's own routing of the same logits (the router's original
+``_compute_routing``): calls, rows, rows whose ids differ from vLLM's, calls whose ids and weights are vLLM's
+bit for bit, and violations: expert ids outside the token's allowed groups, computed by vLLM's own CPU grouped
+top-k (``cpu_router._grouped_topk`` asked for every allowed expert). The counts of each run are its entry's
+``"probe"`` in OUT. The plugin is registered first so the probe wraps the plugin's routing, not vLLM's.
 """
 
 import json
@@ -20,7 +21,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-PROBE = {"calls": 0, "rows": 0, "changed_rows": 0, "violations": 0, "grouped_layers": 0, "layers": 0}
+PROBE = {"calls": 0, "rows": 0, "changed_rows": 0, "identical_calls": 0, "violations": 0, "grouped_layers": 0,
+         "layers": 0}
+PER_RUN = ("calls", "rows", "changed_rows", "identical_calls", "violations")
 
 
 def _allowed_mask(router, logits):
@@ -58,10 +61,11 @@ def install_probe() -> None:
         def _compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
             weights, ids = remapped(hidden_states, router_logits, indices_type, input_ids=input_ids)
             with torch.no_grad():
-                own = original(hidden_states, router_logits, indices_type, input_ids=input_ids)[1]
+                own_weights, own = original(hidden_states, router_logits, indices_type, input_ids=input_ids)
                 PROBE["calls"] += 1
                 PROBE["rows"] += int(ids.shape[0])
                 PROBE["changed_rows"] += int((ids.sort(dim=-1).values != own.sort(dim=-1).values).any(-1).sum())
+                PROBE["identical_calls"] += int(torch.equal(ids, own) and torch.equal(weights, own_weights))
                 if grouped:
                     inside = _allowed_mask(router, router_logits).gather(1, ids.long())
                     PROBE["violations"] += int((~inside).sum())
@@ -75,9 +79,11 @@ def install_probe() -> None:
 if __name__ == "__main__":
     import engine_run
 
+    def per_run(name, entry):
+        entry["probe"] = dict(PROBE)
+        PROBE.update({key: 0 for key in PER_RUN})
+
     spec = json.loads(Path(sys.argv[1]).read_text())
     if spec.get("probe"):
         install_probe()
-    engine_run.main(sys.argv[1], sys.argv[2])
-    if spec.get("probe"):
-        Path(sys.argv[2] + ".probe.json").write_text(json.dumps(PROBE))
+    engine_run.main(sys.argv[1], sys.argv[2], on_run=per_run if spec.get("probe") else None)
