@@ -43,17 +43,18 @@ RULE_VERIFIED, RULE_PENDING, RULE_REFUSED = "verified", "pending", "refused"
 class BlockRouting:
     """The patch state of one MoE block (plain Python object, never a module)."""
 
-    def __init__(self, model_state, spec, name: str, block: torch.nn.Module) -> None:
+    def __init__(self, model_state, spec, name: str, block: torch.nn.Module, rule) -> None:
+        """``rule``: the block's ``lynx_hf.patches.base.BlockRule``, what ``spec.validate`` returned for it."""
         self.model_state = model_state  # lynx_hf.patcher.ModelState
         self.spec = spec  # the family spec (lynx_hf.patches.FamilySpec)
         self.name = name
         self.block = block
         self.router = spec.router_of(block)
         self.experts = spec.experts_of(block)
-        self.num_experts, self.top_k = spec.shape(block)
-        self.rule = spec.weight_rule(block)  # None until verified (generic family spec, router not materialized)
+        self.num_experts, self.top_k = rule.num_experts, rule.top_k
+        self.rule = rule.weight  # None until verified (generic family spec, router not materialized)
         # the generic spec's verified selection-bias rule (lynx_hf/selection.py), None: spec.selection_scores
-        self.selection = spec.selection_of(block)
+        self.selection = rule.selection
         self.rule_status = RULE_VERIFIED if self.rule is not None else RULE_PENDING
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
@@ -245,9 +246,9 @@ class BlockRouting:
                 logits.shape[0] < getattr(self.spec, "probe_tokens", 1):
             return False
         try:
-            self.rule = self.spec.deferred_rule(self.block, self.name, output)
-            shape = self.spec.shape(self.block)
-            self.selection = self.spec.selection_of(self.block)
+            verified = self.spec.deferred_rule(self.block, self.name, output)
+            self.rule, self.selection = verified.weight, verified.selection
+            shape = (verified.num_experts, verified.top_k)
             if shape != (self.num_experts, self.top_k):  # the plan was made for the patch-time shape
                 self.num_experts, self.top_k = shape
                 self.plan = None

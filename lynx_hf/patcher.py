@@ -312,8 +312,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
         raise UnsupportedModelError(
             f"{type(inner).__name__} has no MoE block of a supported family.{hint} Supported: {_families_text()}."
         )
-    for name, module, spec in found:  # validate everything before changing anything
-        spec.validate(module, name or type(module).__name__, cfg)
+    # validate everything before changing anything; each block's routing rule (N, k, weight and selection rule)
+    rules = [spec.validate(module, name or type(module).__name__, cfg) for name, module, spec in found]
     if lookalikes:
         warnings.warn(f"lynx_hf: unsupported MoE-looking blocks left unpatched: {sorted(lookalikes)}", stacklevel=2)
 
@@ -331,8 +331,8 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
             f"its forwards carry no KV cache and lynx_hf cannot tell decode steps from prefill; patch the model (or "
             f"its decoder backbone) that runs the block, or force decode with LynxConfig(phase='decode')")
     state = ModelState(cfg, backbone, generating)
-    for name, module, spec in found:
-        block = BlockRouting(state, spec, name or type(module).__name__, module)
+    for (name, module, spec), rule in zip(found, rules):
+        block = BlockRouting(state, spec, name or type(module).__name__, module, rule)
         block.resolve()
         state.blocks.append(block)
     for block in state.blocks:
@@ -368,7 +368,7 @@ def _has_generate(module) -> bool:
 def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
     if cfg == state.config:
         return
-    for block in state.blocks:
+    for block in state.blocks:  # the new config's checks; each block keeps the routing rule resolved at patch time
         block.spec.validate(block.block, block.name, cfg)
     state.config = cfg
     state.tracker.reset_counts()

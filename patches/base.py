@@ -16,8 +16,9 @@ from typing import Callable
 import torch
 
 from ..core import WeightRule
+from ..errors import ModelConfigError
 
-__all__ = ["FamilySpec", "WeightRule", "fp32_logits"]
+__all__ = ["BlockRule", "FamilySpec", "WeightRule", "fp32_logits"]
 
 
 def fp32_logits(router, logits: torch.Tensor) -> torch.Tensor:
@@ -26,9 +27,28 @@ def fp32_logits(router, logits: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class BlockRule:
+    """The routing rule of one MoE block, as :meth:`FamilySpec.validate` resolves it at patch time and passes on to
+    the HF block state (``lynx_hf.block.BlockRouting``).
+
+    ``num_experts`` (N) and ``top_k`` (k) of the router; ``weight``: the :class:`WeightRule` a remap reproduces, or
+    ``None`` when verification is deferred (the generic spec on a router not materialized at patch time: verified on
+    its first call of at least ``probe_tokens`` tokens, :meth:`GenericSpec.deferred_rule`); ``selection``: the
+    block's selection-bias rule (``lynx_hf.selection.BiasedSelection``) that replaces the spec's
+    :attr:`FamilySpec.selection_scores`, or ``None``.
+    """
+
+    num_experts: int
+    top_k: int
+    weight: WeightRule | None
+    selection: object = None
+
+
+@dataclass(frozen=True)
 class FamilySpec:
     """One model family (see the module docstring). ``check(block, router, name, config)`` raises
-    :class:`lynx_hf.ModelConfigError` for settings it refuses; ``weight_rule(router, block)``."""
+    :class:`lynx_hf.ModelConfigError` for settings it refuses; ``weight_rule_of(router, block)`` gives the
+    :class:`WeightRule` a remap reproduces."""
 
     family: str
     block_classes: tuple[tuple[str, str], ...]
@@ -63,19 +83,17 @@ class FamilySpec:
         router = self.router_of(block)
         return int(router.num_experts), int(router.top_k)
 
-    def weight_rule(self, block) -> WeightRule:
-        return self.weight_rule_of(self.router_of(block), block)
-
-    def selection_of(self, block):
-        """A per-block selection rule (``lynx_hf/selection.py`` ``BiasedSelection``) that replaces
-        :attr:`selection_scores` for this block, or ``None`` (a dedicated spec states its own scores)."""
-        return None
-
-    def validate(self, block, name: str, config) -> None:
-        """Patch-time checks: k in 1..N, then the family's own (raise ``ModelConfigError``)."""
-        from ..errors import ModelConfigError
-
+    def validate(self, block, name: str, config) -> BlockRule:
+        """Patch-time checks of ``block`` (named ``name`` in messages) under ``config`` (a ``LynxConfig``) and its
+        routing rule: N and k (:meth:`shape`), k in 1..N and the family's own :attr:`check` (raise
+        ``lynx_hf.ModelConfigError``), then the weight rule (:attr:`weight_rule_of`). A dedicated spec states no
+        selection rule of its own (its :attr:`selection_scores` apply). Returns the :class:`BlockRule`."""
         num_experts, top_k = self.shape(block)
+        self.check_routing(block, name, config, num_experts, top_k)
+        return BlockRule(num_experts, top_k, self.weight_rule_of(self.router_of(block), block))
+
+    def check_routing(self, block, name: str, config, num_experts: int, top_k: int) -> None:
+        """k in 1..N, then the family's own :attr:`check`; raises ``lynx_hf.ModelConfigError``."""
         if not 1 <= top_k <= num_experts:
             raise ModelConfigError(
                 f"{name} ({type(block).__name__}): num_experts_per_tok={top_k} must be in 1..num_experts={num_experts}"

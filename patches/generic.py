@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -70,7 +71,7 @@ from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..kernels.routing_torch import routing_weights
 from ..selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
-from .base import FamilySpec
+from .base import BlockRule, FamilySpec
 
 _PROBE_TOKENS = 16  # the fewest tokens a deferred verification trusts (real router outputs)
 _PROBE_RANDOM = 64  # unit-scale random tokens of the patch-time probe
@@ -96,6 +97,14 @@ class InferredRule:
     top_k: int
     selection: BiasedSelection | None = None
     renorm_eps: float = 0.0
+
+
+def _block_rule(num_experts: int, top_k: int, rule: InferredRule | None) -> BlockRule:
+    """The :class:`~lynx_hf.patches.base.BlockRule` of a verified ``rule`` (``None``: verification deferred)."""
+    if rule is None:
+        return BlockRule(num_experts, top_k, None)
+    return BlockRule(num_experts, top_k, WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps),
+                     rule.selection)
 
 
 #: denominator epsilons of renormalising routers tried besides 0 (LFM2-MoE adds 1e-6; the DeepSeek-V3 copies' 1e-20
@@ -277,16 +286,18 @@ def _plain_mismatch(logits: torch.Tensor, idx: torch.Tensor) -> tuple[str, int] 
     return best
 
 
+@dataclass(frozen=True)
 class GenericSpec(FamilySpec):
-    """Any block with the standard router/experts contract that no dedicated spec claims."""
+    """Any block with the standard router/experts contract that no dedicated spec claims (``exclude``: the dedicated
+    specs, which keep their blocks). Holds no per-block state: :meth:`validate` returns the inferred rule."""
+
+    family: str = "generic"
+    block_classes: tuple = ()
+    weight_rule_of: Callable | None = None  # inferred per block (:meth:`validate`), not stated
+    exclude: tuple = ()
 
     #: tokens a router output needs before a deferred verification trusts it
     probe_tokens = _PROBE_TOKENS
-
-    def __init__(self, exclude=()) -> None:
-        super().__init__(family="generic", block_classes=(), weight_rule_of=None)
-        object.__setattr__(self, "exclude", tuple(exclude))
-        object.__setattr__(self, "_rules", {})  # id(block) -> InferredRule | None, between validate and weight_rule
 
     def matches(self, module):
         if any(spec.matches(module) for spec in self.exclude):
@@ -301,10 +312,9 @@ class GenericSpec(FamilySpec):
         return getattr(block, self.experts)  # the child the block calls (a PEFT wrapper included)
 
     def shape(self, block):
+        """``(N, k)`` as the block states them (the experts' ``num_experts``; ``top_k`` / ``num_experts_per_tok`` /
+        ``moe_topk`` on the router, the block or the config). Raises ``UnsupportedModelError`` without a k."""
         router, experts = block_parts(block)
-        rule = self._rules.get(id(block))
-        if rule is not None:
-            return experts.num_experts, rule.top_k
         top_k = _stated(block, router, experts, ("top_k", "num_experts_per_tok", "moe_topk"))
         if not isinstance(top_k, int):
             raise UnsupportedModelError(
@@ -312,15 +322,18 @@ class GenericSpec(FamilySpec):
                 f"top_k / num_experts_per_tok / moe_topk on the router, the block or the config)")
         return experts.num_experts, top_k
 
-    def validate(self, block, name, config):
-        """Infer the routing rule and verify it on the probe (raises :class:`UnsupportedModelError`, never a raw
-        error: a router that cannot run on the probe, an output of another form, a selection or weights no rule
-        reproduces are each refused with the block and router classes and the reason)."""
+    def validate(self, block, name, config) -> BlockRule:
+        """Infer the routing rule and verify it on the probe, then the shared checks (k in 1..N); returns the
+        :class:`~lynx_hf.patches.base.BlockRule` (its ``weight`` ``None`` when the router or experts are not
+        materialized here: verified on the first large enough call, :meth:`deferred_rule`). Raises
+        :class:`UnsupportedModelError`, never a raw error: a router that cannot run on the probe, an output of another
+        form, a selection or weights no rule reproduces are each refused with the block and router classes and the
+        reason."""
         router, experts = block_parts(block)
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         weight = next(router.parameters(), None)
         if weight is None or weight.device.type == "meta" or _up_weight(experts).device.type == "meta":
-            self._rules[id(block)] = None  # not materialized here: verify on the first decode call
+            rule = None  # not materialized here: verify on the first decode call
         else:
             hidden_dim = _hidden_dim(block, router, experts)
             if hidden_dim is None:
@@ -339,24 +352,18 @@ class GenericSpec(FamilySpec):
                 )
             args, kwargs, output = call
             passed = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
-            self._rules[id(block)] = self.verify(block, name, output, passed=passed)
-        super().validate(block, name, config)
+            rule = self.verify(block, name, output, passed=passed)
+        num_experts = experts.num_experts
+        top_k = rule.top_k if rule is not None else self.shape(block)[1]
+        self.check_routing(block, name, config, num_experts, top_k)
+        return _block_rule(num_experts, top_k, rule)
 
-    def weight_rule(self, block):
-        """The verified weight rule (``None``: verification deferred to the first decode call)."""
-        rule = self._rules.get(id(block))
-        return None if rule is None else WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
-
-    def selection_of(self, block):
-        """The verified selection rule (:class:`BiasedSelection`, ``None``: plain top-k or not verified yet);
-        the last question :class:`lynx_hf.block.BlockRouting` asks, so the stored rule is dropped here."""
-        rule = self._rules.pop(id(block), None)
-        return None if rule is None else rule.selection
-
-    def deferred_rule(self, block, name, output) -> WeightRule:
+    def deferred_rule(self, block, name, output) -> BlockRule:
+        """The :class:`~lynx_hf.patches.base.BlockRule` verified on the router's real ``output`` (its first call
+        of at least :attr:`probe_tokens` tokens, a router not materialized at patch time). Raises
+        :class:`UnsupportedModelError`."""
         rule = self.verify(block, name, output)
-        self._rules[id(block)] = rule  # read by selection_of right after
-        return WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps)
+        return _block_rule(block_parts(block)[1].num_experts, rule.top_k, rule)
 
     def verify(self, block, name, output, passed=()) -> InferredRule:
         """The rule that reproduces ``output`` (the router's own ``(logits [T, N], weights [T, k], ids [T, k])``;

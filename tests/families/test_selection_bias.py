@@ -103,11 +103,11 @@ def test_deepseek_v3_spec_and_generic_spec_apply_one_rule():
     model = fam.build("deepseek_v3")
     block = model.model.layers[1].mlp
     spec = GenericSpec()
-    spec.validate(block, "layers.1.mlp", lynx_hf.LynxConfig())
-    rule, selection = spec.weight_rule(block), spec.selection_of(block)
+    inferred = spec.validate(block, "layers.1.mlp", lynx_hf.LynxConfig())
+    rule, selection = inferred.weight, inferred.selection
     gate = block.gate
     assert selection == deepseek_v3.selection_rule(gate)
-    assert rule == deepseek_v3.SPEC.weight_rule(block)
+    assert rule == deepseek_v3.SPEC.validate(block, "layers.1.mlp", lynx_hf.LynxConfig()).weight
     logits = torch.randn(64, gate.num_experts) * 3
     torch.testing.assert_close(selection.selection_scores(logits, selection.bias(gate, block)),
                                deepseek_v3.selection_scores(gate, logits), rtol=0, atol=0)
