@@ -27,8 +27,8 @@ The package, by job (each module's docstring says more): :mod:`~lynx_hf.vllm.con
 router class's rules), :mod:`~lynx_hf.vllm.steps` (the step mask, model runners V1 / V2),
 :mod:`~lynx_hf.vllm.runners` (the runners hooked by release), :mod:`~lynx_hf.vllm.op` (the custom op),
 :mod:`~lynx_hf.vllm.plans` (plans, cost gate, bypass: every call into the core), :mod:`~lynx_hf.vllm.checks`
-(start check, liveness), :mod:`~lynx_hf.vllm.telemetry` (the telemetry: snapshot, reset, stats file). ``config``, ``compat``, ``state``, ``steps``,
-``runners``, ``checks`` and ``telemetry`` import no vLLM.
+(start check, liveness), :mod:`~lynx_hf.vllm.telemetry` (snapshot, reset, stats file). ``config``, ``compat``,
+``state``, ``steps``, ``runners``, ``checks`` and ``telemetry`` import no vLLM.
 """
 
 from __future__ import annotations

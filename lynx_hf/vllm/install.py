@@ -11,7 +11,8 @@ that runner's ``_dummy_run``                            before the first forward
                                                         (:func:`lynx_hf.vllm.plans.before_forward`)
 that runner's ``execute_model``                         the same; after the forward the mask is cleared
 ``WorkerWrapperBase.initialize_from_config``            the start check (:func:`lynx_hf.vllm.checks.check_start`)
-``WorkerWrapperBase.execute_model``                     the liveness rule (:func:`lynx_hf.vllm.checks.after_worker_step`)
+``WorkerWrapperBase.execute_model``                     after: the liveness rule
+                                                        (:func:`lynx_hf.vllm.checks.after_worker_step`)
 ``EngineArgs.create_engine_config`` (driver)            validate the configuration before any engine process starts;
                                                         copy ``LYNX_VLLM_CONFIG`` into ``additional_config["lynx"]``
                                                         (vLLM's config hash, every worker)
