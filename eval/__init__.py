@@ -1,15 +1,15 @@
-"""Evaluation and benchmark tools of lynx_hf, installed as ``lynx_hf.eval`` (source folder ``eval/``).
+"""What ``lynx-hf`` runs, installed as ``lynx_hf.eval`` (source folder ``eval/``): the accuracy harness, the sweeps,
+the latency benchmark and the router report, with their package data: the committed fixtures (``fixtures/``), the
+held-out text (``data/``) and the local lm-eval tasks (``tasks/``). They run from a source checkout or an installed
+wheel, as ``lynx-hf`` subcommands or as modules::
 
-Package data: the committed fixtures (``fixtures/``), the held-out text (``data/``) and the local lm-eval
-tasks (``tasks/``). The scripts run as modules, from a source checkout or an installed wheel::
-
-    python -m lynx_hf.eval.harness        # lynx-hf eval     accuracy harness
-    python -m lynx_hf.eval.sweep          # lynx-hf sweep    Pareto sweep LYNX vs OEA (--model PATH: on your checkpoint)
+    python -m lynx_hf.eval.harness        # lynx-hf eval     accuracy harness (lynx_hf.eval.evaluation)
+    python -m lynx_hf.eval.sweep          # lynx-hf sweep    Pareto sweep LYNX vs OEA (--model PATH: model_sweep)
     python -m lynx_hf.eval.bench          # lynx-hf bench    decode latency benchmark
     python -m lynx_hf.eval.router_report  # lynx-hf report   router statistics
-    python -m lynx_hf.eval.serving_report | kernel_report | bench_compile | gpu_check
-    python -m lynx_hf.eval.serve_bench    # in the vLLM environment (.ci/vllm_env.sh)
-    python -m lynx_hf.eval.build_corpus | train_fixture | mutants | tasks.build_tasks   # source checkout only
+
+The project's other scripts (benchmarks, reports, the GPU check, the family census, the fixture builders, the
+mutation probe) are not installed: ``lab/`` of the source checkout, ``python -m lab.<script>``.
 
 Where outputs go by default (every script also takes ``--out``): ``eval/results`` of the source checkout when
 this package is the checkout's ``eval/`` folder (editable install), else ``./lynx_hf_results`` under the
@@ -32,20 +32,9 @@ DATA_DIR = PACKAGE_DIR / "data"
 TASKS_DIR = PACKAGE_DIR / "tasks"
 #: default output folder of the scripts (relative = under the working directory)
 RESULTS_DIR = PACKAGE_DIR / "results" if CHECKOUT is not None else Path("lynx_hf_results")
-#: scratch folder of the fixture rebuild (build_corpus, train_fixture); not shipped
-WORK_DIR = PACKAGE_DIR / "work" if CHECKOUT is not None else Path("lynx_hf_work")
 #: fixture A, the default model of ``lynx-hf generate``
 DEFAULT_FIXTURE = FIXTURES_DIR / "qwen2moe-tiny"
 PROMPTS_FILE = DATA_DIR / "prompts.txt"
-
-
-def require_checkout(script: str) -> Path:
-    """The source checkout; ``SystemExit`` with one line when run from an installed wheel (``script`` rewrites
-    committed files of the checkout or needs its git tree)."""
-    if CHECKOUT is None:
-        raise SystemExit(f"{script} works on a source checkout of lynx_hf (it rewrites committed files or needs git); "
-                         f"this lynx_hf.eval is installed at {PACKAGE_DIR}")
-    return CHECKOUT
 
 
 def results_folder(out) -> Path | None:
@@ -60,11 +49,12 @@ def results_folder(out) -> Path | None:
     return path
 
 
-def command(module: str, argv=None) -> str:
-    """The command that reproduces a run, as results files record it: ``python -m lynx_hf.eval.<module> ARGS``
-    (``argv`` as passed to the script's ``main``; ``None`` = ``sys.argv[1:]``)."""
+def command(module: str, argv=None, package: str = "lynx_hf.eval") -> str:
+    """The command that reproduces a run, as results files record it: ``python -m <package>.<module> ARGS``
+    (``argv`` as passed to the script's ``main``; ``None`` = ``sys.argv[1:]``; ``package``: ``lynx_hf.eval``, or
+    ``lab`` for the checkout's scripts)."""
     import shlex
     import sys
 
     args = sys.argv[1:] if argv is None else [str(a) for a in argv]
-    return " ".join([f"python -m lynx_hf.eval.{module}", *map(shlex.quote, args)])
+    return " ".join([f"python -m {package}.{module}", *map(shlex.quote, args)])

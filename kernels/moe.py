@@ -35,7 +35,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def moe_block_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int,
                      dtype: torch.dtype) -> dict:
     """Launch configuration of both expert kernels for one decode step (one source of truth: the
-    launcher :func:`sparse_moe`, the AOT compile test and ``eval/kernel_report.py`` call it).
+    launcher :func:`sparse_moe`, the AOT compile test and ``lab/kernel_report.py`` call it).
 
     ``T`` tokens, ``k`` slots, ``N`` experts, hidden ``H``, intermediate ``I``, expert ``dtype`` ->
     ``{"block_m", "block_n", "block_k", "num_warps", "num_stages"}``. ``block_m`` is the smallest power
@@ -44,7 +44,7 @@ def moe_block_config(num_tokens: int, top_k: int, num_experts: int, hidden: int,
     vLLM's untuned fused-MoE defaults (``fused_moe.get_default_config``: 32 / 64 for small M, 64 / 32
     otherwise); ``num_warps`` 4 and ``num_stages`` 3 are Triton's defaults. ``H`` and ``I`` only bound
     the tiles (never above the next power of two of the dimension, at least 16). Not tuned on a GPU
-    yet: ``eval/gpu_check.py`` measures it against transformers' ``grouped_mm``.
+    yet: ``lab/gpu_check.py`` measures it against transformers' ``grouped_mm``.
     """
     pairs_per_expert = -(-num_tokens * top_k // max(num_experts, 1))
     block_m = min(64, max(16, triton.next_power_of_2(max(pairs_per_expert, 1))))

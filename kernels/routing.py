@@ -62,7 +62,7 @@ _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _TILE = 4096
 #: Launch configuration of the single-program kernels (LYNX, OEA, mass greedy): one CTA does the whole
 #: step, so occupancy is irrelevant; ``maxnreg=255`` lets ptxas keep what it needs in registers instead of
-#: spilling 8-36 bytes to reach an occupancy tier, which it did without it (eval/kernel_report.py).
+#: spilling 8-36 bytes to reach an occupancy tier, which it did without it (lab/kernel_report.py).
 #: A one-config ``triton.autotune`` is how torch.compile represents launch options of a user kernel too.
 #: The mass greedy keeps int64 tiles (twice the registers): 8 warps. The LYNX kernel too: with 4 warps ptxas
 #: put 8 bytes on the stack (local loads/stores) at Mixtral's N = 8, 64-row tiles on sm_90; 8 warps: 47 registers, none.

@@ -2,7 +2,7 @@
 machine without a GPU, with no register spill.
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (the interpreter replaces ``@triton.jit``
-functions, and the test session sets it): ``python -m lynx_hf.eval.kernel_report`` runs the real launchers on meta
+functions, and the test session sets it): ``python -m lab.kernel_report`` runs the real launchers on meta
 tensors at the shapes of Qwen2-57B-A14B, DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3
 (plus the expert kernels in Llama-4 Scout's transposed layout) for decode batches 1 / 16 / 64 (block
 sizes from the launch sites' own functions), specialises each
@@ -28,7 +28,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("aot") / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, "-m", "lynx_hf.eval.kernel_report", "--json", str(out), "--no-markdown", "--self-check",
+        [sys.executable, "-m", "lab.kernel_report", "--json", str(out), "--no-markdown", "--self-check",
          "--jobs", str(min(2, os.cpu_count() or 1))],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
     )

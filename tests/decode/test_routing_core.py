@@ -1,6 +1,6 @@
 """The decode post-process core (lynx_hf/core.py ``remap`` / ``BlockRouting.route``) on hand-worked
 steps with per-token masks: finished rows do not vote, prefill rows seed the critical set, telemetry
-counts only live decode tokens (each test here kills a named mutant of eval/mutants.py)."""
+counts only live decode tokens (each test here kills a named mutant of lab/mutants.py)."""
 
 import contextlib
 import types

@@ -1,11 +1,11 @@
-"""The family matrix (``lynx_hf.eval.family_matrix``, CASES C28-style new-user census): every MoE implementation the
+"""The family matrix (``lab.family_matrix``, CASES C28-style new-user census): every MoE implementation the
 installed transformers ships, enumerated from ``transformers.models`` (not a hand list), built tiny with its
 selection biases non-zero, either patches (policy ``none`` bit-identical in ``generate`` and in a manual decode loop,
 ``unpatch`` clean, LYNX reducing unique experts in both) or refuses with a typed error that names what is missing
 and leaves the model untouched. A new transformers release that adds a family shows up here as a new test id.
 
 One process, ~1 s per implementation; ``docs/families-matrix.md`` is this matrix written out
-(``python -m lynx_hf.eval.family_matrix``)."""
+(``python -m lab.family_matrix``)."""
 
 import dataclasses
 
@@ -14,7 +14,7 @@ import transformers
 from packaging.version import Version
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 
-from lynx_hf.eval import family_matrix as fm
+from lab import family_matrix as fm
 
 CASES = fm.discover()
 #: implementations whose failure is known and tracked (model type -> why); they xfail, and fail once fixed
@@ -52,7 +52,7 @@ def test_family_patches_or_refuses_cleanly(case):
         pytest.xfail(NOT_BUILDABLE[case.model_type])
     assert row.status != "not built", (
         f"the tiny config of {case.model_type} does not build or run unpatched ({row.reason}): fix it in "
-        f"lynx_hf.eval.family_matrix (TINY / OVERRIDES), or list it in NOT_BUILDABLE with exactly why")
+        f"lab.family_matrix (TINY / OVERRIDES), or list it in NOT_BUILDABLE with exactly why")
 
 
 #: model types that build another family's model class from a text config class of their own (transformers 5.25's

@@ -3,7 +3,7 @@
 Beam, DeepSeek-V3.2), the allowed groups of each decode token are derived here from the router's own logits,
 its bias tensor and the model config (never from a spec's selection scores), and every expert a policy remaps to
 must lie inside them: default LYNX, the paper's rule (``mass_price=None``), OEA and XShare. Removing the group mask
-from ``patches/deepseek_v2.py`` makes this fail (``eval/mutants.py`` ``v2_group_mask_dropped``)."""
+from ``patches/deepseek_v2.py`` makes this fail (``lab/mutants.py`` ``v2_group_mask_dropped``)."""
 
 import pytest
 import torch
@@ -11,8 +11,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import lynx_hf
 from helpers import families as fam
+from lab import family_matrix as fm
 from lynx_hf.block import BlockRouting
-from lynx_hf.eval import family_matrix as fm
 
 POLICIES = {
     "lynx-default": dict(policy="lynx"),
@@ -20,7 +20,7 @@ POLICIES = {
     "oea": dict(policy="oea", oea_k0=1),
     "xshare": dict(policy="xshare", xshare_budget=1, xshare_warmup=0),
 }
-# registry families (tests/helpers/families.py) and matrix families (lynx_hf.eval.family_matrix) that group
+# registry families (tests/helpers/families.py) and matrix families (lab.family_matrix) that group
 REGISTRY = ("deepseek_v2", "deepseek_v3")
 MATRIX = ("glm4_moe", "exaone_moe", "solar_open", "beam", "deepseek_v32")  # dots3_note: GLM-4.5's router
 # a family the installed transformers does not ship (Beam before 5.24) is not enumerated, as in the matrix

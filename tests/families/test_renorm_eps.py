@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import lynx_hf
+from lab import family_matrix as fm
 from lynx_hf import patcher
-from lynx_hf.eval import family_matrix as fm
 from lynx_hf.kernels.routing_torch import routing_weights
 from lynx_hf.patches import generic
 

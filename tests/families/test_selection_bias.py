@@ -2,15 +2,15 @@
 bias wherever the family keeps it (a router buffer, a router submodule, the block passing it to the router),
 verifies the whole rule exactly on its probe, and the policies choose among the experts the model's routing allows,
 ranked by the biased scores; the weights stay the unbiased rule. CASES C32: a small bias is never accepted with a
-wrong rule. Tiny models from config classes (``lynx_hf.eval.family_matrix``)."""
+wrong rule. Tiny models from config classes (``lab.family_matrix``)."""
 
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import lynx_hf
+from lab import family_matrix as fm
 from lynx_hf.block import BlockRouting
-from lynx_hf.eval import family_matrix as fm
 from lynx_hf.patches import deepseek_v3
 from lynx_hf.patches.generic import GenericSpec, _plain_mismatch, block_parts, probe_hidden
 

@@ -3,7 +3,7 @@
 Alignment metadata must be *exactly* equal to the reference. Expert outputs are fp32 here (the
 interpreter's bf16 ``tl.dot`` is unusable) and agree within atol 1e-5 / rtol 1e-5 (fp32 sums in a
 different order). Outputs and intermediates come from a NaN-poisoned ``torch.empty``, so any
-unwritten row shows as NaN. bf16/fp16 at real shapes: eval/gpu_check.py on a CUDA machine.
+unwritten row shows as NaN. bf16/fp16 at real shapes: lab/gpu_check.py on a CUDA machine.
 """
 
 import os
@@ -281,8 +281,8 @@ def test_property_align_matches_reference(T, k, N, bm, hot, seed):
 
 
 def _load_gpu_check():
-    path = importlib.util.find_spec("lynx_hf.eval.gpu_check").origin  # a fresh module object per call
-    spec = importlib.util.spec_from_file_location("lynx_hf.eval.gpu_check", path)
+    path = importlib.util.find_spec("lab.gpu_check").origin  # a fresh module object per call
+    spec = importlib.util.spec_from_file_location("lab.gpu_check", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -296,7 +296,7 @@ def test_gpu_check_exits_cleanly_without_cuda(capsys):
 
 @pytest.mark.slow
 def test_gpu_check_dry_run(capsys):
-    # every section of the GPU script on tiny CPU shapes under the interpreter (keeps eval/gpu_check.py
+    # every section of the GPU script on tiny CPU shapes under the interpreter (keeps lab/gpu_check.py
     # runnable where no GPU is); its checks compare kernels with their references, so it can fail
     mod = _load_gpu_check()
     rc = mod.main(["--dry-run", "--budget", "600"])

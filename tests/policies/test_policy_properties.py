@@ -4,7 +4,7 @@
 The strategies draw the score values, masks and row permutations themselves (so a counterexample shrinks to
 a small tensor, not to a seed); the policy path (numba twins on CPU) is compared with plain-Python references
 written from docs/design.md (``lynx_by_hand``, ``mass_greedy_by_hand``, ``remap_by_hand``), and hand-worked cases
-pin each rule a mutant of eval/mutants.py would change."""
+pin each rule a mutant of lab/mutants.py would change."""
 
 import math
 

@@ -34,7 +34,7 @@ def fixture(name: str):
     """(model, tokenizer) of a committed fixture, loaded once per session; fails if it is missing."""
     path = FIXTURES / name
     assert (path / "config.json").is_file() and any(path.glob("*.safetensors")), (
-        f"committed fixture {path} is missing: train it with python -m lynx_hf.eval.train_fixture and commit it")
+        f"committed fixture {path} is missing: train it with python -m lab.train_fixture and commit it")
     if name not in _CACHE:
         _CACHE[name] = ev.load_model(path)
     model, tok = _CACHE[name]

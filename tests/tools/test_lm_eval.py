@@ -33,7 +33,7 @@ def _one_thread(one_thread):
 @pytest.fixture(scope="module")
 def model_and_tok():
     assert (FIXTURE / "config.json").is_file() and any(FIXTURE.glob("*.safetensors")), (
-        f"committed fixture {FIXTURE} is missing: train it with python -m lynx_hf.eval.train_fixture and commit it")
+        f"committed fixture {FIXTURE} is missing: train it with python -m lab.train_fixture and commit it")
     return ev.load_model(FIXTURE)
 
 
@@ -42,7 +42,7 @@ def test_local_tasks_are_indexed_and_data_is_what_build_tasks_writes():
 
     tm = TaskManager(include_path=str(ev.TASKS_DIR), include_defaults=False)
     assert {GEN_TASK, LL_TASK} <= set(tm.all_tasks)
-    from lynx_hf.eval.tasks import build_tasks
+    from lab import build_tasks
     docs = [json.loads(line) for line in build_tasks.SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
     for name, rows in (("code_line_completion.jsonl", build_tasks.build_generation(docs)),
                        ("code_next_line_mc.jsonl", build_tasks.build_multiple_choice(docs))):

@@ -1,8 +1,8 @@
 """The fixed cost of a decode step, per MoE layer-step: the router call (the model's own router plus lynx_hf's
 router hook: unpack, selection scores, policy, remap, weight rule, telemetry, repack) unpatched vs patched.
 
-    python -m lynx_hf.eval.bench_step                        # fixture A and the DeepSeek-V2-Lite shape, B 4 and 16
-    python -m lynx_hf.eval.bench_step --models fixture --batches 16 --no-compile
+    python -m lab.bench_step                        # fixture A and the DeepSeek-V2-Lite shape, B 4 and 16
+    python -m lab.bench_step --models fixture --batches 16 --no-compile
 
 For each model and batch size B: the router inputs ``[B, H]`` of every MoE layer are taken from a forward of B
 random prompts (the last position: what a decode step's router sees), then each layer's router is called on them
@@ -27,22 +27,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
-import os
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+import lynx_hf
+from lynx_hf.kernels.routing_torch import strict_sync_free
 
-import lynx_hf  # noqa: E402
-from lynx_hf.kernels.routing_torch import strict_sync_free  # noqa: E402
-
-from . import DEFAULT_FIXTURE, RESULTS_DIR, command  # noqa: E402
+from . import DEFAULT_FIXTURE, RESULTS_DIR, command
+from .bench_compile import twin
 
 
 class OpCounter(TorchDispatchMode):
@@ -69,7 +66,7 @@ def build_dsv2(dtype: torch.dtype, layers: int = 1):
 
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from .bench import calibrate_temperature
+    from lynx_hf.eval.bench import calibrate_temperature
 
     cfg = DeepseekV2Config(hidden_size=2048, moe_intermediate_size=1408, intermediate_size=4096,
                            n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, topk_method="greedy",
@@ -153,11 +150,6 @@ class _Decode:
             self.state.tracker._var.reset(self.token)
 
 
-def _twin(model):
-    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return copy.deepcopy(model, memo)
-
-
 def _variants(model, include_counts: bool):
     out = {"unpatched": model}
     configs = [("none", dict(policy="none")), ("lynx", dict(policy="lynx"))]
@@ -165,13 +157,13 @@ def _variants(model, include_counts: bool):
         configs.append(("lynx counts", dict(policy="lynx", telemetry="counts")))
     configs.append(("lynx off", dict(policy="lynx", telemetry=False)))
     for label, kw in configs:
-        twin = _twin(model)
+        variant = twin(model)
         try:
-            lynx_hf.patch(twin, gate="always", **kw)
+            lynx_hf.patch(variant, gate="always", **kw)
         except Exception as exc:  # noqa: BLE001 - an older lynx_hf without the mode
             print(f"  (variant {label!r} skipped: {exc})")
             continue
-        out[label] = twin
+        out[label] = variant
     return out
 
 

@@ -1,6 +1,6 @@
 """Build the local lm-eval task data from the committed held-out code (eval/data/valid_code.jsonl).
 
-    python -m lynx_hf.eval.tasks.build_tasks   # rewrites eval/tasks/data/*.jsonl (deterministic; source checkout)
+    python -m lab.build_tasks   # rewrites eval/tasks/data/*.jsonl (deterministic)
 
 - ``lynx_code_line_completion`` (generate_until, 200 items): prompt = up to 8 preceding lines of a
   held-out stdlib file plus the start of the next line (cut before a space, so the prompt ends on a
@@ -17,13 +17,11 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
-from .. import require_checkout
+from . import DATA_DIR, TASKS_DIR
 
-HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent / "data" / "valid_code.jsonl"
-OUT = HERE / "data"
+SOURCE = DATA_DIR / "valid_code.jsonl"
+OUT = TASKS_DIR / "data"
 CONTEXT_LINES = 8
 MAX_CONTEXT_CHARS = 600
 ITEMS = 200
@@ -111,7 +109,6 @@ def build_multiple_choice(docs, items=ITEMS, seed=1):
 
 
 def main() -> None:
-    require_checkout("build_tasks")
     docs = [json.loads(line) for line in SOURCE.read_text(encoding="utf-8").splitlines() if line.strip()]
     OUT.mkdir(exist_ok=True)
     for name, rows in (("code_line_completion.jsonl", build_generation(docs)),

@@ -26,15 +26,15 @@ Sections (run in this order; each is skipped with a printed note when the time b
 4. ``graphs`` — CUDA-graph capture of compiled static-cache decode with LYNX: ``model.generate(...,
    cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))``
    on the patched 2-layer Qwen2-57B-A14B; tokens equal to eager LYNX.
-5. ``gate`` — the cost gate's decisions (``LynxConfig.gate="auto"``, ``lynx_hf.eval.gate_table``) on this GPU for
+5. ``gate`` — the cost gate's decisions (``LynxConfig.gate="auto"``, ``lab.gate_table``) on this GPU for
    fixture A, DeepSeek-V2-Lite, Qwen2-57B-A14B, Mixtral-8x7B and OLMoE-1B-7B shapes x B = 1, 4, 16, 64: measured
    routing cost, expected saving, on / off. Sections 2-4 force the gate on (``gate="always"``): they check the policy.
 
 A summary table closes the run. Exit status 1 if any check fails.
 
-    python -m lynx_hf.eval.gpu_check              # on a CUDA machine (prints a note and exits 0 without CUDA)
-    python -m lynx_hf.eval.gpu_check --dry-run    # CPU: each section on tiny shapes under the Triton interpreter
-    python -m lynx_hf.eval.gpu_check --sections kernels,sync --budget 300
+    python -m lab.gpu_check              # on a CUDA machine (prints a note and exits 0 without CUDA)
+    python -m lab.gpu_check --dry-run    # CPU: each section on tiny shapes under the Triton interpreter
+    python -m lab.gpu_check --sections kernels,sync --budget 300
 
 ``--dry-run`` tests this script, not performance: sync detection there is a dispatch-mode check of
 lynx_hf's own frames (CUDA's sync debug mode needs CUDA), the compile section uses dynamo with the eager
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import math
 import os
 import statistics
@@ -55,7 +56,6 @@ import traceback
 
 if "--dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
@@ -347,14 +347,12 @@ def _decode_steps(model, dev, batch, steps, guard):
 
 def _our_roots() -> tuple[str, ...]:
     """The folders of lynx_hf, lynx_hf.patches and lynx_hf.kernels (one folder in a wheel, three in the source
-    checkout); lynx_hf.eval's own frames (this script) are not the library's."""
-    import importlib.util
-
+    checkout); lynx_hf.eval's frames are not the library's."""
     return tuple({os.path.dirname(os.path.abspath(importlib.util.find_spec(name).origin))
                   for name in ("lynx_hf", "lynx_hf.patches", "lynx_hf.kernels")})
 
 
-_EVAL_DIR = os.path.dirname(os.path.abspath(__file__))
+_EVAL_DIR = os.path.dirname(os.path.abspath(importlib.util.find_spec("lynx_hf.eval").origin))
 
 
 def _ours(path: str, roots: tuple[str, ...]) -> bool:
@@ -625,10 +623,10 @@ def section_graphs(args, dev, budget, models) -> None:
 
 # ------------------------------------------------------------------------------------------- section 5
 def section_gate(args, dev, budget) -> None:
-    """The cost gate's decisions (``LynxConfig.gate="auto"``) per shape x B on this device (``lynx_hf.eval.gate_table``):
+    """The cost gate's decisions (``LynxConfig.gate="auto"``) per shape x B on this device (``lab.gate_table``):
     printed for the record (a decision is the device's, not a pass / fail); the check is that every measurement
     ran and is finite."""
-    from lynx_hf.eval.gate_table import BATCHES, SHAPES, table
+    from .gate_table import BATCHES, SHAPES, table
 
     S = "gate"
     if not budget.allows(60 if not args.dry_run else 10, "cost gate decisions", S):

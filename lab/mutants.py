@@ -14,9 +14,9 @@ maps ``lynx_hf.kernels`` to the source checkout) is never consulted; a probe che
 
 Usage::
 
-    nice -n 10 python -m lynx_hf.eval.mutants          # every mutant, table to eval/results/mutants.md
-    python -m lynx_hf.eval.mutants --list              # names and descriptions
-    nice -n 10 python -m lynx_hf.eval.mutants --only gain_is_w consensus_gt   # some mutants (table not written)
+    nice -n 10 python -m lab.mutants          # every mutant, table to eval/results/mutants.md
+    python -m lab.mutants --list              # names and descriptions
+    nice -n 10 python -m lab.mutants --only gain_is_w consensus_gt   # some mutants (table not written)
 
 Source checkout only (it copies the git working tree).
 
@@ -37,8 +37,8 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from . import CHECKOUT as REPO
-from . import RESULTS_DIR, require_checkout
+from . import RESULTS_DIR
+from . import ROOT as REPO
 
 RESULTS = RESULTS_DIR / "mutants.md"
 
@@ -316,7 +316,6 @@ def main(argv=None) -> int:
         for m in MUTANTS:
             print(f"{m.name:34} {m.what}")
         return 0
-    require_checkout("mutants")
     chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
@@ -379,9 +378,9 @@ def main(argv=None) -> int:
     if not args.only:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(
-            "# Mutation probe (`python -m lynx_hf.eval.mutants`)\n\n"
+            "# Mutation probe (`python -m lab.mutants`)\n\n"
             "Each mutant is a deliberate behaviour change applied to a copy of the package; the listed tests fail "
-            "on it. Tests listed per mutant in eval/mutants.py; all of them pass on the unmutated copy.\n\n"
+            "on it. Tests listed per mutant in lab/mutants.py; all of them pass on the unmutated copy.\n\n"
             + text + "\n")
         print(f"wrote {args.out}")
     return 1 if failures else 0

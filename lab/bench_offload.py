@@ -1,8 +1,8 @@
 """Decode with offloaded experts: bytes read per decode step and decode time, accelerate's whole-module offload vs
 lynx_hf's expert-granular reads (``lynx_hf.offload``), with and without LYNX and a resident-expert cache.
 
-    python -m lynx_hf.eval.bench_offload            # full run (writes bench_offload.{csv,md} to --out)
-    python -m lynx_hf.eval.bench_offload --quick    # smoke run: 1/8-scaled shapes, 2 layers, B = 4, 2 steps
+    python -m lab.bench_offload            # full run (writes bench_offload.{csv,md} to --out)
+    python -m lab.bench_offload --quick    # smoke run: 1/8-scaled shapes, 2 layers, B = 4, 2 steps
 
 Model: OLMoE-1B-7B layer shapes (hidden 2048, expert intermediate 1024, 64 experts, top-8, softmax over all N, no
 renormalisation), ``--layers`` decoder layers (default 4), vocab ``--vocab``, bf16, random weights; routers set so
@@ -46,18 +46,16 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers.utils import logging as hf_logging
 
-import torch  # noqa: E402
-from transformers.utils import logging as hf_logging  # noqa: E402
+import lynx_hf
+from lynx_hf import offload as lynx_offload
+from lynx_hf.config import LynxConfig
+from lynx_hf.eval.bench import calibrate_temperature
 
-import lynx_hf  # noqa: E402
-from lynx_hf import offload as lynx_offload  # noqa: E402
-from lynx_hf.config import LynxConfig  # noqa: E402
-
-from . import RESULTS_DIR as RESULTS  # noqa: E402
-from . import command  # noqa: E402
-from .bench import calibrate_temperature  # noqa: E402
+from . import RESULTS_DIR as RESULTS
+from . import command
 
 hf_logging.set_verbosity_error()
 
@@ -220,7 +218,7 @@ def parse_args(argv=None):
                    "a temporary folder, removed at the end)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=RESULTS,
-                   help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+                   help="results folder (default: eval/results)")
     args = p.parse_args(argv)
     if args.batches is None:
         args.batches = [4] if args.quick else [1, 4, 16]

@@ -16,7 +16,7 @@ Outputs:
   eval/data/valid_code.jsonl      committed held-out code
   eval/data/prompts.txt           16 short held-out prompts, one per line
 
-Usage:  apt-get install -y python3.11-doc && python -m lynx_hf.eval.build_corpus   (in a source checkout)
+Usage:  apt-get install -y python3.11-doc && python -m lab.build_corpus
 
 The committed tokenizer (eval/fixtures/*/tokenizer.json) was built from the Debian 3.11.2-6+deb12u9 packages
 (python3.11-doc, libpython3.11-stdlib, libpython3.11-minimal); other package versions change a few files and
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from . import DATA_DIR as DATA
-from . import DEFAULT_FIXTURE, require_checkout
+from . import DEFAULT_FIXTURE
 from . import WORK_DIR as WORK
 
 EOS = "<|endoftext|>"
@@ -127,7 +127,6 @@ def main() -> None:
     ap.add_argument("--docs-root", type=Path, default=DOCS_ROOT)
     ap.add_argument("--code-root", type=Path, default=CODE_ROOT)
     args = ap.parse_args()
-    require_checkout("build_corpus")  # rewrites the committed eval/data
 
     WORK.mkdir(parents=True, exist_ok=True)
     DATA.mkdir(parents=True, exist_ok=True)

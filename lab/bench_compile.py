@@ -2,8 +2,8 @@
 ``torch.compile(fullgraph=True)`` (inductor), unpatched vs LYNX (default config), interleaved rounds in one
 process, medians and ratios to eager unpatched.
 
-    python -m lynx_hf.eval.bench_compile                   # fixture A (bf16, its stored dtype) and the 2-layer Qwen2-57B-A14B config (bf16)
-    python -m lynx_hf.eval.bench_compile --models fixture  # only fixture A
+    python -m lab.bench_compile                   # fixture A (bf16, its stored dtype) and the 2-layer Qwen2-57B-A14B config (bf16)
+    python -m lab.bench_compile --models fixture  # only fixture A
 
 Models: fixture A (eval/fixtures/qwen2moe-tiny) and Qwen2-57B-A14B's config cut to 2 decoder layers with
 random weights (lynx_hf.eval.bench.build_tpot_model; router weights scaled to the fixtures' confidence).
@@ -12,27 +12,24 @@ For each: prefill B prompts into a StaticCache, then time the forward of one dec
 compiled unpatched, compiled LYNX (each compiled once, fullgraph, static shapes; compile time printed
 but not counted). Also checks that compiled LYNX routes as eager LYNX does (unique experts per layer before /
 after, lynx_hf.stats) and prints the largest compiled-vs-eager logit gap of LYNX beside the unpatched one. Run it alone on the machine: it times.
-Writes bench_compile.md to --out (default: eval/results in the source checkout, else ./lynx_hf_results).
+Writes bench_compile.md to --out (default: eval/results).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AutoModelForCausalLM, StaticCache
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, StaticCache  # noqa: E402
+import lynx_hf
 
-import lynx_hf  # noqa: E402
-
-from . import DEFAULT_FIXTURE, RESULTS_DIR, command  # noqa: E402
+from . import DEFAULT_FIXTURE, RESULTS_DIR, command
 
 
 def _decode_inputs(model, batch: int, prompt: int, vocab: int, seed: int = 0):
@@ -47,7 +44,7 @@ def _decode_inputs(model, batch: int, prompt: int, vocab: int, seed: int = 0):
                 past_key_values=out.past_key_values, use_cache=True)
 
 
-def _twin(model):
+def twin(model):
     """A second model object sharing every parameter and buffer tensor with ``model`` (no extra memory):
     one stays unpatched, the other is patched, so no variant toggles hooks between timed calls."""
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
@@ -77,7 +74,7 @@ def _routes(summary: dict) -> list:
 
 
 def bench(name, model, inputs, rounds: int, log) -> list[dict]:
-    plain, lynx = model, _twin(model)
+    plain, lynx = model, twin(model)
     lynx_hf.patch(lynx, policy="lynx")
     variants = {"eager unpatched": plain.__call__, "eager lynx": lynx.__call__}
     for label, m in (("compiled unpatched", plain), ("compiled lynx", lynx)):
@@ -132,7 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(RESULTS_DIR),
-                    help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+                    help="results folder (default: eval/results)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     lines = []
@@ -148,7 +145,7 @@ def main(argv=None) -> int:
         rows += bench("fixture A (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 4096), args.rounds, log)
         del model
     if "qwen2-57b-2l" in args.models:
-        from .bench import SHAPES, build_tpot_model
+        from lynx_hf.eval.bench import SHAPES, build_tpot_model
 
         model = build_tpot_model(SHAPES["qwen2-57b-a14b"][1], layers=2, vocab=512)
         rows += bench("Qwen2-57B-A14B, 2 layers (bf16)", model, _decode_inputs(model, args.batch, args.prompt, 512),

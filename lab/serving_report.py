@@ -1,7 +1,7 @@
 """Serving report: LYNX in the generation modes a server runs, none vs LYNX (default) vs OEA k0=1.
 
-    python -m lynx_hf.eval.serving_report              # fixture A, writes eval/results/serving.md / .json
-    python -m lynx_hf.eval.serving_report --quick      # fewer tokens (a smoke run, not for the README)
+    python -m lab.serving_report              # fixture A, writes eval/results/serving.md / .json
+    python -m lab.serving_report --quick      # fewer tokens (a smoke run, not for the README)
 
 1. Continuous batching (``model.generate_batch``, transformers' paged-cache engine): 16 held-out prompts of
    mixed lengths (8..68 tokens), greedy, EOS on; once with the default token budget (all prompts prefilled
@@ -24,20 +24,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+import torch
+from transformers import GenerationConfig
 
-import torch  # noqa: E402
-from transformers import GenerationConfig  # noqa: E402
-
-import lynx_hf  # noqa: E402
-
-from . import evaluation as ev  # noqa: E402
+import lynx_hf
+from lynx_hf.eval import evaluation as ev
 
 POLICIES = {"none": dict(policy="none"), "lynx": dict(policy="lynx"), "oea k0=1": dict(policy="oea", oea_k0=1)}
 
@@ -264,7 +259,7 @@ def main(argv=None) -> int:
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="8 new tokens, 4 prompts (smoke run)")
-    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+    p.add_argument("--out", default=str(ev.RESULTS_DIR), help="results folder (default: eval/results)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
@@ -278,7 +273,7 @@ def main(argv=None) -> int:
     v_new = 8 if args.quick else args.verify_new_tokens
     eos = model.generation_config.eos_token_id
     report = {"model": Path(args.model).name,
-              "command": "python -m lynx_hf.eval.serving_report" + (" --quick" if args.quick else ""),
+              "command": "python -m lab.serving_report" + (" --quick" if args.quick else ""),
               "args": {"threads": args.threads, "budget": args.budget, "cb_requests": len(cb_prompts),
                        "cb_lengths": f"{min(lengths)}..{max(lengths)}", "cb_new_tokens": cb_new,
                        "verify_prompts": verify_count, "verify_prompt_length": verify_len,

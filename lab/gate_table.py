@@ -2,15 +2,15 @@
 ``lynx_hf.gate``): measured routing cost, expected experts before / after (synthetic router logits), one expert's
 time, expected saving, on / off.
 
-    python -m lynx_hf.eval.gate_table                       # every shape x B in (1, 4, 16, 64), on CUDA if present
-    python -m lynx_hf.eval.gate_table --quick --shapes fixture-a   # a smoke run: one shape, B 4 and 16, short timings
-    python -m lynx_hf.eval.gate_table --device cpu
+    python -m lab.gate_table                       # every shape x B in (1, 4, 16, 64), on CUDA if present
+    python -m lab.gate_table --quick --shapes fixture-a   # a smoke run: one shape, B 4 and 16, short timings
+    python -m lab.gate_table --device cpu
 
 Shapes (N experts, top-k, hidden H, expert intermediate I): fixture A (eval/fixtures/qwen2moe-tiny, its stored dtype),
 DeepSeek-V2-Lite (64, 6, 2048, 1408), Qwen2-57B-A14B (64, 8, 3584, 2560), Mixtral-8x7B (8, 2, 4096, 14336),
 OLMoE-1B-7B (64, 8, 2048, 1024); the real shapes in bf16. The policy is the default (``LynxConfig()``). Nothing is
 loaded from a hub: the gate measures synthetic inputs at each shape. Run it alone on the machine: it times.
-Writes gate_table.md to --out (default: eval/results in the source checkout, else ./lynx_hf_results).
+Writes gate_table.md to --out (default: eval/results).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     ap.add_argument("--quick", action="store_true", help="smoke run: fixture A, B 4 and 16, short timings")
     ap.add_argument("--out", default=str(RESULTS_DIR),
-                    help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
+                    help="results folder (default: eval/results)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

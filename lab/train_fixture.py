@@ -1,11 +1,11 @@
 """Train a small MoE fixture (Qwen2-MoE, Mixtral or DeepSeek-V2) on CPU, save it as a HF checkpoint in bf16.
 
-Prerequisite: ``python -m lynx_hf.eval.build_corpus`` (writes eval/work/train_tokens.npy and eval/work/tokenizer).
+Prerequisite: ``python -m lab.build_corpus`` (writes eval/work/train_tokens.npy and eval/work/tokenizer).
 
-    python -m lynx_hf.eval.train_fixture --family qwen2_moe   --epochs 1 --out eval/fixtures/qwen2moe-tiny
-    python -m lynx_hf.eval.train_fixture --family mixtral     --steps 2000 --out eval/fixtures/mixtral-tiny
-    python -m lynx_hf.eval.train_fixture --family deepseek_v2 --epochs 1 --out eval/fixtures/deepseekv2-tiny
-    python -m lynx_hf.eval.train_fixture --eval-only --out eval/fixtures/qwen2moe-tiny   # metrics of a saved checkpoint
+    python -m lab.train_fixture --family qwen2_moe   --epochs 1 --out eval/fixtures/qwen2moe-tiny
+    python -m lab.train_fixture --family mixtral     --steps 2000 --out eval/fixtures/mixtral-tiny
+    python -m lab.train_fixture --family deepseek_v2 --epochs 1 --out eval/fixtures/deepseekv2-tiny
+    python -m lab.train_fixture --eval-only --out eval/fixtures/qwen2moe-tiny   # metrics of a saved checkpoint
 
 Training: random ``--seq``-token windows of the train split, fp32, AdamW, linear warmup + cosine decay over
 ``--steps`` (or ``--epochs E``: ceil(E * train tokens / (batch * seq)) steps), router aux (load-balancing)
@@ -228,7 +228,7 @@ def write_card(out: Path, info: dict) -> None:
     load = f" (1-min load average {load[0]:.2f} at start, {load[1]:.2f} at end)" if load else ""
     text = f"""# {name}
 
-Small MoE test fixture for lynx_hf, trained from scratch on CPU by `python -m lynx_hf.eval.train_fixture`.
+Small MoE test fixture for lynx_hf, trained from scratch on CPU by `python -m lab.train_fixture`.
 It is a *fixture*, not a useful language model: it exists so tests, evaluation and the demo
 can load a real trained MoE with `from_pretrained` offline.
 
@@ -248,10 +248,10 @@ can load a real trained MoE with `from_pretrained` offline.
 - File-level split: `sha1("<docs|code>/<relative path>") % 20 == 0` -> validation. Tokenizer and
   training use the train split only ({info['train_tokens']:,} tokens). The committed held-out set is
   `eval/data/valid_docs.jsonl` / `valid_code.jsonl` (validation files, each truncated to 12,000 chars).
-  Built by `python -m lynx_hf.eval.build_corpus`.
+  Built by `python -m lab.build_corpus`.
 
 ## Training
-- Command: `{info['command']}` (after `python -m lynx_hf.eval.build_corpus`)
+- Command: `{info['command']}` (after `python -m lab.build_corpus`)
 - {sched}
 - {info['steps']} steps x batch {a['batch']} x {a['seq']} tokens = {info['tokens_seen']:,} tokens seen
   ({info['epochs']:.2f} epochs), {info['wall_minutes']:.1f} min wall ({info['wall_minutes'] * 60 / max(info['steps'], 1):.2f} s/step)
@@ -267,7 +267,7 @@ can load a real trained MoE with `from_pretrained` offline.
 | docs | {ev['docs']['tokens']:,} | {ev['docs']['ce']:.3f} | {ev['docs']['acc']:.3f} |
 | code | {ev['code']['tokens']:,} | {ev['code']['ce']:.3f} | {ev['code']['acc']:.3f} |
 
-Reproduce: `python -m lynx_hf.eval.train_fixture --eval-only --out eval/fixtures/{name}`.
+Reproduce: `python -m lab.train_fixture --eval-only --out eval/fixtures/{name}`.
 
 ## Router confidence (same windows, docs + code)
 Mean softmax probability (over all experts) of the rank-1..rank-{k} expert, per layer:
@@ -381,7 +381,7 @@ def main() -> None:
     print(json.dumps(ev, indent=1), flush=True)
     info = {
         "family": args.family,
-        "command": "python -m lynx_hf.eval.train_fixture " + " ".join(sys.argv[1:]),
+        "command": "python -m lab.train_fixture " + " ".join(sys.argv[1:]),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "params": nparams,
         "steps": args.steps,

@@ -4,32 +4,28 @@ dynamic and a static KV cache. Rounds are interleaved (unpatched, default, alway
 median wall time is divided by the unpatched median of the same cache type: the machines are noisy, only ratios from
 one run mean anything. Run it alone on the machine.
 
-    python -m lynx_hf.eval.bench_generate                       # B 16, 32 greedy tokens, 5 rounds
-    python -m lynx_hf.eval.bench_generate --batch 4 --rounds 3
+    python -m lab.bench_generate                       # B 16, 32 greedy tokens, 5 rounds
+    python -m lab.bench_generate --batch 4 --rounds 3
 
-Three model objects share every parameter tensor (``bench_compile._twin``), so no variant toggles hooks between timed
+Three model objects share every parameter tensor (``bench_compile.twin``), so no variant toggles hooks between timed
 calls. Also prints what the gate decided (``lynx_hf.stats``) and checks the greedy tokens of ``gate="always"``
-against its own earlier rounds (deterministic). Writes bench_generate.md to --out (default: eval/results in the
-source checkout, else ./lynx_hf_results).
+against its own earlier rounds (deterministic). Writes bench_generate.md to --out (default: eval/results).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+from transformers import AutoModelForCausalLM
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import lynx_hf
 
-import lynx_hf  # noqa: E402
-
-from . import DEFAULT_FIXTURE, RESULTS_DIR, command  # noqa: E402
-from .bench_compile import _twin  # noqa: E402
+from . import DEFAULT_FIXTURE, RESULTS_DIR, command
+from .bench_compile import twin
 
 VARIANTS = ("unpatched", "lynx default (gate auto)", "lynx gate always")
 
@@ -48,7 +44,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     base = AutoModelForCausalLM.from_pretrained(args.model).eval()
-    models = {VARIANTS[0]: base, VARIANTS[1]: _twin(base), VARIANTS[2]: _twin(base)}
+    models = {VARIANTS[0]: base, VARIANTS[1]: twin(base), VARIANTS[2]: twin(base)}
     lynx_hf.patch(models[VARIANTS[1]])  # the default LynxConfig: gate from LYNX_HF_GATE, else "auto"
     lynx_hf.patch(models[VARIANTS[2]], gate="always")
     vocab = base.config.vocab_size
