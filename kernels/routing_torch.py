@@ -71,6 +71,11 @@ class strict_sync_free:
         return False
 
 
+def in_strict_sync_free() -> bool:
+    """Whether code runs inside :class:`strict_sync_free` (the accelerator path forced on CPU tensors)."""
+    return _STRICT[0] > 0
+
+
 def host_reads_allowed(t: torch.Tensor) -> bool:
     """Whether a loop over ``t`` may stop early by reading it: CPU tensors in eager mode only."""
     return t.device.type == "cpu" and not _STRICT[0] and not torch.compiler.is_compiling()

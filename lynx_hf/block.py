@@ -17,18 +17,22 @@ import warnings
 
 import torch
 
+from . import gate
 from .core import (
     PREFILL,
     PREFILL_STEP,
+    MoELayer,
     RoutePlan,
     Step,
+    StepInputs,
     WeightRule,
-    fp32_scores,
     host_reads_allowed,
-    keep_routing,
     make_plan,
 )
+from .errors import UnsupportedModelError
+from .experts import implementations, original_implementation, register, uses_interface
 from .gate import LayerShape
+from .patches import SPECS
 from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
 from .telemetry import BlockTelemetry, mode_of
 
@@ -41,7 +45,9 @@ RULE_VERIFIED, RULE_PENDING, RULE_REFUSED = "verified", "pending", "refused"
 
 
 class BlockRouting:
-    """The patch state of one MoE block (plain Python object, never a module)."""
+    """The patch state of one MoE block (plain Python object, never a module). Every attribute is set in
+    ``__init__``; the features write only the ones declared for them there (``offload``, ``offload_reason``,
+    ``extra_expert_ms``: ``lynx_hf.offload``)."""
 
     def __init__(self, model_state, spec, name: str, block: torch.nn.Module, rule) -> None:
         """``rule``: the block's ``lynx_hf.patches.base.BlockRule``, what ``spec.validate`` returned for it."""
@@ -66,6 +72,15 @@ class BlockRouting:
         self.kernel_reason: str | None = None
         self.grouped_reason: str | None = None
         self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
+        # experts offloaded by accelerate (lynx_hf.offload.install / remove): the OffloadedExperts reading them per
+        # expert (None: not read per expert), why not (None: they are, or not looked at), and the measured transfer
+        # of one expert the cost gate adds to the saving of each avoided one (ms; 0 without gate="auto")
+        self.offload = None
+        self.offload_reason: str | None = None
+        self.extra_expert_ms = 0.0
+        # the cost gate kept the model's own routing on the last decode step (lynx_hf.gate: Routed.gated_off), so the
+        # "lynx" experts implementation runs the model's own (lynx_hf.experts); set by the router hook every decode step
+        self.gated_off = False
 
     @property
     def kernel_allowed(self) -> bool:
@@ -85,46 +100,43 @@ class BlockRouting:
         return state
 
     def __setstate__(self, state):
-        from .patches import SPECS
-
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
-        state.setdefault("selection", None)  # a state pickled before selection rules existed
+        # a state pickled before these attributes existed
+        for name, value in (("selection", None), ("offload", None), ("offload_reason", None), ("extra_expert_ms", 0.0),
+                            ("gated_off", False)):
+            state.setdefault(name, value)
         self.__dict__.update(state)
         if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
-            from .experts import register
-
             register()
 
     # -- resolution ----------------------------------------------------------------------------
     def resolve(self, device: torch.device | None = None) -> RoutePlan:
-        """Resolve the plan (backend, policy parameters, kernels, decode-step function, ``lynx_hf.core``) for
-        ``device`` (default: the router's)."""
+        """Resolve the plan for ``device`` (default: the router's): backend, policy parameters, kernels, decode-step
+        function (``lynx_hf.core.make_plan``) and the stages the patcher composes around it
+        (``lynx_hf.patcher.PLAN_STAGES``: each feature's ``fn(block, config)``)."""
         if device is None:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
-        # an offloaded block's saving per avoided expert includes its transfer (lynx_hf.offload sets extra_expert_ms)
-        self.plan = make_plan(self.model_state.config, self.num_experts, self.top_k, device, shape=self.layer_shape(),
-                              extra_expert_ms=getattr(self, "extra_expert_ms", 0.0), expert_fn=self._expert_fn(),
-                              route_fn=self.gate_probe)
+        config = self.model_state.config
+        stages = [stage for make in self.model_state.plan_stages if (stage := make(self, config)) is not None]
+        self.plan = make_plan(config, MoELayer(self.num_experts, self.top_k, device), stages=stages)
         return self.plan
 
-    def gate_probe(self, plan: RoutePlan, step: Step, logits, weights, idx, host: bool, telemetry):
+    def gate_probe(self, run, inputs: StepInputs):
         """What the router hook adds to a decode step the policy runs on, for the cost gate (``lynx_hf.gate``) to time:
-        unpack the router's output, this block's own selection scores, ``plan.step_fn`` (telemetry into
-        ``telemetry``), repack. ``logits [T, N]``, ``weights`` / ``idx [T, k]``: synthetic router output. Returns the
-        repacked output."""
-        output = (logits, weights, idx)
+        unpack the router's output, this block's own selection scores, ``run(inputs)`` (the plan's step below the
+        gate; telemetry into ``inputs.telemetry``), repack. ``inputs``: a step on synthetic router output (``logits
+        [T, N]``, ``weights`` / ``idx [T, k]``). Returns the repacked output."""
+        output = (inputs.logits, inputs.weights, inputs.idx)
         logits, weights, idx = self.spec.unpack(output)
         rule = self.rule if self.rule is not None else WeightRule("softmax_all")
-        new_weights, new_idx, _ = plan.step_fn(plan, rule, step, self._scores_fn(), logits, weights, idx,
-                                               host_reads_allowed(logits), telemetry)
-        return self.spec.repack(output, logits, new_weights, new_idx)
+        out = run(StepInputs(inputs.step, logits, weights, idx, rule, host_reads_allowed(logits), self._scores_fn(),
+                             inputs.telemetry))
+        return self.spec.repack(output, logits, out.weights, out.idx)
 
-    def _expert_fn(self):
+    def expert_fn(self):
         """The model's own experts implementation as ``fn(hidden [T, H], idx [T, k], weights [T, k])``, which the cost
         gate times for the saving per avoided expert (``lynx_hf.gate.measure_module_expert_ms``); ``None`` when the
         experts module does not use transformers' experts interface or its weights are not materialized (offload)."""
-        from .experts import implementations, original_implementation, uses_interface
-
         experts = self.experts
         if not isinstance(experts, torch.nn.Module) or not uses_interface(experts) or \
                 any(p.device.type == "meta" for p in experts.parameters()):
@@ -213,6 +225,7 @@ class BlockRouting:
         """Forward hook on the router: the remapped ``(router_logits, weights, indices)`` in decode, else
         ``None`` (the router's own output object, untouched)."""
         if self.rule_status != RULE_VERIFIED and not self._verify_deferred(output):
+            self._note_unrouted(output)
             return None
         step = self.step
         if step.kind == PREFILL:
@@ -237,8 +250,6 @@ class BlockRouting:
         probe (``spec.probe_tokens``). Until then the block keeps the model's own routing: a check on a few
         tokens proves little (a group-limited or bias-corrected router can agree with plain top-k on one
         token by chance). A refusal warns once and the block keeps the model's own routing for good."""
-        from .errors import UnsupportedModelError
-
         if self.rule_status == RULE_REFUSED:
             return False
         logits = output[0] if isinstance(output, (tuple, list)) and output else None
@@ -259,29 +270,28 @@ class BlockRouting:
             self.rule_status = RULE_REFUSED
             return False
 
+    def _note_unrouted(self, output) -> None:
+        """A decode call the router hook does not route (the rule not verified): the experts implementation still asks
+        whether the cost gate is off at this step size, so that is noted here (``gated_off``)."""
+        idx = output[2] if isinstance(output, (tuple, list)) and len(output) > 2 else None
+        if self.step.kind == PREFILL or not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+            return
+        planned = gate.of(self._plan_for(idx.device))
+        self.gated_off = planned is not None and not planned.decision(idx.shape[0]).on
+
     def route(self, step: Step, logits: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor):
         """``(weights, idx)`` for one step: the policy's remap on the decode tokens, the model's own on the
-        others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int. Runs the plan's
-        decode-step function (``lynx_hf.core``); a step of one token keeps its own top-k under every policy
-        with ``single_token_identity``, so it keeps the model's routing. Where the plan's cost gate
-        (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) is off for this step's T tokens, the model's own routing is
-        returned unchanged (the same objects) and no telemetry is recorded (the step is counted by the gate)."""
+        others. ``logits [T, N]``, ``weights [T, k]`` (any float dtype), ``idx [T, k]`` int. Runs the plan
+        (``lynx_hf.core.RoutePlan.run``: its stages, then its decode-step function); a step of one token keeps its
+        own top-k under every policy with ``single_token_identity``, so it keeps the model's routing. Where the plan's
+        cost gate (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) is off for this step's T tokens, the model's own
+        routing is returned unchanged (the same objects), no telemetry is recorded (the step is counted by the gate)
+        and :attr:`gated_off` is set for the experts implementation."""
         plan = self._plan_for(logits.device)
-        step_fn = plan.step_fn
-        num_tokens = idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
-        if num_tokens == 1 and plan.policy.single_token_identity:
-            step_fn = keep_routing
-        elif plan.gate is not None and step_fn is not keep_routing and not plan.gate.on(num_tokens):
-            plan.gate.skip(num_tokens)  # the cost gate: the model's own routing, no telemetry (lynx_hf.gate)
-            return weights, idx
-        if "offload" in self.__dict__:  # resident offloaded experts seed the critical set (lynx_hf.offload)
-            from .offload import seeded_step
-
-            step_fn = seeded_step(self, step_fn, logits.device)
-        telemetry = self._telemetry()
-        new_weights, new_idx, _ = step_fn(plan, self.rule, step, self._scores_fn(), logits, weights, idx,
-                                          host_reads_allowed(logits), telemetry)
-        return new_weights, new_idx
+        out = plan.run(StepInputs(step, logits, weights, idx, self.rule, host_reads_allowed(logits), self._scores_fn(),
+                                  self._telemetry()))
+        self.gated_off = out.gated_off
+        return out.weights, out.idx
 
     def _telemetry(self):
         """The block's ``BlockTelemetry`` in the mode ``LynxConfig.telemetry`` asks for, or ``None`` (off)."""
@@ -294,10 +304,10 @@ class BlockRouting:
         return telemetry
 
     def _scores_fn(self):
-        """The selection-scores function for the decode-step function: ``lynx_hf.core.fp32_scores`` where the scores
-        are the router logits in fp32 (so the weight rule reuses them), else :meth:`_selection_scores`."""
+        """``StepInputs.scores``: ``None`` where the scores are the router logits in fp32 (so the weight rule reuses
+        them), else :meth:`_selection_scores`."""
         if self.selection is None and self.spec.selection_scores is fp32_logits:
-            return fp32_scores
+            return None
         return self._selection_scores
 
     def _selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
@@ -307,6 +317,18 @@ class BlockRouting:
             bias = self.selection.bias(self.router, self.block, logits.shape[-1])
             return self.selection.selection_scores(logits, bias)
         return self.spec.selection_scores(self.router, logits)
+
+
+def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
+    """The cost gate of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``; ``lynx_hf.gate.stage``: ``None`` unless
+    ``config.gate == "auto"``): measured at the block's shape (:meth:`BlockRouting.layer_shape`), on the model's own
+    experts implementation (:meth:`BlockRouting.expert_fn`), timing the router hook's whole work
+    (:meth:`BlockRouting.gate_probe`), an offloaded expert's transfer added to the saving per avoided expert
+    (:attr:`BlockRouting.extra_expert_ms`)."""
+    if config.gate != "auto":
+        return None
+    return gate.stage(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms, expert_fn=block.expert_fn(),
+                      route_fn=block.gate_probe)
 
 
 def _param_device(module) -> torch.device | None:

@@ -17,14 +17,24 @@ from pathlib import Path
 
 from . import policies
 from .errors import LynxConfigError
-from .gate import ENV as GATE_ENV
-from .gate import GATES, default_gate
 from .kernels.backend import EXPERT_PATHS, ROUTING_BACKENDS
 from .policies import check_bool, check_choice, check_int
 from .telemetry import COUNTS as TELEMETRY_COUNTS
 
 PHASES = ("auto", "decode")
 OFFLOAD_PATHS = ("experts", "module")  # LynxConfig.offload_path (lynx_hf.offload)
+#: ``LynxConfig.gate`` values: ``"auto"`` (the cost gate, ``lynx_hf.gate``, decides per layer shape and step size),
+#: ``"always"`` (the policy runs on every decode step: reproducible, timing-independent)
+GATES = ("auto", "always")
+#: environment variable that sets the default of ``LynxConfig.gate`` (``always`` forces the policy on: tests,
+#: accuracy work); an explicit ``gate=`` wins
+GATE_ENV = "LYNX_HF_GATE"
+
+
+def default_gate() -> str:
+    """The default of ``LynxConfig.gate``: the environment variable :data:`GATE_ENV` if set (e.g. ``always``), else
+    ``"auto"``. A bad value is reported by ``LynxConfig`` validation (``LynxConfigError``)."""
+    return os.environ.get(GATE_ENV, "").strip() or "auto"
 
 #: old name -> what it now is (accepted with a FutureWarning by ``LynxConfig(...)``, ``from_dict``,
 #: ``from_options`` (CLI, lm-eval ``model_args``, vLLM) and ``lynx_hf.patch(model, **overrides)``)

@@ -4,15 +4,20 @@ plugins (``lynx_hf.vllm``) share, with no knowledge of transformers classes or o
 - step kinds (:data:`PREFILL`, :data:`DECODE`, :data:`VERIFY`, :data:`MIXED`) and :class:`Step`, the per-token
   description of one forward a detector publishes;
 - :class:`WeightRule`, how a family weights its chosen experts;
+- :class:`StepInputs` (one layer-step: the step, the router's output, the weight rule, the selection scores, the
+  telemetry, a seed of the critical set) and :class:`Routed` (the routing it returns);
 - :class:`RoutePlan` and :func:`make_plan`: everything one MoE layer resolves once per device, including the
-  decode-step function (:attr:`RoutePlan.step_fn`), chosen once like vLLM's ``CustomOp.dispatch_forward``:
+  decode-step function (:attr:`RoutePlan.kernel`), chosen once like vLLM's ``CustomOp.dispatch_forward``:
   :func:`keep_routing` (the policy does not remap, or k = N), :func:`fused_step` (the policy's one-call CPU
-  path exists) or :func:`remap_step` (the general, sync-free path);
+  path exists) or :func:`remap_step` (the general, sync-free path); around it the **stages** handed to
+  ``make_plan(config, layer, stages=...)`` (:class:`Stage`), composed once like vLLM's modular kernel: the cost gate
+  (``lynx_hf.gate``), the offload resident seed (``lynx_hf.offload``), the compiled-CPU op
+  (``lynx_hf.compiled_cpu``). The core imports none of them; :meth:`RoutePlan.run` runs the composition;
 - :func:`remap` (the policy on the decode rows, the model's own routing on the others) and
   :func:`record_step` (telemetry of one step).
 
 Per call the only device question is "CPU tensors in eager mode?" (:func:`host_reads_allowed`): the caller asks
-it once and passes the answer (``host``) down to the policy's ops, the remap and the telemetry.
+it once and passes the answer (``StepInputs.host``) down to the policy's ops, the remap and the telemetry.
 
 Everything here is sync-free on an accelerator (no ``.item()``, no data-dependent shapes): per-token choices are
 merged with ``torch.where``; telemetry accumulates on the device.
@@ -21,17 +26,17 @@ merged with ``torch.where``; telemetry accumulates on the device.
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
 from . import policies
-from .kernels import telemetry_slots as _slots
 from .kernels.backend import resolve_backend, routing_ops
-from .kernels.routing_torch import _STRICT, host_reads_allowed, union_mask
+from .kernels.routing_torch import host_reads_allowed, union_mask
+
+if TYPE_CHECKING:
+    from .config import LynxConfig
 
 # -- step kinds -------------------------------------------------------------------------------------------
 PREFILL = "prefill"
@@ -81,7 +86,77 @@ class WeightRule:
     renorm_eps: float = 0.0
 
 
+# -- one layer-step: what a decode step gets and returns ------------------------------------------------------
+class StepInputs(NamedTuple):
+    """One decode step of one MoE layer, as :meth:`RoutePlan.run` and its stages see it (an immutable value; a stage
+    passes a changed copy on with ``_replace``).
+
+    ``step``: the :class:`Step` (which rows decode, which are live); ``logits [T, N]``: the router logits (any float
+    dtype; the weight ``rule`` is applied to them); ``weights [T, k]`` (any float dtype) / ``idx [T, k]`` (int): the
+    model's own routing; ``rule``: the family's :class:`WeightRule`; ``host``: CPU tensors in eager mode (the caller's
+    answer to :func:`host_reads_allowed`, asked once per step); ``scores``: ``scores(logits) -> [T, N]`` fp32 selection
+    scores (``-inf``: an expert the model's routing forbids), called only when the policy runs, or ``None``: the
+    scores are the logits in fp32 (the weight rule then reuses that one cast); ``telemetry``: a
+    ``lynx_hf.telemetry.BlockTelemetry`` to record the step into (``None``: not recorded; its ``mode`` says how
+    much); ``seed [N]`` bool or ``None``: experts free this step besides the prefill tokens' (resident offloaded
+    experts, ``lynx_hf.offload``), which seed the critical set.
+    """
+
+    step: Step
+    logits: torch.Tensor
+    weights: torch.Tensor
+    idx: torch.Tensor
+    rule: WeightRule
+    host: bool
+    scores: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    telemetry: object = None
+    seed: Optional[torch.Tensor] = None
+
+
+class Routed(NamedTuple):
+    """What a decode step returns: ``weights [T, k]`` and ``idx [T, k]`` in the dtypes of the inputs' (the model's
+    own objects where nothing was remapped), ``finite [T]`` bool (rows whose router logits were finite; ``None``:
+    not computed, every row counts as finite) and ``gated_off``: the plan's cost gate is off at this step size
+    (``lynx_hf.gate``), so the routing is the model's own and the caller runs the model's own experts
+    implementation."""
+
+    weights: torch.Tensor
+    idx: torch.Tensor
+    finite: Optional[torch.Tensor] = None
+    gated_off: bool = False
+
+
+#: a decode step as composed by :func:`make_plan`: ``runner(plan, inputs) -> Routed``
+Runner = Callable[["RoutePlan", StepInputs], Routed]
+
+
+class Stage(Protocol):
+    """A decode-step feature composed into a plan by :func:`make_plan` (``stages=``), as vLLM's modular kernel composes
+    its parts: the cost gate (``lynx_hf.gate.PlanGate``), the offload resident seed (``lynx_hf.offload.ResidentSeed``),
+    the compiled-CPU op (``lynx_hf.compiled_cpu.CompiledCpuStep``). The core knows none of them.
+
+    ``name``: how :meth:`RoutePlan.stage` finds it. ``bind(plan, inner)`` is called once, by :func:`make_plan`, with
+    the plan (its stages not composed yet) and the runner below this stage (the stages after it in ``stages``, then
+    :func:`decode_step`); it returns the runner that replaces ``inner`` (it calls ``inner`` or not), or ``None``: the
+    stage does nothing for this plan and is left out.
+    """
+
+    name: str
+
+    def bind(self, plan: "RoutePlan", inner: Runner) -> Optional[Runner]: ...
+
+
 # -- the plan ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MoELayer:
+    """What :func:`make_plan` needs of one MoE layer: ``num_experts`` (N), ``top_k`` (k) and the ``device`` its
+    routing runs on (a ``torch.device`` or its name)."""
+
+    num_experts: int
+    top_k: int
+    device: torch.device | str
+
+
 @dataclass(frozen=True)
 class RoutePlan:
     """What one MoE layer resolves once per device (at patch time; again only if its device changes).
@@ -91,11 +166,9 @@ class RoutePlan:
     ``host_ops``: the ops for CPU tensors in eager mode (the numba twins where available, else ``ops``);
     ``fused``: the policy's one-call CPU decode step (``Policy.fused_decode``) or ``None``; ``expert_ops``: the
     Triton ops namespace whose ``sparse_moe`` computes the routed experts when ``LynxConfig.expert_path ==
-    "triton"``, else ``None``;
-    ``step_fn``: the decode-step function (see the module docstring), called as
-    ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``;
-    ``gate``: the cost gate (``lynx_hf.gate.PlanGate``, ``LynxConfig.gate="auto"``) whose ``on(T)`` says whether
-    ``step_fn`` runs on a step of T tokens (else the model's own routing, no telemetry), or ``None``: always runs.
+    "triton"``, else ``None``; ``kernel``: the decode-step function (the module docstring), called as
+    ``kernel(plan, inputs) -> Routed``; ``stages``: the :class:`Stage` objects composed around it, outermost first;
+    ``runner``: that composition (:meth:`run` calls it).
     """
 
     device: torch.device
@@ -105,14 +178,27 @@ class RoutePlan:
     ops: object
     num_experts: int
     top_k: int
-    step_fn: Callable
+    kernel: Callable
     host_ops: object = None
     fused: object = None
     expert_ops: object = None
-    gate: object = None
-    #: the key of this plan in the registry the compiled CPU step (:func:`compiled_cpu_step`) looks it up in (a
-    #: ``torch.compile`` graph carries an int, not the plan); 0: not registered (made outside :func:`make_plan`)
-    handle: int = dataclasses.field(default=0, compare=False)
+    stages: tuple = dataclasses.field(default=(), compare=False)
+    runner: Optional[Runner] = dataclasses.field(default=None, compare=False, repr=False)
+
+    def run(self, inputs: StepInputs) -> Routed:
+        """One decode step of this layer (:class:`StepInputs` in, :class:`Routed` out): the stages, then
+        :func:`decode_step`. Sync-free off the host (no ``.item()``, no data-dependent shape)."""
+        return (self.runner or decode_step)(self, inputs)
+
+    def keeps(self, num_tokens: int) -> bool:
+        """Whether a step of ``num_tokens`` tokens keeps the model's routing without running the policy: the kernel
+        is :func:`keep_routing` (policy ``none``, k = N), or one token under a policy with
+        ``single_token_identity`` (it keeps a lone token's own top-k). A host-side answer on the static T."""
+        return self.kernel is keep_routing or (num_tokens == 1 and self.policy.single_token_identity)
+
+    def stage(self, name: str):
+        """The composed stage named ``name`` (:attr:`Stage.name`), or ``None``."""
+        return next((s for s in self.stages if s.name == name), None)
 
     @property
     def expert_kernel(self) -> bool:
@@ -124,22 +210,49 @@ class RoutePlan:
         """The sparse Triton expert kernel (``kernels.moe.sparse_moe``), or ``None``."""
         return None if self.expert_ops is None else self.expert_ops.sparse_moe
 
+    # -- for lynx_hf.vllm until it moves to plan.run (tests/tools/test_tiers.py names this compatibility path) --
+    @property
+    def gate(self):
+        """The stage named ``"gate"`` (``lynx_hf.gate.PlanGate``) or ``None``; for lynx_hf.vllm until it moves to
+        plan.run (elsewhere: ``lynx_hf.gate.of(plan)``)."""
+        return self.stage("gate")
 
-def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=None,
-              extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None) -> RoutePlan:
-    """Resolve ``config`` (a ``LynxConfig``) for one MoE layer of ``num_experts`` experts, top-``top_k``, on
-    ``device``: routing backend, policy parameters, ops, expert kernel and the decode-step function.
+    @property
+    def step_fn(self) -> Callable:
+        """The kernel with the positional signature of before ``StepInputs``, for lynx_hf.vllm until it moves to
+        plan.run: ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None) ->
+        (weights, idx, finite)``, ``selection_scores`` :func:`fp32_scores` meaning ``StepInputs.scores=None``."""
+        return _positional_step
+
+
+def _positional_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
+    """:attr:`RoutePlan.step_fn` (for lynx_hf.vllm until it moves to plan.run): the plan's kernel alone (the plugin
+    asks its gate itself), called positionally."""
+    scores = None if selection_scores is fp32_scores else selection_scores
+    out = plan.kernel(plan, StepInputs(step, logits, weights, idx, rule, host, scores, telemetry))
+    return out.weights, out.idx, out.finite
+
+
+def make_plan(config: "LynxConfig", layer: MoELayer, *compat, stages: Sequence[Stage] = (), **compat_kw) -> RoutePlan:
+    """Resolve ``config`` (a ``LynxConfig``) for one MoE ``layer`` (:class:`MoELayer`: N experts, top-k, device):
+    routing backend, policy parameters, ops, expert kernel and the decode-step function (:attr:`RoutePlan.kernel`),
+    then compose ``stages`` around it (:class:`Stage`, outermost first; each bound once, here).
 
     ``routing_backend``: ``"auto"`` gives Triton on CUDA, torch elsewhere (a ``meta`` device: torch).
     ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel; ``"auto"`` / ``"model"`` keep the
     model's own experts implementation (transformers' ``grouped_mm`` on CUDA, ``lynx_hf.experts``) until a GPU
-    run measures which is faster per shape. ``shape``: the layer's ``lynx_hf.gate.LayerShape`` (H, I, dtypes); with
-    ``config.gate == "auto"`` the plan gets a cost gate (``lynx_hf.gate.plan_gate``: measured here, once per shape
-    in-process; ``extra_expert_ms``: a further cost per expert read, e.g. an offloaded expert's transfer, added to the
-    saving; ``expert_fn`` / ``route_fn``: the engine's experts path and per-step routing path the gate times,
-    ``lynx_hf.gate.PlanGate``), without it (or ``gate="always"``) none. Raises ``RuntimeError`` when Triton cannot run on ``device``.
+    run measures which is faster per shape. Raises ``RuntimeError`` when Triton cannot run on the device,
+    ``TypeError`` for arguments besides ``config``, ``layer`` and ``stages``; whatever a stage's ``bind`` raises.
+
+    ``make_plan(config, num_experts, top_k, device, shape=None, expert_fn=None)``, the signature of before
+    :class:`MoELayer`, is still accepted, for lynx_hf.vllm until it hands its stages in (:func:`_make_plan_v1`).
     """
-    device = torch.device(device)
+    if not isinstance(layer, MoELayer):
+        return _make_plan_v1(config, layer, *compat, **compat_kw)
+    if compat or compat_kw:
+        raise TypeError(f"make_plan(config, layer, stages=...) got extra arguments {compat} {sorted(compat_kw)}")
+    device = torch.device(layer.device)
+    num_experts, top_k = int(layer.num_experts), int(layer.top_k)
     policy = policies.get(config.policy)
     backend = resolve_backend(config.routing_backend, device) if device.type != "meta" else "torch"
     params = policy.resolve(config, num_experts, top_k)
@@ -150,81 +263,101 @@ def make_plan(config, num_experts: int, top_k: int, device: torch.device, shape=
     if config.expert_path == "triton" and device.type != "meta":
         expert_ops = routing_ops(resolve_backend("triton", device))
     if not policy.remaps or top_k >= num_experts:  # every token uses every expert when k = N: nothing to remap
-        step_fn = keep_routing
+        kernel = keep_routing
     elif fused is not None:
-        step_fn = fused_step
+        kernel = fused_step
     else:
-        step_fn = remap_step
-    plan = RoutePlan(device, backend, policy, params, ops, int(num_experts), int(top_k), step_fn,
-                     host_ops=host_ops, fused=fused, expert_ops=expert_ops)
-    if shape is not None and getattr(config, "gate", "always") == "auto":
-        from .gate import plan_gate
+        kernel = remap_step
+    plan = RoutePlan(device, backend, policy, params, ops, num_experts, top_k, kernel, host_ops=host_ops, fused=fused,
+                     expert_ops=expert_ops)
+    runner, bound = decode_step, []
+    for stage in reversed(tuple(stages)):  # innermost first: each stage wraps what is below it
+        wrapped = stage.bind(plan, runner)
+        if wrapped is not None:
+            runner = wrapped
+            bound.append(stage)
+    return dataclasses.replace(plan, stages=tuple(reversed(bound)), runner=runner)
 
-        gate = plan_gate(config, plan, shape, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn, route_fn=route_fn)
-        if gate is not None:
-            plan = dataclasses.replace(plan, gate=gate)
-    plan = dataclasses.replace(plan, handle=next(_HANDLES))
-    _PLANS[plan.handle] = plan
-    return plan
+
+def _make_plan_v1(config, num_experts: int, top_k: int, device, shape=None, expert_fn=None) -> RoutePlan:
+    """``make_plan`` with the signature of before :class:`MoELayer`, for lynx_hf.vllm until it hands its stages in
+    (``tests/tools/test_tiers.py`` allows the one function-local import of a feature module in the core here):
+    ``shape`` (a ``lynx_hf.gate.LayerShape``) with ``config.gate == "auto"`` composes the cost gate
+    (``lynx_hf.gate.PlanGate``, timing ``expert_fn``) as the plugin's one stage."""
+    stages = ()
+    if shape is not None and config.gate == "auto":
+        from . import gate  # the compatibility path for lynx_hf.vllm (this function's docstring)
+
+        stages = (gate.PlanGate(shape, telemetry=config.telemetry, expert_fn=expert_fn),)
+    return make_plan(config, MoELayer(num_experts, top_k, device), stages=stages)
 
 
 def fp32_scores(logits: torch.Tensor) -> torch.Tensor:
-    """Selection scores ``[T, N]`` fp32 of a router whose scores are its logits (softmax / sigmoid routers without
-    group limits or selection bias): ``logits.float()``. Passed as ``selection_scores`` to a decode-step function it
-    also says that the scores *are* the fp32 logits, so the weight rule reuses them (one cast per step, not two)."""
+    """``logits.float()``: the selection scores of a router whose scores are its logits. Passed as
+    ``selection_scores`` to :attr:`RoutePlan.step_fn` it means ``StepInputs.scores=None`` (the weight rule reuses the
+    cast); for lynx_hf.vllm until it moves to plan.run."""
     return logits.float()
 
 
-# -- decode-step functions (one is chosen per plan) ----------------------------------------------------------
-# Each takes ``(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None)``:
-# ``selection_scores(logits) -> [T, N]`` fp32 scores (called only when the policy runs), ``logits [T, N]``,
-# ``weights`` / ``idx [T, k]`` the model's own routing, ``host`` the caller's answer to ``host_reads_allowed``,
-# ``telemetry`` a ``BlockTelemetry`` to record into (``None``: not recorded; its ``mode`` says how much). Returns
-# ``(weights [T, k], idx [T, k], finite [T] bool or None)`` in the dtypes of the inputs.
+# -- decode-step functions (one is chosen per plan: RoutePlan.kernel) -----------------------------------------
+# Each is ``kernel(plan, inputs: StepInputs) -> Routed``; ``decode_step`` runs the one of a plan below its stages.
 
-def keep_routing(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
-    """The model's own routing, unchanged (policy ``none``, k = N, a one-token step)."""
-    if telemetry is not None:
-        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host, masks=False)
-    return weights, idx, None
+def decode_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
+    """The plan's decode step below its stages: :func:`keep_routing` for a step the plan keeps
+    (:meth:`RoutePlan.keeps`: a lone token under a policy that keeps it), else :attr:`RoutePlan.kernel`."""
+    if inputs.idx.shape[0] == 1 and plan.policy.single_token_identity:
+        return keep_routing(plan, inputs)
+    return plan.kernel(plan, inputs)
 
 
-def remap_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None, seed=None):
-    """The general path: :func:`remap`, then :func:`record_step`. ``seed [N]`` bool: experts free this step
-    besides the prefill tokens' (resident offloaded experts, ``lynx_hf.offload``), or ``None``. Traced by
-    ``torch.compile`` on CPU: one opaque call of this same eager code (:func:`compiled_cpu_step`)."""
-    if not host and _compiled_cpu(plan, logits):
-        return compiled_cpu_step(plan, rule, step, selection_scores, logits, weights, idx, telemetry, seed)
-    scores = selection_scores(logits)
-    return _remap_and_record(plan, rule, step, scores, scores if selection_scores is fp32_scores else logits, weights,
-                             idx, host, telemetry, seed=seed)
+def keep_routing(plan: RoutePlan, inputs: StepInputs) -> Routed:
+    """The model's own routing, unchanged (policy ``none``, k = N, a one-token step); the step is recorded."""
+    if inputs.telemetry is not None:
+        record_step(inputs.telemetry, plan.num_experts, inputs.step, inputs.idx, inputs.weights, inputs.idx, None,
+                    host=inputs.host, masks=False)
+    return Routed(inputs.weights, inputs.idx)
 
 
-def fused_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
-    """The policy's one-call path (``plan.fused``) on CPU in eager mode when every token decodes; the general
-    path otherwise, and for a step with a non-finite row (the one-call path then returns ``None``). Traced by
-    ``torch.compile`` on CPU: one opaque call of this same eager code (:func:`compiled_cpu_step`)."""
-    if not host and _compiled_cpu(plan, logits):
-        return compiled_cpu_step(plan, rule, step, selection_scores, logits, weights, idx, telemetry)
-    scores = selection_scores(logits)
-    if selection_scores is fp32_scores:
-        logits = scores  # the same values in fp32: the weight rule needs no second cast
-    if host and step.decode is None:
+def remap_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
+    """The general, sync-free path: :func:`remap` (with ``inputs.seed``), then :func:`record_step`."""
+    scores, logits = _selection(inputs)
+    return _remap_and_record(plan, inputs, scores, logits)
+
+
+def fused_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
+    """The policy's one-call path (``plan.fused``) on CPU in eager mode when every token decodes and nothing seeds the
+    critical set; the general path otherwise, and for a step with a non-finite row (the one-call path then returns
+    ``None``)."""
+    scores, logits = _selection(inputs)
+    step, telemetry = inputs.step, inputs.telemetry
+    if inputs.host and step.decode is None and inputs.seed is None:
         count = False if telemetry is None else ("counts" if telemetry.counts_only else True)
-        out = plan.fused(scores, logits, weights, idx, rule, step.live, telemetry=count, verify=step.kind == VERIFY)
+        out = plan.fused(scores, logits, inputs.weights, inputs.idx, inputs.rule, step.live, telemetry=count,
+                         verify=step.kind == VERIFY)
         if out is not None:
             new_weights, new_idx, row = out
             if row is not None:
                 telemetry.add(row)
-            return new_weights, new_idx, None
-    return _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry)
+            return Routed(new_weights, new_idx)
+    return _remap_and_record(plan, inputs, scores, logits)
 
 
-def _remap_and_record(plan, rule, step, scores, logits, weights, idx, host, telemetry, seed=None):
-    new_weights, new_idx, finite = remap(plan, rule, step, scores, logits, weights, idx, host=host, seed=seed)
-    if telemetry is not None:
-        record_step(telemetry, plan.num_experts, step, idx, weights, new_idx, finite, host=host, masks=False)
-    return new_weights, new_idx, finite
+def _selection(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(selection scores [T, N] fp32, the logits the weight rule reads)``: the fp32 logits twice where the scores
+    are the logits (one cast)."""
+    if inputs.scores is None:
+        scores = inputs.logits.float()
+        return scores, scores
+    return inputs.scores(inputs.logits), inputs.logits
+
+
+def _remap_and_record(plan: RoutePlan, inputs: StepInputs, scores, logits) -> Routed:
+    new_weights, new_idx, finite = remap(plan, inputs.rule, inputs.step, scores, logits, inputs.weights, inputs.idx,
+                                         host=inputs.host, seed=inputs.seed)
+    if inputs.telemetry is not None:
+        record_step(inputs.telemetry, plan.num_experts, inputs.step, inputs.idx, inputs.weights, new_idx, finite,
+                    host=inputs.host, masks=False)
+    return Routed(new_weights, new_idx, finite)
 
 
 @torch.no_grad()
@@ -294,7 +427,7 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     if live is not None:
         keep = keep & live
     idx64 = idx if idx.dtype == torch.int64 else idx.long()
-    same = logits is scores  # the scores are the fp32 logits (core.fp32_scores): one cast, one where
+    same = logits is scores  # the scores are the fp32 logits (StepInputs.scores None): one cast, one where
     scores = torch.where(finite[:, None], scores, torch.zeros_like(scores))
     seed = union_mask(idx64, num_experts, keep) if seed is None else union_mask(idx64, num_experts, keep) | seed
     tensors = policies.StepTensors(scores, idx64, weights, vote, seed, top_k)
@@ -309,78 +442,6 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     return out_weights, out_idx, finite
 
 
-# -- torch.compile on CPU: the eager decode step as one opaque op ---------------------------------------------
-#: plan registry of the compiled CPU step: handle -> RoutePlan (weak: a plan dies with its layer)
-_PLANS: "weakref.WeakValueDictionary[int, RoutePlan]" = weakref.WeakValueDictionary()
-_HANDLES = itertools.count(1)
-
-
-def _compiled_cpu(plan: RoutePlan, logits: torch.Tensor) -> bool:
-    """Whether this step is being traced by ``torch.compile`` on CPU for a registered plan (outside
-    ``kernels.routing_torch.strict_sync_free``, without autograd): then the decode step is the opaque op."""
-    return (plan.device.type == "cpu" and plan.handle > 0 and not _STRICT[0]
-            and torch.compiler.is_compiling() and not logits.requires_grad)
-
-
-@torch.library.custom_op("lynx_hf::cpu_decode_step", mutates_args=(), device_types="cpu")
-def _cpu_decode_step(handle: int, kind: str, decode: Optional[torch.Tensor], live: Optional[torch.Tensor],
-                     scores: torch.Tensor, logits: torch.Tensor, same_scores: bool, weights: torch.Tensor,
-                     idx: torch.Tensor, rule_kind: str, renormalize: bool, scale: float, renorm_eps: float,
-                     telemetry: str, seed: Optional[torch.Tensor]
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The eager CPU decode step of plan ``handle`` (:func:`compiled_cpu_step` documents it); returns
-    ``(weights [T, k], idx [T, k], finite [T] bool, telemetry row fp64 [NUM_SLOTS])``, new tensors."""
-    from .telemetry import BlockTelemetry
-
-    plan = _PLANS[handle]
-    rule = WeightRule(rule_kind, renormalize, scale, renorm_eps)
-    if decode is not None and bool(decode.all()) and (live is None or bool(live.all())):
-        decode = live = None  # every row a live decode token (read on the host here): the plain step, one call
-        kind = DECODE if kind == MIXED else kind
-    step = Step(kind, decode, live)
-    scratch = BlockTelemetry(telemetry) if telemetry else None
-    select = fp32_scores if same_scores else (lambda _logits: scores)
-    if seed is not None:  # resident offloaded experts (lynx_hf.offload's seeded remap_step)
-        out = remap_step(plan, rule, step, select, logits, weights, idx, True, scratch, seed=seed)
-    else:
-        out = plan.step_fn(plan, rule, step, select, logits, weights, idx, True, scratch)
-    new_weights, new_idx, finite = out
-    if finite is None:
-        finite = torch.ones(idx.shape[0], dtype=torch.bool)
-    row = scratch.acc if scratch is not None and scratch.acc is not None else \
-        torch.zeros(_slots.NUM_SLOTS, dtype=torch.float64)
-    return (new_weights.clone() if new_weights is weights else new_weights,
-            new_idx.clone() if new_idx is idx else new_idx, finite, row)
-
-
-@_cpu_decode_step.register_fake
-def _cpu_decode_step_fake(handle, kind, decode, live, scores, logits, same_scores, weights, idx, rule_kind,
-                          renormalize, scale, renorm_eps, telemetry, seed):
-    return (torch.empty_like(weights), torch.empty_like(idx), idx.new_empty(idx.shape[0], dtype=torch.bool),
-            idx.new_empty(_slots.NUM_SLOTS, dtype=torch.float64))
-
-
-def compiled_cpu_step(plan: RoutePlan, rule: WeightRule, step: Step, selection_scores, logits, weights, idx,
-                      telemetry=None, seed=None):
-    """The decode-step function as ``torch.compile`` sees it on CPU: the selection scores are traced, the rest (the
-    plan's eager step: the policy's one-call path or the host ops, the remap, the weight rule, the telemetry row) is
-    one opaque custom op ``torch.ops.lynx_hf.cpu_decode_step``, so a compiled step runs the same code and gives the
-    same integers as an eager one, instead of the sync-free device path unrolled into the graph (the mass-greedy
-    loop's min(N, T k) rounds: ~950 ops per layer-step, measured slower than the experts it saves on small models,
-    ``eval/bench_compile.py``). A step whose device decode mask (``StaticCache`` length on the device) is all True
-    with every row live runs as a plain decode step inside the op (read on the host there). Arguments and return as
-    the decode-step functions (module comment above :func:`keep_routing`); ``seed [N]`` bool or ``None``
-    (:func:`remap_step`). The telemetry row is added to ``telemetry`` in the graph."""
-    scores = selection_scores(logits)
-    same = selection_scores is fp32_scores
-    mode = "" if telemetry is None else telemetry.mode
-    new_weights, new_idx, finite, row = torch.ops.lynx_hf.cpu_decode_step(
-        plan.handle, step.kind, step.decode, step.live, scores, scores if same else logits, same, weights, idx,
-        rule.kind, bool(rule.renormalize), float(rule.scale), float(rule.renorm_eps), mode, seed)
-    if telemetry is not None:
-        telemetry.add(row)
-    return new_weights, new_idx, finite
-
-
-__all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "RoutePlan", "make_plan",
-           "keep_routing", "remap_step", "fused_step", "compiled_cpu_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]
+__all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "StepInputs", "Routed",
+           "Runner", "Stage", "MoELayer", "RoutePlan", "make_plan", "decode_step", "keep_routing", "remap_step",
+           "fused_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]

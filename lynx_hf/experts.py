@@ -105,13 +105,15 @@ def _wrapper_parts(forward):
     return interface, original
 
 
-def _dispatch(module) -> tuple[object, object] | None:
+def dispatch(module) -> tuple[object, object] | None:
+    """``(interface, original forward)`` of transformers' experts-implementation dispatch of ``module``'s class (the
+    ``use_experts_implementation`` decorator's closure), or ``None`` when its class does not dispatch that way."""
     return _class_dispatch(_base_class(type(module)))
 
 
 def uses_interface(experts: torch.nn.Module) -> bool:
     """Whether ``experts`` dispatches through transformers' experts-implementation interface."""
-    return _dispatch(experts) is not None and hasattr(experts, "config")
+    return dispatch(experts) is not None and hasattr(experts, "config")
 
 
 def unwrap(experts: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
@@ -242,7 +244,7 @@ def weights_ready(experts, hidden: torch.Tensor, names=("gate_up_proj", "down_pr
 def implementations(experts, name: str):
     """``(own, grouped)``: the forward function of implementation ``name`` for ``experts``' class and its
     ``grouped_mm`` (``None`` if the interface has none). Resolved at patch time (not traced)."""
-    interface, original = _dispatch(experts)
+    interface, original = dispatch(experts)
     grouped = interface.get_interface("grouped_mm", original) if "grouped_mm" in interface else None
     return interface.get_interface(name, original), grouped
 
@@ -254,7 +256,7 @@ def _grouped_names(experts) -> tuple[str, ...]:
 def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
     state = self.__dict__.get(EXPERTS_ATTR)
     if not hasattr(state, "experts_impls"):  # not in a patched block (another model sharing the config, too)
-        interface, original = _dispatch(self)
+        interface, original = dispatch(self)
         name = state if isinstance(state, str) else original_implementation(self)
         return interface.get_interface(name, original)(self, hidden_states, top_k_index, top_k_weights,
                                                        *args, **kwargs)
@@ -264,10 +266,11 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
         own, grouped = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-    plan = state.plan if state.plan is not None else state.resolve(hidden_states.device)  # None after a copy
-    if plan.gate is not None and not plan.gate.decision(top_k_index.shape[0]).on:
-        # the cost gate kept the model's routing on this step (lynx_hf.gate): its own implementation, as unpatched
+    if state.gated_off:
+        # the cost gate kept the model's routing on this step (lynx_hf.gate, asked once by the router hook): its own
+        # implementation, as unpatched
         return own(self, hidden_states, top_k_index, top_k_weights)
+    plan = state.plan if state.plan is not None else state.resolve(hidden_states.device)  # None after a copy
     if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
         return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                exact_grid=False)
@@ -329,7 +332,7 @@ def _release(config) -> bool:
 
 
 def _default_implementation(experts) -> str:
-    interface, _ = _dispatch(experts)
+    interface, _ = dispatch(experts)
     return "grouped_mm" if "grouped_mm" in interface else "eager"
 
 

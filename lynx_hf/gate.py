@@ -4,16 +4,17 @@ The paper's phase-aware optimizer (Gupta et al., arXiv 2411.08982, Sec. 4: "LYNX
 iteration is not memory bound", i.e. prefill) extended from phase to *cost*: per MoE layer shape and decode step
 size, the policy runs only where the expert reads it is expected to save outweigh the routing work it adds.
 
-Engine-independent (core tier: no transformers import); the HF path (``lynx_hf.block.BlockRouting.route``) and
-the vLLM plugin (``lynx_hf.vllm._hooks._remap_layer``) ask the same :class:`PlanGate`.
+Engine-independent (no transformers import): a stage of the plan (``lynx_hf.core.Stage``), composed by
+``lynx_hf.core.make_plan`` for the HF path (``lynx_hf.block.gate_stage``) and asked by the vLLM plugin
+(``lynx_hf.vllm.plans``). The core does not import it.
 
 - :func:`decide` is a pure function of the measurements (hand-checked in ``tests/policies/test_gate.py``):
   saving = experts saved x (time one expert costs in the experts path + any extra per-expert cost, e.g. the
   transfer of an offloaded expert); the policy runs iff saving > margin x cost (:func:`measure` decides with
   :data:`MARGIN`, the measured overestimate of the synthetic logits).
 - :func:`measure_routing` times what a decode step adds: the engine's whole per-step routing path where it gives one
-  (``route_fn``: the HF router hook's unpack, the block's own selection scores, the plan's ``step_fn``, repack),
-  else the plan's ``step_fn`` (selection scores, policy, remap, weight rule, telemetry in the configured mode) on
+  (``route_fn``: the HF router hook's unpack, the block's own selection scores, the plan's step below the gate,
+  repack), else that step (selection scores, policy, remap, weight rule, telemetry in the configured mode) on
   synthetic router logits at the layer's real ``(T, N)`` and dtype on the real device, and *estimates* the experts
   before / after by running the policy on those synthetic logits
   (i.i.d. normal logits of std :data:`LOGIT_STD`; real routers differ, so the estimate is a model, not a
@@ -24,11 +25,13 @@ the vLLM plugin (``lynx_hf.vllm._hooks._remap_layer``) ask the same :class:`Plan
   expert, in the layer's dtype on the device (weights a pool of up to :data:`POOL_BYTES`, capped at N experts, so
   large layers read them from memory as a decode step does). Per-call launch costs are excluded (a per-expert
   Python loop saves those too: the gate errs towards "off").
-- :class:`PlanGate` (one per plan, i.e. per layer and device): the decisions per step size, measured once at
-  patch time (HF) or on the first step (vLLM) for the buckets :data:`BUCKETS` (a step of T tokens uses the
-  smallest bucket >= T; above the largest, the largest) and shared by every layer of the same shape and config
-  (:data:`_CACHE`, in-process). :meth:`PlanGate.on` is a host-side lookup on the static ``T``: no device read,
-  no data-dependent shape (CUDA graphs and ``torch.compile`` see a Python branch on ``logits.shape[0]``).
+- :class:`PlanGate` (one per plan, i.e. per layer and device; :func:`stage` makes it for a ``LynxConfig``): the
+  decisions per step size, measured once when it is composed into the plan (:meth:`PlanGate.bind`: patch time in HF,
+  before the first forward in vLLM) for the buckets :data:`BUCKETS` (a step of T tokens uses the smallest bucket >=
+  T; above the largest, the largest) and shared by every layer of the same shape and config (:data:`_CACHE`,
+  in-process). As a stage it asks :meth:`PlanGate.on` once per layer-step, a host-side lookup on the static ``T``:
+  no device read, no data-dependent shape (CUDA graphs and ``torch.compile`` see a Python branch on
+  ``logits.shape[0]``); off, the step returns the model's own routing with ``Routed.gated_off`` set.
 
 Units: milliseconds per layer-step throughout. Measurement is skipped (the gate stays on, reason
 ``"not measured: ..."``) while ``torch.compile`` traces, during CUDA-graph capture, and on ``meta`` tensors.
@@ -37,20 +40,32 @@ Units: milliseconds per layer-step throughout. Measurement is skipped (the gate 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
-#: ``LynxConfig.gate`` values: ``"auto"`` (the cost gate decides per layer shape and step size), ``"always"``
-#: (the policy runs on every decode step: reproducible, timing-independent)
-GATES = ("auto", "always")
-#: environment variable that sets the default of ``LynxConfig.gate`` (``always`` forces the policy on: tests,
-#: accuracy work); an explicit ``gate=`` wins
-ENV = "LYNX_HF_GATE"
+from .config import GATE_ENV as ENV  # the environment variable that sets LynxConfig.gate's default (messages)
+from .config import LynxConfig
+from .core import (
+    DECODE,
+    MIXED,
+    Routed,
+    RoutePlan,
+    Runner,
+    Step,
+    StepInputs,
+    WeightRule,
+    host_reads_allowed,
+    keep_routing,
+)
+from .telemetry import BlockTelemetry, mode_of
+
+#: :attr:`PlanGate.name`: how ``RoutePlan.stage`` finds the gate (:func:`of`)
+NAME = "gate"
 #: step sizes (tokens) measured per shape; a step of T tokens uses the smallest bucket >= T (the largest above it)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 #: std of the synthetic router logits the expected experts before / after are estimated on
@@ -75,12 +90,6 @@ OBSERVE_STEPS = 8
 #: experts (10.6 saved), synthetic 28.0 -> 14.75 (13.25 saved): 1.25x too many; B = 4 real 12.1 -> 5.65 (6.5),
 #: synthetic 12.5 -> 6.75 (5.75: fewer). The margin takes back the larger overestimate.
 MARGIN = 1.25
-
-
-def default_gate() -> str:
-    """The default of ``LynxConfig.gate``: the environment variable :data:`ENV` if set (e.g. ``always``), else
-    ``"auto"``. A bad value is reported by ``LynxConfig`` validation (``LynxConfigError``)."""
-    return os.environ.get(ENV, "").strip() or "auto"
 
 
 @dataclass(frozen=True)
@@ -198,22 +207,19 @@ def thread_count_settable() -> bool:
 
 
 @torch.no_grad()
-def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool | str = True,
+def measure_routing(plan: RoutePlan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool | str = True,
                     draws: int = DRAWS, mixed: bool = False, route_fn=None) -> tuple[float, float, float]:
     """``(cost_ms, experts_before, experts_after)`` of ``plan`` (a ``lynx_hf.core.RoutePlan``) at a decode step of
     ``num_tokens`` tokens whose router logits have dtype ``dtype``.
 
-    ``cost_ms``: shortest time (:func:`_time_ms`) of ``plan.step_fn`` on synthetic logits (:func:`synthetic_routing`, every token a
-    decode token, the weight rule ``softmax_all``; ``mixed``: described as a continuous-batching step with per-token
-    masks, as the vLLM plugin does), with a scratch telemetry when ``telemetry`` (``LynxConfig.telemetry``: ``True``,
-    ``"counts"`` or ``False``); ``route_fn(plan, step, logits, weights, idx, host, telemetry)``: the engine's whole
-    per-step routing path (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead of ``step_fn``. The experts before
-    / after are the mean distinct experts over ``draws`` synthetic draws (an estimate, see the module docstring).
-    Raises ``RuntimeError`` when :func:`cannot_measure` says so."""
-    from .core import DECODE, MIXED, Step, WeightRule, host_reads_allowed, keep_routing
-    from .core import fp32_scores as _fp32
-    from .telemetry import BlockTelemetry, mode_of
-
+    ``cost_ms``: shortest time (:func:`_time_ms`) of ``plan.run(inputs)`` (the gate measures a view of its plan whose
+    runner is the step below the gate, :meth:`PlanGate.bind`) on synthetic logits (:func:`synthetic_routing`, every token a decode token, the
+    weight rule ``softmax_all``, the scores the fp32 logits; ``mixed``: described as a continuous-batching step with
+    per-token masks, as the vLLM plugin does), with a scratch telemetry when ``telemetry`` (``LynxConfig.telemetry``:
+    ``True``, ``"counts"`` or ``False``); ``route_fn(run, inputs)``: the engine's whole per-step routing path around
+    ``run(inputs)``, called with ``plan.run`` (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead, except on a step the plan keeps
+    (``RoutePlan.keeps``). The experts before / after are the mean distinct experts over ``draws`` synthetic draws
+    (an estimate, see the module docstring). Raises ``RuntimeError`` when :func:`cannot_measure` says so."""
     why = cannot_measure(plan.device)
     if why:
         raise RuntimeError(f"gate: cannot measure now ({why})")
@@ -222,18 +228,16 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     if mixed:
         every = torch.ones(num_tokens, dtype=torch.bool, device=plan.device)
         step = Step(MIXED, decode=every, live=every)
-    step_fn = plan.step_fn
-    if num_tokens == 1 and plan.policy.single_token_identity:
-        step_fn = keep_routing
     before = after = 0.0
     for seed in range(draws):
         logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=seed)
-        _, new_idx, _ = step_fn(plan, rule, step, _fp32, logits, weights, idx, host_reads_allowed(logits), None)
+        new_idx = plan.run(StepInputs(step, logits, weights, idx, rule, host_reads_allowed(logits))).idx
         before += float(torch.unique(idx).numel())
         after += float(torch.unique(new_idx).numel())
     logits, weights, idx = synthetic_routing(num_tokens, n, k, dtype, plan.device, seed=draws)
     host = host_reads_allowed(logits)
     scratch = BlockTelemetry(mode_of(telemetry)) if mode_of(telemetry) else None
+    inputs = StepInputs(step, logits, weights, idx, rule, host, None, scratch)
     threads = torch.get_num_threads()
     if plan.device.type == "cpu" and threads > 1 and thread_count_settable():
         # the routing work is a chain of small ops (T x N, far below torch's intra-op grain size: they run on one
@@ -241,10 +245,10 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
         # measured up to 200x slower and flipped decisions between runs on a loaded 2-core machine
         torch.set_num_threads(1)
     try:
-        if route_fn is not None and step_fn is not keep_routing:
-            cost = _time_ms(lambda: route_fn(plan, step, logits, weights, idx, host, scratch), plan.device)
+        if route_fn is not None and not plan.keeps(num_tokens):
+            cost = _time_ms(lambda: route_fn(plan.run, inputs), plan.device)
         else:
-            cost = _time_ms(lambda: step_fn(plan, rule, step, _fp32, logits, weights, idx, host, scratch), plan.device)
+            cost = _time_ms(lambda: plan.run(inputs), plan.device)
     finally:
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
@@ -343,10 +347,8 @@ _EXPERT_CACHE: dict = {}
 
 
 def _plan_key(plan, telemetry) -> tuple:
-    from .telemetry import mode_of
-
     return (plan.policy.name if hasattr(plan.policy, "name") else type(plan.policy).__name__, repr(plan.params),
-            plan.routing_backend, getattr(plan.step_fn, "__name__", repr(plan.step_fn)), mode_of(telemetry))
+            plan.routing_backend, getattr(plan.kernel, "__name__", repr(plan.kernel)), mode_of(telemetry))
 
 
 def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
@@ -437,15 +439,19 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
 class PlanGate:
-    """The gate of one plan (one MoE layer on one device).
+    """The gate of one plan (one MoE layer on one device), a stage of it (``lynx_hf.core.Stage``, :meth:`bind`).
 
-    ``decisions``: bucket -> :class:`GateDecision` (filled at construction by :meth:`measure_all`, or lazily by
+    ``decisions``: bucket -> :class:`GateDecision` (filled by :meth:`measure_all` when the gate is bound, or lazily by
     :meth:`decision` outside tracing); ``seen``: step sizes (tokens) asked, eager steps only; ``skipped``: step
     size -> decode steps the gate kept the model's own routing on (eager steps only: a step traced by
     ``torch.compile`` or replayed from a CUDA graph is not counted).
     """
 
+    #: how ``RoutePlan.stage`` finds it (:func:`of`)
+    name: ClassVar[str] = NAME
+
     shape: LayerShape
+    #: the plan it measures: a view of the plan it is bound to whose runner is the step below the gate (:meth:`bind`)
     plan: object = None
     telemetry: bool | str = True
     extra_expert_ms: float = 0.0
@@ -453,9 +459,14 @@ class PlanGate:
     #: the runner's experts kernel), timed for the saving per expert (:func:`measure_module_expert_ms`); ``None``: the
     #: batched-MLP model (:func:`measure_expert_ms`)
     expert_fn: object = None
-    #: the engine's per-step routing path ``fn(plan, step, logits, weights, idx, host, telemetry)`` (HF: the router
-    #: hook's work, ``lynx_hf.block.BlockRouting.gate_probe``), timed for the cost; ``None``: the plan's ``step_fn``
+    #: the engine's per-step routing path ``fn(run, inputs)`` around ``run(inputs)`` (HF: the router hook's work,
+    #: ``lynx_hf.block.BlockRouting.gate_probe``), timed for the cost; ``None``: the step below the gate alone
     route_fn: object = None
+    #: the engine's step body runs eagerly on the host (the vLLM plugin's op on CPU): a host step the gate runs is timed
+    #: and the bucket decided again from those timings (:meth:`observe`)
+    observe_served: bool = False
+    #: the runner below the gate (:meth:`bind`)
+    inner: object = None
     decisions: dict = field(default_factory=dict)
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
@@ -463,6 +474,36 @@ class PlanGate:
     observed: dict = field(default_factory=dict)
     #: buckets decided again from their served cost (:meth:`observe`)
     checked: set = field(default_factory=set)
+
+    def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
+        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``): ``None`` for a plan that never remaps
+        (:func:`~lynx_hf.core.keep_routing`: no gate); else every bucket is measured now when the shape is known and a
+        measurement can run (:func:`cannot_measure`; else each on first use), and the returned runner asks the gate
+        once per layer-step: a step the plan keeps (one token) runs ``inner`` (recorded) with ``gated_off`` from the
+        bucket's decision; off, the model's own routing (the same objects, nothing recorded, counted as skipped,
+        ``gated_off``); on, ``inner`` (timed for :meth:`observe` where :attr:`observe_served`)."""
+        if plan.kernel is keep_routing:
+            return None
+        self.plan, self.inner = replace(plan, runner=inner), inner
+        shape = self.shape
+        if shape.hidden is not None and shape.intermediate is not None and cannot_measure(plan.device) is None:
+            self.measure_all()
+        return self._run
+
+    def _run(self, plan: RoutePlan, inputs: StepInputs) -> Routed:
+        num_tokens = inputs.idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
+        if plan.keeps(num_tokens):  # a lone token keeps its routing; the bucket's figure says whose experts run
+            out = self.inner(plan, inputs)
+            return out if self.decision(num_tokens).on else out._replace(gated_off=True)
+        if not self.on(num_tokens):
+            self.skip(num_tokens)
+            return Routed(inputs.weights, inputs.idx, None, True)
+        if self.observe_served and inputs.host and self.observing(num_tokens):
+            start = time.perf_counter()
+            out = self.inner(plan, inputs)
+            self.observe(num_tokens, (time.perf_counter() - start) * 1e3)
+            return out
+        return self.inner(plan, inputs)
 
     def measure_all(self, buckets=BUCKETS) -> "PlanGate":
         """Measure every bucket now (eager, at patch time). Returns ``self``."""
@@ -575,12 +616,12 @@ def off_line(layers: list[dict]) -> str | None:
             f"{saving:.3g} ms <= cost {cost:.3g} ms per layer-step (gate='always' or {ENV}=always forces it on)")
 
 
-def patch_note(plans: list) -> str | None:
+def patch_note(gates: list) -> str | None:
     """One line for ``lynx_hf.patch`` when the gate measured at patch time keeps the model's own routing at some
     step sizes, e.g. ``"... off on 4/4 MoE layers for decode steps of 1-64 tokens ..."``; ``None`` when it is on
-    everywhere it measured (or nothing was measured). ``plans``: the patched layers' ``RoutePlan`` objects."""
-    gates = [p.gate for p in plans if p is not None and getattr(p, "gate", None) is not None]
-    measured = [g for g in gates if g.decisions]
+    everywhere it measured (or nothing was measured). ``gates``: one entry per patched layer, its :class:`PlanGate`
+    (:func:`of` its plan) or ``None``."""
+    measured = [g for g in gates if g is not None and g.decisions]
     if not measured:
         return None
     # a step size where the policy would save nothing (one token; every expert used either way) is not news
@@ -591,29 +632,30 @@ def patch_note(plans: list) -> str | None:
     if not off_buckets:
         return None
     layers = sum(1 for g in measured if any(off(d) for d in g.decisions.values()))
-    return (f"lynx_hf: the cost gate (gate='auto') keeps the model's own routing on {layers}/{len(plans)} MoE layers "
+    return (f"lynx_hf: the cost gate (gate='auto') keeps the model's own routing on {layers}/{len(gates)} MoE layers "
             f"at decode step sizes (tokens, rounded up to these) {', '.join(str(b) for b in off_buckets)} on this "
             f"device (expected "
             f"saving <= measured routing cost; lynx_hf.stats(model).summary()['per_layer'][i]['gate'] has the "
             f"figures); gate='always' or {ENV}=always runs the policy on every decode step")
 
 
-def plan_gate(config, plan, shape: LayerShape, extra_expert_ms: float = 0.0, eager: bool = True,
-              expert_fn=None, route_fn=None) -> PlanGate | None:
-    """The gate of ``plan`` for ``config`` (a ``LynxConfig``): ``None`` when ``config.gate == "always"`` or the plan
-    never remaps (``keep_routing``); else a :class:`PlanGate`, every bucket measured now when ``eager`` and a
-    measurement can run (:func:`cannot_measure`), else on first use."""
-    from .core import keep_routing
-
-    if getattr(config, "gate", "always") != "auto" or plan.step_fn is keep_routing:
+def stage(config: LynxConfig, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
+          observe_served: bool = False) -> PlanGate | None:
+    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config``: ``None`` unless
+    ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` that times ``expert_fn`` and
+    ``route_fn`` and weighs ``extra_expert_ms`` per expert (the :class:`PlanGate` fields), in ``config.telemetry``'s
+    mode. It measures when bound (:meth:`PlanGate.bind`)."""
+    if config.gate != "auto":
         return None
-    gate = PlanGate(shape, plan, telemetry=getattr(config, "telemetry", True), extra_expert_ms=extra_expert_ms,
-                    expert_fn=expert_fn, route_fn=route_fn)
-    if eager and shape.hidden is not None and shape.intermediate is not None and cannot_measure(plan.device) is None:
-        gate.measure_all()
-    return gate
+    return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
+                    route_fn=route_fn, observe_served=observe_served)
 
 
-__all__ = ["GATES", "ENV", "BUCKETS", "LOGIT_STD", "MARGIN", "OBSERVE_STEPS", "GateDecision", "LayerShape", "PlanGate", "decide", "always_on",
-           "default_gate", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
-           "cannot_measure", "off_line", "plan_gate"]
+def of(plan: RoutePlan | None) -> PlanGate | None:
+    """The cost gate composed into ``plan`` (a ``lynx_hf.core.RoutePlan``), or ``None`` (no gate, or no plan)."""
+    return None if plan is None else plan.stage(NAME)
+
+
+__all__ = ["ENV", "NAME", "BUCKETS", "LOGIT_STD", "MARGIN", "OBSERVE_STEPS", "GateDecision", "LayerShape", "PlanGate",
+           "decide", "always_on", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
+           "cannot_measure", "off_line", "patch_note", "stage", "of"]

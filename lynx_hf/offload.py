@@ -29,9 +29,10 @@ LRU then keeps; it is O(1) per access and has no parameter. On CUDA the rows rea
 pinned host memory and copied with ``non_blocking=True``.
 
 **Cache-aware remapping.** Resident experts cost no transfer, like the experts a step's prefill tokens load
-anyway: with a remapping policy and a non-empty cache, :func:`seeded_step` passes the layer's resident mask
-``[N]`` bool as an extra seed of the critical set (``lynx_hf.core.remap(..., seed=)``), so tokens prefer experts
-already on the device (one-token steps keep their own top-k, as without a cache).
+anyway: with a remapping policy and a non-empty cache, the plan's :class:`ResidentSeed` stage (``lynx_hf.core.Stage``,
+composed by :func:`plan_stage`) passes the layer's resident mask ``[N]`` bool as an extra seed of the critical set
+(``StepInputs.seed``, ``lynx_hf.core.remap(..., seed=)``), so tokens prefer experts already on the device (one-token
+steps keep their own top-k, as without a cache).
 
 **Telemetry** (host counters; the reads are host work anyway): per layer, decode calls, experts used, fetched
 (read from the store), cache hits, bytes read from the store, bytes the whole-module path would have read, and
@@ -57,9 +58,9 @@ from collections import OrderedDict
 
 import torch
 
-from .core import PREFILL, keep_routing, remap_step
-
-ATTR = "offload"  # on a BlockRouting: its OffloadedExperts (removed by remove)
+from .core import PREFILL, Routed, RoutePlan, Runner, StepInputs, keep_routing
+from .experts import dispatch, original_implementation, unwrap
+from .state import state_of
 
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
               "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -480,8 +481,6 @@ class OffloadedExperts:
     def _decode(self, hidden, top_k_index, top_k_weights):
         """Interface layout: ``hidden [T, H]``, ``top_k_index [T, k]`` int, ``top_k_weights [T, k]`` -> ``[T, H]``
         on ``hidden``'s device, the model's own experts implementation on the step's experts."""
-        from .experts import _dispatch, original_implementation
-
         home = hidden.device
         dev = self.device
         hidden, top_k_index, top_k_weights = hidden.to(dev), top_k_index.to(dev), top_k_weights.to(dev)
@@ -490,7 +489,7 @@ class OffloadedExperts:
         lut = torch.zeros(self.num_experts, dtype=top_k_index.dtype)
         lut[experts] = torch.tensor(slots, dtype=top_k_index.dtype)
         local = lut.to(dev, non_blocking=True)[top_k_index]
-        interface, original = _dispatch(self.module)
+        interface, original = dispatch(self.module)
         name = original_implementation(self.module)
         if dev.type == "cuda" and "grouped_mm" in interface:
             name = "grouped_mm"
@@ -590,8 +589,6 @@ def offload_reason(block) -> str | None:
 
 
 def _plan(block):
-    from .experts import _dispatch, unwrap
-
     module, wrappers = unwrap(block.experts)
     if wrappers:
         return "the experts are wrapped (PEFT)", None
@@ -607,7 +604,7 @@ def _plan(block):
             return f"experts class {type(module).__name__} is not Llama4TextExperts", None
         layout = "dense"
     else:
-        if _dispatch(module) is None or not hasattr(module, "config") \
+        if dispatch(module) is None or not hasattr(module, "config") \
                 or not type(module).__module__.startswith("transformers.models."):
             return "the experts do not dispatch through transformers' experts interface", None
         layout = "interface"
@@ -636,35 +633,33 @@ def _plan(block):
 def install(state) -> None:
     """Install :class:`OffloadedExperts` on every patched block of ``state`` (a ``lynx_hf.patcher.ModelState``) whose
     experts accelerate offloads, when ``state.config.offload_path == "experts"``; sets ``block.offload`` (``None``
-    elsewhere) and ``block.offload_reason``. Idempotent: installed ones are removed first (cache and counters
-    restart)."""
+    elsewhere) and ``block.offload_reason``, and makes the plan of each block it installs on again (its
+    :class:`ResidentSeed` stage; with ``gate="auto"`` the cost gate weighs ``block.extra_expert_ms``, the measured
+    transfer of one expert). Idempotent: installed ones are removed first (cache and counters restart)."""
     remove(state)
     config = state.config
-    path = getattr(config, "offload_path", "experts")
-    budget = int(getattr(config, "expert_cache_bytes", 0) or 0)
     for block in state.blocks:
-        reason, found = _plan(block) if path == "experts" else ("offload_path='module'", None)
+        reason, found = _plan(block) if config.offload_path == "experts" else ("offload_path='module'", None)
         block.offload_reason = reason
         if found is None:
-            setattr(block, ATTR, None)
             continue
         module, hook, store, shapes, layout, num_experts = found
-        offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, budget, num_experts)
+        offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, config.expert_cache_bytes, num_experts)
         offloaded.attach()
-        setattr(block, ATTR, offloaded)
-        if getattr(config, "gate", "always") == "auto":  # the cost gate weighs the transfer an avoided expert saves
+        block.offload = offloaded
+        if config.gate == "auto":  # the cost gate weighs the transfer an avoided expert saves
             block.extra_expert_ms = offloaded.probe_ms()
-            if block.plan is not None:
-                block.resolve(block.plan.device)
+        if block.plan is not None:
+            block.resolve(block.plan.device)
 
 
 def remove(state) -> None:
     """Undo :func:`install`: each experts module's instance ``forward`` is accelerate's object again (the hook
-    itself was never touched); the caches are dropped."""
+    itself was never touched); the caches are dropped; the blocks' offload fields are back at their defaults."""
     for block in state.blocks:
-        offloaded = block.__dict__.pop(ATTR, None)
-        block.__dict__.pop("offload_reason", None)
-        block.__dict__.pop("extra_expert_ms", None)
+        offloaded, block.offload = block.offload, None
+        block.offload_reason = None
+        block.extra_expert_ms = 0.0
         if offloaded is not None:
             offloaded.restore()
 
@@ -672,44 +667,44 @@ def remove(state) -> None:
 def reset(state) -> None:
     """Zero the offload counters of ``state``'s blocks (``lynx_hf.reset_stats``); the caches stay."""
     for block in state.blocks:
-        offloaded = block.__dict__.get(ATTR)
-        if offloaded is not None:
-            offloaded.reset()
+        if block.offload is not None:
+            block.offload.reset()
 
 
-def seeded_step(block, step_fn, device):
-    """``step_fn`` with the resident experts of ``block`` as an extra seed of the critical set (cache-aware
-    remapping), or ``step_fn`` unchanged (no offload cache, nothing resident, or a step function that keeps the
-    model's routing)."""
-    offloaded = block.__dict__.get(ATTR)
-    if offloaded is None or step_fn is keep_routing:
-        return step_fn
-    seed = offloaded.resident_seed(device)
-    if seed is None:
-        return step_fn
+class ResidentSeed:
+    """The stage of an offloaded block's plan (``lynx_hf.core.Stage``): the resident experts of ``offloaded`` (its
+    :class:`OffloadedExperts`) seed the critical set of each step the policy runs on (cache-aware remapping,
+    ``StepInputs.seed``); nothing resident, or a step the plan keeps (one token): the step as it is."""
 
-    def seeded(*args, **kwargs):
-        return remap_step(*args, seed=seed, **kwargs)
+    name = "offload"
 
-    return seeded
+    def __init__(self, offloaded: OffloadedExperts) -> None:
+        self.offloaded = offloaded
+
+    def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
+        """``None`` for a plan that never remaps; else the runner that adds the seed."""
+        if plan.kernel is keep_routing:
+            return None
+        offloaded = self.offloaded
+
+        def run(plan: RoutePlan, inputs: StepInputs) -> Routed:
+            if plan.keeps(inputs.idx.shape[0]):
+                return inner(plan, inputs)
+            seed = offloaded.resident_seed(inputs.logits.device)
+            return inner(plan, inputs if seed is None else inputs._replace(seed=seed))
+
+        return run
+
+
+def plan_stage(block, config) -> ResidentSeed | None:
+    """The offload stage of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``): a :class:`ResidentSeed` where its
+    experts are read per expert (``block.offload``), else ``None``."""
+    return None if block.offload is None else ResidentSeed(block.offload)
 
 
 def layer_summary(block) -> dict:
     """The ``offload_*`` keys of one block's ``stats`` entry (empty when its experts are not read per expert)."""
-    offloaded = block.__dict__.get(ATTR)
-    return {} if offloaded is None else offloaded.summary()
-
-
-def summarize(layers: list[dict]) -> dict:
-    """Model-level offload telemetry from per-layer ``stats`` entries: per decode step (summed over offloaded
-    layers) ``offload_experts_fetched``, ``offload_cache_hits``, ``offload_bytes_read``, ``offload_bytes_module``
-    (what accelerate's whole-module path reads), ``offload_layers``. Empty when no layer is read per expert."""
-    seen = [layer for layer in layers if "offload_decode_calls" in layer]
-    if not seen:
-        return {}
-    keys = ("offload_experts_used", "offload_experts_fetched", "offload_cache_hits", "offload_bytes_read",
-            "offload_bytes_module")
-    return {"offload_layers": len(seen), **{k: sum(layer[k] for layer in seen) for k in keys}}
+    return {} if block.offload is None else block.offload.summary()
 
 
 def transfer_ms(model, estimate: bool = False) -> dict[str, float | None]:
@@ -717,16 +712,14 @@ def transfer_ms(model, estimate: bool = False) -> dict[str, float | None]:
     offloaded blocks: the per-expert transfer cost a cost gate (``lynx_hf.gate``, ``extra_expert_ms``) adds to the
     saving of each avoided expert. Before any decode read a block gives ``None``, or with ``estimate=True`` its
     :meth:`OffloadedExperts.probe_ms`. Raises ``lynx_hf.errors.NotPatchedError``."""
-    from .patcher import _state
-
     out = {}
-    for block in _state(model).blocks:
-        offloaded = block.__dict__.get(ATTR)
+    for block in state_of(model).blocks:
+        offloaded = block.offload
         if offloaded is not None:
             measured = offloaded.transfer_ms()
             out[block.name] = offloaded.probe_ms() if measured is None and estimate else measured
     return out
 
 
-__all__ = ["ExpertStore", "ExpertCache", "OffloadedExperts", "offload_reason", "install", "remove", "reset",
-           "seeded_step", "layer_summary", "summarize", "transfer_ms"]
+__all__ = ["ExpertStore", "ExpertCache", "OffloadedExperts", "ResidentSeed", "offload_reason", "install", "remove",
+           "reset", "plan_stage", "layer_summary", "transfer_ms"]

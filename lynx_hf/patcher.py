@@ -11,17 +11,28 @@ import warnings
 
 import torch
 
+from . import compiled_cpu, gate, offload, policies
 from . import experts as experts_impl
-from . import offload, policies
-from .block import BlockRouting
+from .block import BlockRouting, gate_stage
 from .config import LynxConfig
 from .detection import StepTracker, cache_length, generation_scope
-from .errors import LynxConfigError, NotPatchedError, UnsupportedModelError
+from .errors import LynxConfigError, UnsupportedModelError
 from .kernels.backend import resolve_backend
 from .patches import find_spec, looks_like_moe, supported_families, why_unsupported
+from .state import MODEL_ATTR
+from .state import find_state as _find_state
+from .state import state_of as _state
+from .state import unwrap as _unwrap
 from .telemetry import LynxStats, mode_of
 
-MODEL_ATTR = "_lynx_state"  # on the module whose generate runs (or the backbone): the ModelState
+#: the decode-step features composed into every patched block's plan (``lynx_hf.core.make_plan``'s ``stages``),
+#: outermost first; each ``fn(block, config) -> lynx_hf.core.Stage or None`` (``None``: not for this block). A new
+#: decode-step feature is one module with such a function, plus one line here.
+PLAN_STAGES = (
+    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
+    offload.plan_stage,  # resident offloaded experts seed the critical set (lynx_hf.offload)
+    compiled_cpu.plan_stage,  # torch.compile on CPU: the eager step as one opaque op (lynx_hf.compiled_cpu)
+)
 
 
 class ModelState:
@@ -30,6 +41,9 @@ class ModelState:
     ``backbone``: the module every forward of the model ends in (the step hooks live there);
     ``model``: the module whose ``generate`` runs (its ``generate`` is wrapped; the state lives there).
     """
+
+    #: what each block's plan composes (:data:`PLAN_STAGES`; a class attribute: never pickled)
+    plan_stages = PLAN_STAGES
 
     def __init__(self, config: LynxConfig, backbone: torch.nn.Module, model: torch.nn.Module) -> None:
         self.config = config
@@ -45,11 +59,6 @@ class ModelState:
         self.__dict__.setdefault("gate_note", None)  # a state pickled before the attribute existed
         self.__dict__.update(state)
         experts_impl.adopt(self)
-
-    @property
-    def modules(self) -> list[torch.nn.Module]:
-        """The patched MoE blocks, in module order."""
-        return [block.block for block in self.blocks]
 
 
 class _BoundMethod(functools.partial):
@@ -218,25 +227,9 @@ def _as_config(config, overrides) -> LynxConfig:
     return config
 
 
-def _unwrap(model):
-    """The module inside a ``torch.compile`` wrapper (``OptimizedModule``), else ``model`` itself."""
-    return model._orig_mod if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod") else model
-
-
 def _families_text() -> str:
     return "; ".join(f"{family} ({', '.join(classes) or 'blocks with the standard router/experts contract'})"
                      for family, classes in supported_families().items())
-
-
-def _find_state(model) -> ModelState | None:
-    model = _unwrap(model)
-    if not isinstance(model, torch.nn.Module):
-        return None
-    for module in model.modules():
-        state = module.__dict__.get(MODEL_ATTR)
-        if state is not None:
-            return state
-    return None
 
 
 def _backbone_and_model(model: torch.nn.Module, names: list[str]):
@@ -350,9 +343,7 @@ def _note_gate(state: ModelState) -> None:
     """Warn when the cost gate measured at patch time switches the policy off somewhere: once per patch, and on a
     reconfiguration only when the note changed (``lynx_hf.patched(model, policy="none")`` and back, as ``lynx-hf
     generate`` does for its reference, does not repeat it)."""
-    from .gate import patch_note
-
-    note = patch_note([b.plan for b in state.blocks])
+    note = gate.patch_note([gate.of(b.plan) for b in state.blocks])
     if note and note != state.gate_note:
         warnings.warn(note, UserWarning, stacklevel=3)
     if note:
@@ -388,11 +379,7 @@ def _sync_experts_impl(state: ModelState) -> None:
     if policies.get(state.config.policy).remaps:
         experts_impl.install(state)
     else:
-        _remove_experts_impl(state)
-
-
-def _remove_experts_impl(state: ModelState) -> None:
-    experts_impl.remove(state)
+        experts_impl.remove(state)
 
 
 def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
@@ -415,7 +402,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
         return model
     offload.remove(state)  # accelerate's forward objects back on the offloaded experts modules
     if state.experts_impl_before is not None:
-        _remove_experts_impl(state)
+        experts_impl.remove(state)
     state.tracker.detach(state.backbone)
     for block in state.blocks:
         block.uninstall()
@@ -447,13 +434,6 @@ def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **o
             patch(model, previous)  # restores the previous config (telemetry restarts)
 
 
-def _state(model) -> ModelState:
-    state = _find_state(model)
-    if state is None:
-        raise NotPatchedError("this model is not patched by lynx_hf: call lynx_hf.patch(model) first")
-    return state
-
-
 def config_of(model: torch.nn.Module) -> LynxConfig:
     """The :class:`LynxConfig` a patched model runs with. Raises :class:`NotPatchedError`."""
     return _state(model).config
@@ -477,15 +457,17 @@ def reset_stats(model: torch.nn.Module) -> None:
     offload.reset(state)
     for block in state.blocks:
         block.telemetry.reset()
-        if block.plan is not None and block.plan.gate is not None:
-            block.plan.gate.reset()
+        planned = gate.of(block.plan)
+        if planned is not None:
+            planned.reset()
 
 
-def _gate_summary(config, plan) -> dict:
+def _gate_summary(config: LynxConfig, plan) -> dict:
     """The cost gate of one block for :func:`stats` (``lynx_hf.gate.PlanGate.summary``); ``{"gate": "always"}`` when
     the policy runs on every decode step (``gate="always"``, or a plan that never remaps)."""
-    if plan is None or plan.gate is None:
+    planned = gate.of(plan)
+    if planned is None:
         return {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
                 "steps_skipped": 0}
-    return plan.gate.summary()
+    return planned.summary()
 

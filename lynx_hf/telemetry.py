@@ -173,10 +173,19 @@ def _mean(values: list, n: int, empty: float):
     return sum(values) / n
 
 
-def _offload_summary(layers: list[dict]) -> dict:
-    from .offload import summarize  # the offload_* keys (lynx_hf.offload), empty when no layer is offloaded
+#: per-layer ``offload_*`` keys (``lynx_hf.offload``, per decode call of the layer) summed over the offloaded layers
+OFFLOAD_KEYS = ("offload_experts_used", "offload_experts_fetched", "offload_cache_hits", "offload_bytes_read",
+                "offload_bytes_module")
 
-    return summarize(layers)
+
+def _offload_summary(layers: list[dict]) -> dict:
+    """Model-level offload telemetry from per-layer stats entries: per decode step (summed over the layers whose
+    experts are read per expert, ``lynx_hf.offload``: those with ``offload_decode_calls``) each of
+    :data:`OFFLOAD_KEYS`, and ``offload_layers``. Empty when no layer is read per expert."""
+    seen = [layer for layer in layers if "offload_decode_calls" in layer]
+    if not seen:
+        return {}
+    return {"offload_layers": len(seen), **{k: sum(layer[k] for layer in seen) for k in OFFLOAD_KEYS}}
 
 
 @dataclass

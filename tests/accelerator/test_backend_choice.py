@@ -7,30 +7,30 @@ import pytest
 import torch
 
 from lynx_hf import LynxConfig
-from lynx_hf.core import fused_step, keep_routing, make_plan, remap_step
+from lynx_hf.core import MoELayer, fused_step, keep_routing, make_plan, remap_step
 from lynx_hf.kernels import routing_cpu
 
 
 def test_auto_on_cuda_routes_with_triton_but_keeps_transformers_experts():
-    plan = make_plan(LynxConfig(routing_backend="auto"), 8, 2, torch.device("cuda"))
+    plan = make_plan(LynxConfig(routing_backend="auto"), MoELayer(8, 2, torch.device("cuda")))
     assert plan.routing_backend == "triton" and plan.expert_kernel is False and plan.sparse_moe is None
 
 
 def test_explicit_triton_selects_the_sparse_expert_kernel():
-    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="triton"), 8, 2, torch.device("cuda"))
+    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="triton"), MoELayer(8, 2, torch.device("cuda")))
     assert plan.routing_backend == "triton" and plan.expert_kernel is True
 
 
 def test_expert_path_is_independent_of_the_routing_backend():
-    plan = make_plan(LynxConfig(routing_backend="torch", expert_path="triton"), 8, 2, torch.device("cuda"))
+    plan = make_plan(LynxConfig(routing_backend="torch", expert_path="triton"), MoELayer(8, 2, torch.device("cuda")))
     assert plan.routing_backend == "torch" and plan.expert_kernel is True
-    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="model"), 8, 2, torch.device("cuda"))
+    plan = make_plan(LynxConfig(routing_backend="triton", expert_path="model"), MoELayer(8, 2, torch.device("cuda")))
     assert plan.routing_backend == "triton" and plan.expert_kernel is False
 
 
 def test_cpu_never_uses_the_kernel_unless_asked():
-    assert make_plan(LynxConfig(), 8, 2, torch.device("cpu")).expert_kernel is False
-    assert make_plan(LynxConfig(routing_backend="torch"), 8, 2, torch.device("cuda")).expert_kernel is False
+    assert make_plan(LynxConfig(), MoELayer(8, 2, torch.device("cpu"))).expert_kernel is False
+    assert make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, torch.device("cuda"))).expert_kernel is False
 
 
 def test_deprecated_backend_gives_the_plan_it_gave():
@@ -40,26 +40,28 @@ def test_deprecated_backend_gives_the_plan_it_gave():
         with pytest.warns(FutureWarning, match="routing_backend"):
             cfg = LynxConfig(backend=old)
         assert cfg == LynxConfig(**new)
-        a, b = make_plan(cfg, 8, 2, torch.device("cuda")), make_plan(LynxConfig(**new), 8, 2, torch.device("cuda"))
+        layer = MoELayer(8, 2, torch.device("cuda"))
+        a, b = make_plan(cfg, layer), make_plan(LynxConfig(**new), layer)
         assert (a.routing_backend, a.expert_kernel) == (b.routing_backend, b.expert_kernel)
         assert (a.routing_backend, a.expert_kernel) == ("torch" if old == "torch" else "triton", old == "triton")
 
 
 # -- the decode-step function: chosen once per plan --------------------------------------------------------
 def test_step_function_is_chosen_once_from_policy_shape_and_device():
-    assert make_plan(LynxConfig(policy="none"), 8, 2, "cpu").step_fn is keep_routing  # nothing to remap
-    assert make_plan(LynxConfig(), 4, 4, "cpu").step_fn is keep_routing  # k = N: every token uses every expert
-    cpu = make_plan(LynxConfig(), 8, 2, "cpu")
-    assert cpu.step_fn is (fused_step if routing_cpu.AVAILABLE else remap_step)  # the one-call CPU path
+    layer = MoELayer(8, 2, "cpu")
+    assert make_plan(LynxConfig(policy="none"), layer).kernel is keep_routing  # nothing to remap
+    assert make_plan(LynxConfig(), MoELayer(4, 4, "cpu")).kernel is keep_routing  # k = N: every token, every expert
+    cpu = make_plan(LynxConfig(), layer)
+    assert cpu.kernel is (fused_step if routing_cpu.AVAILABLE else remap_step)  # the one-call CPU path
     assert (cpu.fused is not None) == routing_cpu.AVAILABLE
-    assert make_plan(LynxConfig(mass_price=None), 8, 2, "cpu").step_fn is remap_step  # paper rule: no fused path
-    assert make_plan(LynxConfig(policy="oea"), 8, 2, "cpu").step_fn is remap_step
-    cuda = make_plan(LynxConfig(routing_backend="torch"), 8, 2, torch.device("cuda"))
-    assert cuda.step_fn is remap_step and cuda.fused is None and cuda.host_ops is cuda.ops  # no host reads off CPU
+    assert make_plan(LynxConfig(mass_price=None), layer).kernel is remap_step  # paper rule: no fused path
+    assert make_plan(LynxConfig(policy="oea"), layer).kernel is remap_step
+    cuda = make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, torch.device("cuda")))
+    assert cuda.kernel is remap_step and cuda.fused is None and cuda.host_ops is cuda.ops  # no host reads off CPU
 
 
 def test_host_ops_are_the_numba_twins_on_cpu():
-    plan = make_plan(LynxConfig(routing_backend="torch"), 8, 2, "cpu")
+    plan = make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, "cpu"))
     if routing_cpu.AVAILABLE:
         assert plan.host_ops.lynx_critical_set is routing_cpu.lynx_critical_set
         assert plan.host_ops.lynx_mass_decode is routing_cpu.lynx_mass_decode

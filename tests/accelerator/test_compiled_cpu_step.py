@@ -1,6 +1,6 @@
 """``torch.compile`` on CPU: the decode step is one opaque custom op (``torch.ops.lynx_hf.cpu_decode_step``,
-``lynx_hf.core.compiled_cpu_step``) running the eager code, so a compiled step gives the eager step's routing and
-telemetry exactly, and the sync-free device path (what CUDA compiles) is still what is traced under
+``lynx_hf.compiled_cpu``, a stage of each CPU plan) running the eager code, so a compiled step gives the eager step's
+routing and telemetry exactly, and the sync-free device path (what CUDA compiles) is still what is traced under
 ``strict_sync_free``. Each case compiles ``BlockRouting.route`` with ``fullgraph=True`` and compares it with the
 same call in eager mode, on hand-made steps: plain decode, a device decode mask that is all True (the StaticCache
 step outside ``generate``), a mixed step with prefill and finished rows, a non-finite row (the one-call path's

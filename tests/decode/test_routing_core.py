@@ -11,7 +11,7 @@ import torch
 import lynx_hf
 from helpers import families as fam
 from lynx_hf import LynxConfig
-from lynx_hf.core import DECODE, MIXED, Step, make_plan, remap
+from lynx_hf.core import DECODE, MIXED, MoELayer, Step, StepInputs, make_plan, remap
 
 SOFTMAX_ALL = types.SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0, renorm_eps=0.0)
 
@@ -23,7 +23,7 @@ def _own_topk(s, k):
 def _remap(cfg, step, s, k):
     idx = _own_topk(s, k)
     weights = torch.softmax(s, -1).gather(1, idx)
-    plan = make_plan(cfg, s.shape[1], k, torch.device("cpu"))
+    plan = make_plan(cfg, MoELayer(s.shape[1], k, torch.device("cpu")))
     return remap(plan, SOFTMAX_ALL, step, s, s, weights, idx)
 
 
@@ -147,19 +147,20 @@ def test_config_telemetry_values():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("step_name", ["fused_step", "remap_step"])
-def test_fp32_scores_reuses_the_cast_with_the_same_result(dtype, step_name):
-    """``core.fp32_scores`` lets the step reuse the fp32 scores as the weight rule's logits: bit-identical to the
-    same step given an equivalent selection function (which casts twice), bf16 and fp32 router logits."""
+def test_plain_scores_reuse_the_cast_with_the_same_result(dtype, step_name):
+    """``StepInputs.scores=None`` (the scores are the fp32 logits) lets the step reuse the fp32 scores as the weight
+    rule's logits: bit-identical to the same step given an equivalent selection function (which casts twice), bf16 and
+    fp32 router logits."""
     from lynx_hf import core
 
     g = torch.Generator().manual_seed(3)
     logits = (torch.randn(16, 32, generator=g) * 2).to(dtype)
     idx = _own_topk(logits.float(), 4)
     weights = torch.softmax(logits.float(), -1).gather(1, idx).to(dtype)
-    plan = make_plan(LynxConfig(gate="always"), 32, 4, torch.device("cpu"))
+    plan = make_plan(LynxConfig(gate="always"), MoELayer(32, 4, torch.device("cpu")))
     fn = getattr(core, step_name)
     for host in (True, False):
-        a = fn(plan, SOFTMAX_ALL, Step(DECODE), core.fp32_scores, logits, weights, idx, host)
-        b = fn(plan, SOFTMAX_ALL, Step(DECODE), lambda x: x.float(), logits, weights, idx, host)
+        a = fn(plan, StepInputs(Step(DECODE), logits, weights, idx, SOFTMAX_ALL, host))
+        b = fn(plan, StepInputs(Step(DECODE), logits, weights, idx, SOFTMAX_ALL, host, lambda x: x.float()))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert a[0].dtype == dtype and a[1].dtype == idx.dtype

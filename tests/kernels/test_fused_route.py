@@ -110,7 +110,7 @@ def _generate(model, ids, mask, fused: bool, eos):
             calls[0] += 1
             return _inner(*args, **kwargs)
         block.plan = dataclasses.replace(plan, fused=counted if fused else None,
-                                         step_fn=core.fused_step if fused else core.remap_step)
+                                         kernel=core.fused_step if fused else core.remap_step)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                          eos_token_id=eos)
     stats = lynx_hf.stats(model).summary()

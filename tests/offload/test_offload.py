@@ -37,7 +37,7 @@ import lynx_hf
 from helpers import families as fam
 from lynx_hf import offload
 from lynx_hf.config import LynxConfig
-from lynx_hf.core import Step, make_plan, remap
+from lynx_hf.core import MoELayer, Step, make_plan, remap
 from lynx_hf.errors import LynxConfigError
 from lynx_hf.patcher import _find_state
 from lynx_hf.patches import find_spec
@@ -175,7 +175,8 @@ class ReferenceRemap:
         self.handles = []
         for block, spec in moe_blocks(model):
             rule, num_experts, top_k = rules[id(block)]
-            plan = make_plan(LynxConfig(policy="lynx", routing_backend="torch", **ALWAYS), num_experts, top_k, "cpu")
+            plan = make_plan(LynxConfig(policy="lynx", routing_backend="torch", **ALWAYS),
+                             MoELayer(num_experts, top_k, "cpu"))
             router = spec.router_of(block)
             queue = list((seeds or {}).get(block, []))
             hook = self._dense if spec.decode_forward is not None else self._fused
@@ -435,13 +436,13 @@ def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thre
     for block in state.blocks:
         assert block.offload is not None and block.extra_expert_ms > 0
         assert block.plan.device.type == "cpu"
-        g = block.plan.gate
+        g = gate.of(block.plan)
         assert g is not None and g.extra_expert_ms == block.extra_expert_ms
         d = g.decision(4)
         assert d.extra_expert_ms == block.extra_expert_ms
         assert d.saving_ms == pytest.approx(d.experts_saved * (d.expert_ms + d.extra_expert_ms))
     lynx_hf.unpatch(model)
-    assert all("extra_expert_ms" not in b.__dict__ for b in state.blocks)
+    assert all(b.extra_expert_ms == 0.0 and b.offload is None for b in state.blocks)
 
 
 def test_not_offloaded_blocks_are_left_alone(one_thread):

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import lynx_hf
 from helpers import families as fam
 from lynx_hf.config import LynxConfig
-from lynx_hf.core import Step, make_plan, remap
+from lynx_hf.core import MoELayer, Step, make_plan, remap
 from lynx_hf.patches import find_spec
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -324,7 +324,8 @@ class ReferenceRemap:
         self.handles = []
         for block, spec in blocks:
             rule, num_experts, top_k = rules[id(block)]
-            plan = make_plan(LynxConfig(policy=policy, routing_backend="torch", **params), num_experts, top_k, "cpu")
+            plan = make_plan(LynxConfig(policy=policy, routing_backend="torch", **params),
+                             MoELayer(num_experts, top_k, "cpu"))
             router = spec.router_of(block)
             hook = self._dense_hook if spec.decode_forward is not None else self._hook
             self.handles.append(router.register_forward_hook(

@@ -162,7 +162,7 @@ def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
         ref = _generate(model, ids, mask)
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
         block = lynx_hf.patcher._state(model).blocks[0]
-        assert block.plan.gate is not None and block.layer_shape().hidden is not None
+        assert gate.of(block.plan) is not None and block.layer_shape().hidden is not None
         out = _generate(model, ids, mask)
         summary = lynx_hf.stats(model).summary()
     assert calls  # measured (here: the fixed decisions) at patch time, per shape
@@ -178,7 +178,7 @@ def test_gate_on_changes_nothing_against_always(fixed_gate):
     model = fam.build("qwen2_moe")
     ids, mask = fam.prompts(8, 6)
     with lynx_hf.patched(model, policy="lynx", gate="always"):
-        assert lynx_hf.patcher._state(model).blocks[0].plan.gate is None
+        assert gate.of(lynx_hf.patcher._state(model).blocks[0].plan) is None
         ref = _generate(model, ids, mask)
         ref_stats = lynx_hf.stats(model).summary()
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
@@ -233,11 +233,11 @@ def test_measurement_runs_on_a_real_shape():
     model = fam.build("qwen2_moe")
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
         block = lynx_hf.patcher._state(model).blocks[0]
-        d = block.plan.gate.decision(8)
+        d = gate.of(block.plan).decision(8)
     assert d.cost_ms >= 0 and d.expert_ms >= 0 and math.isfinite(d.saving_ms)
     assert block.top_k <= d.experts_after <= d.experts_before <= block.num_experts
     assert d.on == (d.saving_ms > gate.MARGIN * d.cost_ms)  # decided with the measured margin
-    assert block.plan.gate.route_fn is not None  # the HF path times the router hook's whole work
+    assert gate.of(block.plan).route_fn is not None  # the HF path times the router hook's whole work
 
 
 # -- accuracy entry points force the gate on --------------------------------------------------------------------
@@ -314,14 +314,13 @@ def test_patch_note_names_only_step_sizes_where_something_is_lost():
     def d(on, saved):
         return gate.GateDecision(on, 1.0, 0.5, saved, 0.1)
 
-    class Plan:
-        def __init__(self, decisions):
-            self.gate = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions=decisions)
+    def planned(decisions):
+        return gate.PlanGate(gate.LayerShape(8, 2, 16, 8), decisions=decisions)
 
-    plans = [Plan({1: d(False, 0.0), 4: d(False, 2.0), 16: d(True, 5.0)}), Plan({1: d(False, 0.0), 16: d(True, 5.0)})]
-    note = gate.patch_note(plans)
+    gates = [planned({1: d(False, 0.0), 4: d(False, 2.0), 16: d(True, 5.0)}), planned({1: d(False, 0.0), 16: d(True, 5.0)})]
+    note = gate.patch_note(gates)
     assert "on 1/2 MoE layers" in note and "sizes (tokens, rounded up to these) 4 on this device" in note
-    assert gate.patch_note(plans[1:]) is None and gate.patch_note([Plan({})]) is None
+    assert gate.patch_note(gates[1:]) is None and gate.patch_note([planned({}), None]) is None
 
 
 def test_patch_note_warns_once_across_a_reconfiguration_and_back(monkeypatch):
@@ -386,7 +385,7 @@ def _timed_measure(monkeypatch, costs, experts, saved=(13.0, 6.0)):
     costs (ms) and the layer's own saving per expert (ms), one value per timing; the experts before / after fixed.
     Returns ``(decision, costs timed, expert figures timed)``."""
     from lynx_hf.config import LynxConfig
-    from lynx_hf.core import make_plan
+    from lynx_hf.core import MoELayer, make_plan
 
     gate._CACHE.clear()
     cost_seq, expert_seq, seen = iter(costs), iter(experts), {"cost": 0, "expert": 0}
@@ -401,7 +400,7 @@ def _timed_measure(monkeypatch, costs, experts, saved=(13.0, 6.0)):
 
     monkeypatch.setattr(gate, "measure_routing", routing)
     monkeypatch.setattr(gate, "measure_module_expert_ms", own)
-    plan = make_plan(LynxConfig(policy="lynx", gate="always"), 32, 4, torch.device("cpu"))
+    plan = make_plan(LynxConfig(policy="lynx", gate="always"), MoELayer(32, 4, torch.device("cpu")))
     shape = gate.LayerShape(32, 4, 64, 32)
     d = gate.measure(plan, shape, 16, expert_fn=lambda h, i, w: h)
     gate._CACHE.clear()
