@@ -11,10 +11,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import MISSING, fields
 from pathlib import Path
 
-from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval (no torch import)
+import lynx_hf  # its public functions, looked up when called (tests replace lynx_hf.patch)
+
+from .config import RENAMED, LynxConfig, field_types
+from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval
 from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
+from .gate import off_line
 
 
 class CliError(Exception):
@@ -26,10 +31,6 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
     new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
     Renamed fields keep their old option as a deprecated alias (``--k0``, ``--backend``: a ``FutureWarning``
     names the new option; ``lynx_hf.config.RENAMED``)."""
-    from dataclasses import MISSING, fields
-
-    from .config import RENAMED, LynxConfig, field_types
-
     types = field_types()
     for f in fields(LynxConfig):
         base, optional = types[f.name]
@@ -44,11 +45,6 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from dataclasses import fields
-
-    from . import LynxConfig
-    from .config import RENAMED
-
     options = {f.name: getattr(args, f.name) for f in fields(LynxConfig) if getattr(args, f.name, None) is not None}
     options.update({old: getattr(args, f"deprecated_{old}") for old in RENAMED
                     if getattr(args, f"deprecated_{old}", None) is not None})  # mapped with a FutureWarning
@@ -75,8 +71,6 @@ def _load(model_path: Path, dtype: str):
 
 def cmd_generate(args) -> int:
     import torch
-
-    import lynx_hf
 
     cfg = _config(args)  # validate options before loading anything
     for name in ("batch_size", "max_new_tokens"):
@@ -110,8 +104,6 @@ def cmd_generate(args) -> int:
           + (f" (the cost gate kept the model's routing on {skipped} MoE layer-steps: layers x decode steps)"
              if skipped else ""))
     print_layer_table(summary, summary["per_layer"])
-    from .gate import off_line
-
     gated = off_line(summary["per_layer"])  # the cost gate switched the policy off somewhere (LynxConfig.gate)
     if gated:
         print(gated)

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import policies
 from .core import DECODE, MIXED, PREFILL, PREFILL_STEP, VERIFY, Step, host_reads_allowed
 from .errors import LynxNoDecodeWarning
 
@@ -458,8 +459,6 @@ class StepTracker:
 
 
 def _remaps(model_state) -> bool:
-    from . import policies
-
     return policies.get(model_state.config.policy).remaps
 
 

@@ -11,7 +11,7 @@ import torch
 
 from . import deepseek_v2, deepseek_v3, llama4, mixtral, olmoe, qwen2_moe, qwen3_moe
 from .base import FamilySpec, WeightRule
-from .generic import GenericSpec
+from .generic import GenericSpec, _is_standard_experts, block_parts
 
 _DEDICATED: tuple[FamilySpec, ...] = (qwen2_moe.SPEC, mixtral.SPEC, deepseek_v2.SPEC, llama4.SPEC, qwen3_moe.SPEC,
                                       olmoe.SPEC, deepseek_v3.SPEC)
@@ -46,8 +46,6 @@ def looks_like_moe(module: torch.nn.Module) -> bool:
 
 def why_unsupported(module: torch.nn.Module) -> str:
     """Why no family spec claims an MoE-looking ``module``, and what would be needed (for error messages)."""
-    from .generic import _is_standard_experts, block_parts
-
     children = dict(module.named_children())
     name = type(module).__name__
     router = next((children[n] for n in ("gate", "router") if n in children), None)

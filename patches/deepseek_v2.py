@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelConfigError
+from ..policies import get as get_policy
 from .base import FamilySpec, WeightRule
 
 
@@ -35,9 +36,7 @@ def check_groups(name, num_experts, top_k, n_group, topk_group, config, fields) 
 
 
 def _remaps(config) -> bool:
-    from ..policies import get
-
-    return get(config.policy).remaps
+    return get_policy(config.policy).remaps
 
 
 def _check(block, gate, name, config):

@@ -69,6 +69,7 @@ import torch
 
 from ..core import WeightRule
 from ..errors import UnsupportedModelError
+from ..experts import unwrap
 from ..kernels.routing_torch import routing_weights
 from ..selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
 from .base import BlockRule, FamilySpec
@@ -139,8 +140,6 @@ def block_parts(module: torch.nn.Module):
     """``(router, experts)`` of a block with the standard contract, else ``(None, None)``. ``experts`` is the
     experts module itself, inside PEFT adapter wrappers (PEFT LoRA on the expert parameters wraps it in
     ``ParamWrapper`` layers; ``lynx_hf.experts.unwrap``); the block's child is :meth:`GenericSpec.experts_of`."""
-    from ..experts import unwrap
-
     children = dict(module.named_children())
     child = children.get("experts")
     if child is None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..core import WeightRule
+from ..experts import storage_reason, weights_ready
 from .base import FamilySpec
 
 
@@ -39,8 +40,6 @@ def kernel_storage(experts) -> str | None:
     (``lynx_hf.experts.storage_reason``: no PEFT wrapper / parametrization, quantization, offload, tensor
     subclass), laid out ``gate_up_proj [N, H, 2I]`` (gate first), ``down_proj [N, I, H]``, with SiLU.
     """
-    from ..experts import storage_reason
-
     reason = storage_reason(experts, names=("gate_up_proj", "down_proj"))
     if reason is not None:
         return reason
@@ -80,8 +79,6 @@ def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_w
 
 
 def decode_forward(state, step, hidden_states):
-    from ..experts import weights_ready
-
     block = state.block
     hidden = hidden_states.reshape(-1, block.hidden_dim)
     scores, logits = block.router(hidden)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import LynxConfigError
 from ..kernels.routing_torch import PRICE_UNITS, default_lynx_bins
-from . import Policy, StepTensors, check_choice, check_int, check_number, register
+from .base import Policy, StepTensors, check_choice, check_int, check_number, register
 
 #: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
 MAX_BETA = 64

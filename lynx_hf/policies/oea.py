@@ -4,7 +4,7 @@ token "piggyback" on experts already in the set until it has k."""
 
 from __future__ import annotations
 
-from . import Policy, StepTensors, check_int, register
+from .base import Policy, StepTensors, check_int, register
 
 
 class OeaPolicy(Policy):

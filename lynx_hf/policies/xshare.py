@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 from ..errors import LynxConfigError
-from . import Policy, StepTensors, check_int, check_number, register
+from .base import Policy, StepTensors, check_int, check_number, register
 
 
 class XSharePolicy(Policy):
