@@ -13,6 +13,16 @@ os.environ.setdefault("LYNX_HF_GATE", "always")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+# hypothesis profiles. "dev" (the default): randomized, 100 examples per unit of a property test's share. "ci" (what
+# .ci/test runs: `--hypothesis-profile ci`): a fixed, smaller budget, the same examples every run (derandomized, no
+# example database). A property test states its example count once, as a share of the profile's max_examples
+# (helpers.strategies.fuzz: share 3.5 is 350 examples under dev, 105 under ci). Every property test here draws tensors
+# whose generation hypothesis may find slow, and times kernels it does not bound: no deadline, no too_slow check.
+settings.register_profile("dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", settings.get_profile("dev"), max_examples=30, derandomize=True, database=None)
+settings.load_profile("dev")  # `--hypothesis-profile NAME` (hypothesis' pytest plugin) loads another after this
 
 # under pytest-xdist (`pytest -n 2`, the README's test command) each worker gets one intra-op thread: two workers with
 # two threads each on a 2-core machine oversubscribe it badly

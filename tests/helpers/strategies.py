@@ -1,11 +1,21 @@
-"""Hypothesis strategies shared by the kernel tests (the numba twins, the fused CPU decode step)."""
+"""Hypothesis strategies shared by the kernel tests (the numba twins, the fused CPU decode step), and the property
+tests' example budget (:func:`fuzz`)."""
 
 import math
 
 import numpy as np
 import torch
+from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
+
+
+def fuzz(share: float, **overrides) -> settings:
+    """The settings of a property test: ``share`` x the loaded profile's ``max_examples`` examples (tests/conftest.py:
+    "dev" 100, "ci" 30), the profile's other settings, ``overrides`` on top. Decorate with it (``@fuzz(1.5)``) or bind
+    it once per module. Read when the test module is imported, after the profile is loaded."""
+    return settings(max_examples=max(1, round(share * settings.default.max_examples)), **overrides)
+
 
 # logits from a small grid (many exact ties) or continuous values; -inf marks forbidden experts
 _VALUES = st.one_of(st.sampled_from([-2.0, -1.0, 0.0, 0.5, 1.0, 3.0]),

@@ -14,9 +14,10 @@ import importlib.util  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from helpers.strategies import fuzz  # noqa: E402
 from lynx_hf.kernels.moe import moe_align_block_size, moe_block_config, sparse_moe  # noqa: E402
 from lynx_hf.kernels.moe_naive import (  # noqa: E402
     max_num_tokens_padded,
@@ -261,7 +262,7 @@ def test_lynx_remap_then_sparse_moe_end_to_end():
     torch.testing.assert_close(got, naive_sparse_moe(x, idx, w, gu, dn), atol=ATOL, rtol=RTOL)
 
 
-@settings(max_examples=40, deadline=None)
+@fuzz(0.4)
 @given(
     T=st.integers(0, 70),
     k=st.integers(1, 8),

@@ -16,10 +16,11 @@ import math  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
+from helpers.strategies import fuzz  # noqa: E402
 from lynx_hf.kernels import routing_torch as ref  # noqa: E402
 from lynx_hf.kernels.backend import resolve_backend, routing_ops  # noqa: E402
 from lynx_hf.kernels.routing import (  # noqa: E402
@@ -268,7 +269,7 @@ def test_remap_weights_k1():
     torch.testing.assert_close(w, ref.routing_weights(scores, idx, "sigmoid"), atol=W_ATOL, rtol=W_RTOL)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@fuzz(0.25)
 @given(
     T=st.integers(1, 40),
     N=st.sampled_from([4, 7, 12, 33, 64]),
@@ -613,7 +614,7 @@ def _routing_case(draw):
         None if seed is None else torch.from_numpy(seed)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@fuzz(0.25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=_routing_case())
 def test_property_masked_twins(case):
     # drawn values (not seeds), so a failure shrinks to a small matrix; ties and -inf are drawn often

@@ -8,11 +8,11 @@ import math
 
 import numpy as np
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from helpers.strategies import routing_scores
+from helpers.strategies import fuzz, routing_scores
 from lynx_hf.kernels import routing_cpu as rc
 from lynx_hf.kernels import routing_torch as rt
 
@@ -30,7 +30,7 @@ def steps(draw):
     return scores, idx, k, vote, seed
 
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = fuzz(1.5)
 
 
 @SETTINGS

@@ -11,17 +11,18 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from helpers.references import greedy_by_hand
+from helpers.strategies import fuzz
 from lynx_hf import LynxConfig
 from lynx_hf import policies as P
 from lynx_hf.kernels import routing_torch as R
 from lynx_hf.policies.lynx import bin_parameters
 
-SETTINGS = settings(max_examples=350, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = fuzz(3.5)
 
 # Values are drawn by hypothesis (not from a drawn seed), so a failing case shrinks to a small tensor with
 # simple values. Large shapes stay cheap: hypothesis' arrays draw a background value plus sparse elements.
