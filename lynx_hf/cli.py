@@ -16,7 +16,7 @@ from pathlib import Path
 
 import lynx_hf  # its public functions, looked up when called (tests replace lynx_hf.patch)
 
-from .config import RENAMED, LynxConfig, field_types
+from .config import RENAMED, LynxConfig, field_help, field_types
 from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval
 from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
 from .gate import off_line
@@ -28,7 +28,8 @@ class CliError(Exception):
 
 def _policy_args(parser: argparse.ArgumentParser) -> None:
     """One ``--field`` option per :class:`LynxConfig` field (derived from the dataclass: a new field is a
-    new option); values are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
+    new option; its help is the first sentence of the field's entry in the docstring, ``config.field_help``); values
+    are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
     Renamed fields keep their old option as a deprecated alias (``--k0``, ``--backend``: a ``FutureWarning``
     names the new option; ``lynx_hf.config.RENAMED``)."""
     types = field_types()
@@ -38,7 +39,7 @@ def _policy_args(parser: argparse.ArgumentParser) -> None:
         default = f.default_factory() if f.default is MISSING else f.default  # gate: from LYNX_HF_GATE
         metavar = "BOOL|counts" if f.name == "telemetry" else kind.upper().replace(" ", "_")
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=metavar,
-                            help=f"{f.metadata.get('help', '')} (LynxConfig.{f.name}; default {default!r})")
+                            help=f"{field_help(f.name)} (LynxConfig.{f.name}; default {default!r})".replace("%", "%%"))
     for old, new in RENAMED.items():
         parser.add_argument(f"--{old.replace('_', '-')}", dest=f"deprecated_{old}", default=argparse.SUPPRESS,
                             metavar="VALUE", help=f"deprecated: use {new}")

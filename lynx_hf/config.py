@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import typing
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from . import policies
@@ -56,13 +57,15 @@ class LynxConfig:
     """Configuration of a patched model.
 
     Fields (each validated at construction; a bad value raises :class:`LynxConfigError`, a
-    ``ValueError`` naming the field):
+    ``ValueError`` naming the field). Each is described here once: the CLI's ``--<field>`` help is the first
+    sentence of its entry (:func:`field_help`), the table in ``docs/policies.md`` the whole entry
+    (:func:`fields_markdown`).
 
     - ``policy``: a registered policy (``lynx_hf.policies``): ``"lynx"`` (LYNX, arXiv 2411.08982
       Sec. 4), ``"oea"`` (OEA, arXiv 2511.02237, a baseline), ``"xshare"`` (XShare, arXiv 2602.07265,
       a baseline) or ``"none"`` (the model's own routing; decode is bit-identical to unpatched).
-    - ``phase``: ``"auto"`` (decode detected from the KV-cache length, ``docs/design.md`` "Phase
-      detection") or ``"decode"`` (every forward is treated as decode: decode emulation). ``"never"`` was
+    - ``phase``: ``"auto"`` (the decode tokens of each forward are detected, ``docs/decode-step.md``) or
+      ``"decode"`` (every forward is treated as decode: decode emulation). ``"never"`` was
       removed: use ``policy="none"`` (telemetry, no remap) or :func:`lynx_hf.unpatch`.
     - ``alpha``: LYNX, inverse bin width of the affinity binning (1/nat of logit gap). ``None`` derives it
       from k/N: ``beta / ln(N/k)``. Must be finite and > 0.
@@ -88,9 +91,10 @@ class LynxConfig:
       ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
     - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time). Formerly
       ``k0`` (still accepted, with a ``FutureWarning``).
-    - ``xshare_budget`` / ``xshare_fraction`` / ``xshare_warmup``: the XShare baseline (policy
-      ``"xshare"``, arXiv 2602.07265): experts per step (an int ``>= 1``, or ``None``: ``ceil(fraction * N)``,
-      fraction in ``(0, 1]``), and each token's top-``warmup`` experts kept first (``>= 0``).
+    - ``xshare_budget``: XShare (policy ``"xshare"``, arXiv 2602.07265, a baseline): experts per step, an int
+      ``>= 1``, or ``None``: ``ceil(xshare_fraction * N)``.
+    - ``xshare_fraction``: XShare: the budget as a fraction of N when ``xshare_budget`` is ``None``, in ``(0, 1]``.
+    - ``xshare_warmup``: XShare: each token's top-``xshare_warmup`` experts are kept first, an int ``>= 0``.
     - ``q_max``: outside ``generate``, the largest query length treated as decode when a cache is
       present (1 = plain decode); in continuous batching, the largest per-request query length of a
       decoding request. ``>= 1``. (Inside ``generate`` decode steps are known exactly.)
@@ -124,35 +128,25 @@ class LynxConfig:
     Raises :class:`LynxConfigError` for a bad value, a removed field (``mass_floor``) or ``phase="never"``.
     """
 
-    policy: str = field(default="lynx", metadata={"help": "routing policy in decode (registered: lynx, oea, xshare, none)"})
-    phase: str = field(default="auto", metadata={"help": "auto: decode steps detected; decode: every forward"})
-    alpha: float | None = field(default=None, metadata={"help": "LYNX inverse bin width (None: from k/N)"})
-    beta: int | None = field(default=None, metadata={"help": "LYNX voting bins below bin 0 (None: from k/N)"})
-    tau: float = field(default=1.0, metadata={"help": "LYNX consensus threshold (paper rule, mass_price=None)"})
-    mass_price: float | None = field(default=0.109375, metadata={
-        "help": "routing-mass growth price in tokens' worth of mass (None: the paper's rule)"})
-    price_unit: str = field(default="sqrt", metadata={
-        "help": "mass_price unit: token (tokens' worth of mass), batch (x B decode tokens) or sqrt (x sqrt(B))"})
-    oea_k0: int = field(default=1, metadata={"help": "OEA: experts each token keeps"})
-    xshare_budget: int | None = field(default=None, metadata={"help": "XShare: experts per step (None: fraction)"})
-    xshare_fraction: float = field(default=0.5, metadata={"help": "XShare: budget as a fraction of N"})
-    xshare_warmup: int = field(default=1, metadata={"help": "XShare: each token's top experts kept first"})
-    q_max: int = field(default=1, metadata={"help": "longest query treated as decode outside generate"})
-    verify: bool = field(default=True, metadata={"help": "remap verification forwards (assisted / prompt lookup)"})
-    routing_backend: str = field(default="auto", metadata={"help": "routing ops: auto (Triton on CUDA), torch, triton"})
-    expert_path: str = field(default="auto", metadata={
-        "help": "decode experts: auto / model (the model's own implementation), triton (sparse Triton kernel)"})
-    telemetry: bool | str = field(default=True, metadata={
-        "help": "collect decode statistics (lynx_hf.stats): True (all), counts (unique experts and tokens only), "
-                "False"})
-    gate: str = field(default_factory=default_gate, metadata={
-        "help": "auto: run the policy only where its measured saving beats its cost (per layer shape and step "
-                "size); always: on every decode step (default from LYNX_HF_GATE, else auto)"})
-
-    offload_path: str = field(default="experts", metadata={
-        "help": "offloaded experts in decode: experts (read only the step's experts), module (accelerate's load)"})
-    expert_cache_bytes: int = field(default=0, metadata={
-        "help": "per offloaded MoE layer, bytes of experts kept resident on the execution device (0: none)"})
+    policy: str = "lynx"
+    phase: str = "auto"
+    alpha: float | None = None
+    beta: int | None = None
+    tau: float = 1.0
+    mass_price: float | None = 0.109375
+    price_unit: str = "sqrt"
+    oea_k0: int = 1
+    xshare_budget: int | None = None
+    xshare_fraction: float = 0.5
+    xshare_warmup: int = 1
+    q_max: int = 1
+    verify: bool = True
+    routing_backend: str = "auto"
+    expert_path: str = "auto"
+    telemetry: bool | str = True
+    gate: str = field(default_factory=default_gate)
+    offload_path: str = "experts"
+    expert_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.phase == "never":
@@ -322,6 +316,52 @@ def field_types() -> dict[str, tuple[type, bool]]:
         base = next((a for a in args if a is not type(None)), hints[f.name])
         out[f.name] = (base, optional)
     return out
+
+
+_BULLET = re.compile(r"^    - ``(\w+)``: ")
+_ROLE = re.compile(r":\w+:`~?([^`]+)`")
+
+
+def field_docs() -> dict[str, str]:
+    """``{field: its entry in the LynxConfig docstring}``, in reStructuredText (one line, continuation lines joined),
+    in the docstring's order. The one description of each field (module tests check every field has exactly one)."""
+    out, name = {}, None
+    for line in (LynxConfig.__doc__ or "").splitlines():
+        found = _BULLET.match(line)
+        if found:
+            name = found.group(1)
+            out[name] = line[found.end():].strip()
+        elif name is not None and line.startswith("      ") and line.strip():
+            out[name] += " " + line.strip()
+        else:
+            name = None
+    return out
+
+
+def _markdown(text: str) -> str:
+    """reStructuredText inline markup as markdown: ``x`` -> `x`, :role:`x` -> `x`."""
+    return _ROLE.sub(r"`\1`", text).replace("``", "`")
+
+
+def field_help(name: str) -> str:
+    """The first sentence of field ``name``'s entry (:func:`field_docs`) in plain text: the ``lynx-hf`` option's help.
+    Raises ``KeyError`` for a field without an entry."""
+    plain = _markdown(field_docs()[name]).replace("`", "")
+    return re.split(r"(?<=[.)])\s+(?=[A-Z])", plain, maxsplit=1)[0]
+
+
+def fields_markdown() -> str:
+    """The markdown table of every field (name, default, its whole entry), as ``docs/policies.md`` has it."""
+    docs = field_docs()
+    rows = ["| field | default | meaning |", "|---|---|---|"]
+    for f in fields(LynxConfig):
+        if f.default is MISSING:  # gate: its default comes from the environment
+            default = f'`"auto"` (env `{GATE_ENV}`)'
+        else:
+            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
+        meaning = _markdown(docs[f.name]).replace("|", "\\|")
+        rows.append(f"| `{f.name}` | {default} | {meaning} |")
+    return "\n".join(rows) + "\n"
 
 
 def parse_option(name: str, value):

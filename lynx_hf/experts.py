@@ -15,7 +15,7 @@ config -- runs it (:func:`original_implementation`). ``"lynx"`` chooses, per cal
 - a decode step the cost gate keeps off (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) -> the implementation the
   model had (the routing is the model's own too: as unpatched);
 - decode, ``expert_path="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run
-  measures which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``eval/gpu_check.py``),
+  measures which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``lab/gpu_check.py``),
   the experts passed :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton
   kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
 - decode with a plan on CUDA, the experts passed :func:`storage_reason` at patch time and
