@@ -197,9 +197,10 @@ def time_route(holder, cfg, logits, weights, topk_idx, reps: int) -> float:
     """Median time of the whole decode-step routing post-process of one block, as the router hook runs
     it: selection scores, policy, remap, weight rule, per-token merge and telemetry (BlockRouting.route)."""
     from lynx_hf.core import Step
+    from lynx_hf.state import state_of
 
     lynx_hf.patch(holder, cfg)
-    state = lynx_hf.patcher._state(holder).blocks[0]
+    state = state_of(holder).blocks[0]
     ts = []
     for _ in range(reps + 1):
         t0 = _now()

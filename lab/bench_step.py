@@ -130,9 +130,9 @@ class _Decode:
     def __init__(self, model):
         from lynx_hf.core import DECODE, Step
         from lynx_hf.detection import _Frame
-        from lynx_hf.patcher import _find_state
+        from lynx_hf.state import find_state
 
-        self.state = _find_state(model)
+        self.state = find_state(model)
         self.step = Step(DECODE)
         self.frame = _Frame
         self.token = None

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lynx_hf import LynxConfig, gate
-from lynx_hf.core import make_plan
+from lynx_hf.core import MoELayer, make_plan
 
 from . import DEFAULT_FIXTURE, RESULTS_DIR, command
 
@@ -57,7 +57,7 @@ def table(names, batches, device, config: LynxConfig | None = None, log=print) -
     known = shapes()
     for name in names:
         n, k, h, i, dtype = known[name]
-        plan = make_plan(config, n, k, device)
+        plan = make_plan(config, MoELayer(n, k, device))
         shape = gate.LayerShape(n, k, h, i, dtype, dtype)
         for b in batches:
             t0 = time.perf_counter()

@@ -33,6 +33,7 @@ from transformers import GenerationConfig
 
 import lynx_hf
 from lynx_hf.eval import evaluation as ev
+from lynx_hf.state import find_state
 
 POLICIES = {"none": dict(policy="none"), "lynx": dict(policy="lynx"), "oea k0=1": dict(policy="oea", oea_k0=1)}
 
@@ -59,7 +60,7 @@ class Capture:
 
     def _router(self, name):
         def hook(module, args, output):
-            state = lynx_hf.patcher._find_state(self.model)
+            state = find_state(self.model)
             step = None if state is None else state.tracker.step
             idx = output[2].detach().clone()
             decode = None

@@ -7,19 +7,15 @@ import ast
 from pathlib import Path
 
 import lynx_hf
-from test_tiers import _imports  # absolute module names a file imports, function-local ones included
 
 ROOT = Path(lynx_hf.__file__).resolve().parent.parent
 LIBRARY = ("lynx_hf", "patches", "kernels")  # lynx_hf, lynx_hf.patches, lynx_hf.kernels in the checkout
 #: file -> the private lynx_hf names it reaches: ``module._name`` (an import or an attribute of a lynx_hf module) or
 #: ``._name`` (an attribute the library sets on its own objects)
 PRIVATE_IN_USE = {
-    # times the block routing alone: the BlockRouting of a patched model (patcher._state(...).blocks)
-    "eval/bench.py": {"lynx_hf.patcher._state"},
-    # publishes a decode step on a patched model's tracker around a bare router call (the step-frame context)
-    "lab/bench_step.py": {"lynx_hf.detection._Frame", "lynx_hf.patcher._find_state", "._var", "._traced"},
-    # reads the step kind of the forward in flight from a router hook (the model's step tracker)
-    "lab/serving_report.py": {"lynx_hf.patcher._find_state"},
+    # publishes a decode step on a patched model's step tracker around a bare router call (what the backbone's
+    # pre-hook does in a forward): the tracker's step frame and context variable, and the step compiled code reads
+    "lab/bench_step.py": {"lynx_hf.detection._Frame", "._var", "._traced"},
 }
 
 
@@ -91,6 +87,21 @@ def test_scripts_reach_only_the_listed_private_names_of_lynx_hf():
         if uses:
             found[path.relative_to(ROOT).as_posix()] = uses
     assert found == PRIVATE_IN_USE
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Module names ``path`` imports, function-local imports included: ``from a import b`` gives ``a`` and ``a.b``,
+    relative imports resolved against ``package``."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            module = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else [])) \
+                if node.level else node.module
+            out |= {module, *(f"{module}.{alias.name}" for alias in node.names)}
+    return out
 
 
 def _eval_modules() -> dict[str, Path]:
