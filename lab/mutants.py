@@ -108,10 +108,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "none_close_not_identical",
         "policy none (and identity steps) return weights x (1 + 2**-20): close (~1e-6) but not bit-identical",
-        (("lynx_hf/core.py", "        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)\n"
-          "    return weights, idx, None\n",
-          "        record_step(telemetry, plan.num_experts, step, idx, weights, idx, None, host=host)\n"
-          "    return (weights * (1 + 2 ** -20)).to(weights.dtype), idx.clone(), None\n"),),
+        (("lynx_hf/core.py", "    return Routed(inputs.weights, inputs.idx)\n",
+          "    return Routed((inputs.weights * (1 + 2 ** -20)).to(inputs.weights.dtype), inputs.idx.clone())\n"),),
         (EQ + "test_generate_modes_run_patched_and_match_with_policy_none",
          EQ + "test_policy_none_decode_is_bit_identical"),
     ),
@@ -180,7 +178,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "telemetry_counts_prefill_rows",
         "telemetry counts the prefill tokens of a mixed step as decode tokens",
-        (("lynx_hf/core.py", "\n    counted = decode & live\n", "\n    counted = live\n"),),
+        (("lynx_hf/core.py", "        counted = decode if live is None else decode & live\n", "        counted = live\n"),),
         (CORE + "test_telemetry_counts_only_live_decode_tokens",),
     ),
     Mutant(
@@ -194,13 +192,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "finished_rows_vote",
         "finished rows (after EOS) vote in the critical set",
-        (("lynx_hf/core.py", "    vote = remapped & live\n", "    vote = remapped\n"),),
+        (("lynx_hf/core.py", "    vote = remapped if live is None else remapped & live\n", "    vote = remapped\n"),),
         (CORE + "test_finished_rows_are_remapped_into_the_set_but_do_not_vote",),
     ),
     Mutant(
         "prefill_seed_ignored",
         "a mixed step's prefill experts no longer seed the critical set",
-        (("lynx_hf/core.py", "    seed = union_mask(idx64, num_experts, keep)\n", "    seed = None\n"),),
+        (("lynx_hf/core.py", "    seed = union_mask(idx64, num_experts, keep) if seed is None else "
+          "union_mask(idx64, num_experts, keep) | seed\n",
+          "    seed = seed  # mutant: the prefill rows' experts no longer seed\n"),),
         (CORE + "test_prefill_rows_keep_their_routing_and_seed_the_critical_set",),
     ),
 )
