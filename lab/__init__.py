@@ -3,6 +3,7 @@
 
     python -m lab.bench_compile | bench_generate | bench_offload | bench_step | gate_table   # CPU measurements
     python -m lab.serving_report                   # transformers serving-shaped batches (continuous batching, ...)
+    .venv-vllm/bin/python -m lab.serve_bench       # the vLLM plugin in engines (serve_profile: its op, no engine)
     python -m lab.kernel_report                    # every Triton kernel compiled for sm_80 / sm_90, on CPU
     python -m lab.gpu_check                        # the prepared check on a CUDA machine (--dry-run on CPU)
     python -m lab.family_matrix                    # the family census: docs/families-matrix.md

@@ -2,10 +2,8 @@
 with LYNX default and OEA k0=1, at several numbers of concurrent requests. Runs in the vLLM environment
 (.venv-vllm, built by .ci/vllm_env.sh).
 
-    .venv-vllm/bin/python -m lynx_hf.eval.serve_bench          # full run (writes eval/results/serve_bench.{md,json})
-    .venv-vllm/bin/python -m lynx_hf.eval.serve_bench --tiny   # dry run: 1/16-scaled shapes, 4 requests, 8 tokens
-
-Outside the source checkout the default output stem is ./lynx_hf_results/serve_bench[_tiny].
+    .venv-vllm/bin/python -m lab.serve_bench          # full run (writes eval/results/serve_bench.{md,json})
+    .venv-vllm/bin/python -m lab.serve_bench --tiny   # dry run: 1/16-scaled shapes, 4 requests, 8 tokens
 
 Models
 - ``fixture-a``: the committed trained fixture eval/fixtures/qwen2moe-tiny (N 32, k 4), real text prompts
@@ -13,7 +11,7 @@ Models
 - ``qwen2-57b-2l``: the Qwen2-57B-A14B configuration (H 3584, N 64, k 8, moe I 2560, shared I 20480, 28/4
   heads) cut to 2 decoder layers with a 4096-token vocabulary (fixture A's tokenizer), random bf16 weights
   written to a temporary directory (never the hub), so the expert weights dominate a decode step as in the
-  real model. Router weights are scaled as in eval/bench.py's ``build_tpot_model``: unit-RMS normed inputs and
+  real model. Router weights are scaled as in lynx_hf.eval.bench's ``build_tpot_model``: unit-RMS normed inputs and
   router weights U(-a, a) with a chosen so that the logits' spread gives a mean top-1 router probability of
   0.42 (``calibrate_temperature``: the trained fixtures' routers have mean top-1 p 0.34-0.50). Prompts are
   random token ids.
@@ -42,7 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import DATA_DIR, command
+from . import DATA_DIR, ROOT, command
 from . import DEFAULT_FIXTURE as FIXTURE_A
 from . import RESULTS_DIR as RESULTS
 
@@ -82,8 +80,8 @@ def real_shape_config(layers: int, vocab: int, scale: int) -> dict:
 
 def router_bound(num_experts: int, top_k: int, hidden: int) -> tuple[float, dict]:
     """Router weights U(-a, a) on unit-RMS inputs give logits of std a * sqrt(H / 3); a is chosen so that this
-    std is eval/bench.py's calibrated temperature (mean top-1 router probability 0.42)."""
-    from .bench import calibrate_temperature  # same calibration as the HF TPOT benchmark
+    std is lynx_hf.eval.bench's calibrated temperature (mean top-1 router probability 0.42)."""
+    from lynx_hf.eval.bench import calibrate_temperature  # same calibration as the HF TPOT benchmark
 
     scale, stats = calibrate_temperature(num_experts, top_k)
     return scale * math.sqrt(3.0 / hidden), stats
@@ -263,8 +261,8 @@ def run_engine(spec: dict, work: Path, env: dict, timeout: int) -> dict:
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lynx_hf.eval.serve_bench", "--worker", str(spec_path), str(out_path)],
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-m", "lab.serve_bench", "--worker", str(spec_path), str(out_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
     print(proc.stdout.strip(), flush=True)
@@ -342,7 +340,7 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine process")
     p.add_argument("--tiny", action="store_true", help="dry run: --scale 16, C 4, 8 tokens, 1 round, eager")
-    p.add_argument("--out", type=Path, default=None, help="output stem (default: serve_bench[_tiny] in eval/results in the source checkout, else in ./lynx_hf_results)")
+    p.add_argument("--out", type=Path, default=None, help="output stem (default: eval/results/serve_bench[_tiny])")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:

@@ -2,9 +2,9 @@
 started: every part calls vLLM's own code (router, ``cpu_fused_moe`` experts kernel, dense GEMM dispatch) or the
 plugin's custom op directly, at the served models' shapes. Runs in the vLLM environment (.venv-vllm).
 
-    .venv-vllm/bin/python -m lynx_hf.eval.serve_profile                 # both parts
-    .venv-vllm/bin/python -m lynx_hf.eval.serve_profile --part op       # the plugin op only (seconds)
-    .venv-vllm/bin/python -m lynx_hf.eval.serve_profile --part step     # the decode-step breakdown (~4 GB of RAM)
+    .venv-vllm/bin/python -m lab.serve_profile                 # both parts
+    .venv-vllm/bin/python -m lab.serve_profile --part op       # the plugin op only (seconds)
+    .venv-vllm/bin/python -m lab.serve_profile --part step     # the decode-step breakdown (~4 GB of RAM)
 
 Part ``op`` -- the plugin's added time per MoE layer per decode step, on a constructed process state
 (``lynx_hf.vllm.state.isolated``: one layer per policy and path, a 16-token all-decode step written with

@@ -1,7 +1,7 @@
-"""lynx_hf.eval.serve_bench's pure parts (the benchmark itself is a script the lead runs alone): the paired
+"""lab.serve_bench's pure parts (the benchmark itself is a script the lead runs alone): the paired
 ratios of ``aggregate`` on hand-worked numbers, the real-shape config, the fixture prompts."""
 
-from lynx_hf.eval import serve_bench as sb
+from lab import serve_bench as sb
 
 
 def _cell(tpot, decode, before=None, after=None):
