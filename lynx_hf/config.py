@@ -38,10 +38,16 @@ def default_gate() -> str:
     return os.environ.get(GATE_ENV, "").strip() or "auto"
 
 #: old name -> what it now is (accepted with a FutureWarning by ``LynxConfig(...)``, ``from_dict``,
-#: ``from_options`` (CLI, lm-eval ``model_args``, vLLM) and ``lynx_hf.patch(model, **overrides)``)
+#: ``from_options`` (CLI, lm-eval ``model_args``, vLLM), ``from_file`` and ``lynx_hf.patch(model, **overrides)``)
 RENAMED = {
     "k0": "oea_k0",
     "backend": "routing_backend (and expert_path='triton' for backend='triton')",
+}
+#: old name -> the fields it sets: an old name given together with one of these, in one set of options (one call's
+#: keywords, one dict, one config file, one command line), is refused on every entry point (:func:`check_pairs`)
+RENAMED_FIELDS = {
+    "k0": ("oea_k0",),
+    "backend": ("routing_backend", "expert_path"),
 }
 #: the one key of a config file (:meth:`LynxConfig.to_file`) that is not a field: free-form notes on what made
 #: the file (``lynx-hf sweep`` records the sweep's numbers there); ignored by :meth:`LynxConfig.from_file`
@@ -174,10 +180,15 @@ class LynxConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> "LynxConfig":
-        """A config from ``{field: value}``; renamed fields (:data:`RENAMED`) are mapped with a ``FutureWarning``.
-        Raises :class:`LynxConfigError` for an unknown or removed field (naming the replacement) or a bad value."""
-        return cls(**_translate(values))
+    def from_dict(cls, values: dict, base: "LynxConfig | None" = None) -> "LynxConfig":
+        """A config from ``{field: value}``; ``base`` supplies the fields left out (default: the defaults). Renamed
+        fields (:data:`RENAMED`) are mapped with a ``FutureWarning``. Raises :class:`LynxConfigError` for an unknown
+        or removed field (naming the replacement), an old name given with its replacement (:func:`check_pairs`) or a
+        bad value."""
+        values = _translate(values)
+        if base is not None:
+            values = {**base.to_dict(), **values}
+        return cls(**values)
 
     @classmethod
     def from_options(cls, values: dict, base: "LynxConfig | None" = None) -> "LynxConfig":
@@ -189,7 +200,7 @@ class LynxConfig:
         """
         values = _translate(values, stacklevel=4)
         parsed = {name: parse_option(name, value) for name, value in values.items()}
-        return cls.from_dict({**(base or cls()).to_dict(), **parsed})
+        return cls(**{**(base or cls()).to_dict(), **parsed})
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, base: "LynxConfig | None" = None) -> "LynxConfig":
@@ -251,14 +262,10 @@ def _accept_old_names(init):
     def __init__(self, *args, k0=_UNSET, backend=_UNSET, mass_floor=_UNSET, **kwargs):
         if mass_floor is not _UNSET:
             raise _removed("mass_floor")
-        for old, value in (("k0", k0), ("backend", backend)):
-            if value is _UNSET:
-                continue
-            for name, new in _renamed(old, value, stacklevel=3).items():
-                if name in kwargs and kwargs[name] != new:
-                    raise LynxConfigError(f"LynxConfig: {old}={value!r} (deprecated) conflicts with "
-                                          f"{name}={kwargs[name]!r}; pass only {name}")
-                kwargs[name] = new
+        given = {old: value for old, value in (("k0", k0), ("backend", backend)) if value is not _UNSET}
+        check_pairs({**kwargs, **given})
+        for old, value in given.items():
+            kwargs.update(_renamed(old, value, stacklevel=3))
         init(self, *args, **kwargs)
 
     return __init__
@@ -285,9 +292,26 @@ def _renamed(old: str, value, stacklevel: int = 3) -> dict:
     return new
 
 
+def check_pairs(values) -> None:
+    """The one rule for a renamed field on every entry point: an old name (:data:`RENAMED`) given together with a
+    field it now sets (:data:`RENAMED_FIELDS`: ``k0`` with ``oea_k0``, ``backend`` with ``routing_backend`` or
+    ``expert_path``) in one set of options (``values``: the names given, a dict or any iterable of names) raises
+    :class:`LynxConfigError` naming both, whatever the values (equal ones too): which one was meant cannot be told.
+    ``LynxConfig(...)``, :meth:`LynxConfig.from_dict`, :meth:`~LynxConfig.from_options`, :meth:`~LynxConfig.from_file`,
+    ``lynx_hf.patch(model, **overrides)`` / ``patch(model, "file.json")`` and the CLI all apply it."""
+    names = set(values)
+    for old, new in RENAMED_FIELDS.items():
+        both = [name for name in new if name in names]
+        if old in names and both:
+            raise LynxConfigError(
+                f"LynxConfig: {old} (deprecated) and {', '.join(both)} given together; {old} is the old name of "
+                f"{RENAMED[old]}: pass only {' / '.join(both)}")
+
+
 def _translate(values: dict, stacklevel: int = 4) -> dict:
     """``values`` with renamed fields mapped to the current ones (``FutureWarning``); raises
-    :class:`LynxConfigError` for removed fields, ``phase="never"`` and unknown names."""
+    :class:`LynxConfigError` for removed fields, ``phase="never"``, unknown names and an old name given with its
+    replacement (:func:`check_pairs`)."""
     known = {f.name for f in fields(LynxConfig)}
     for name in values:
         if name in REMOVED:
@@ -295,6 +319,7 @@ def _translate(values: dict, stacklevel: int = 4) -> dict:
     unknown = sorted(set(values) - known - set(RENAMED))
     if unknown:
         raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
+    check_pairs(values)
     out = {name: value for name, value in values.items() if name in known}
     for name, value in values.items():
         if name in RENAMED:

@@ -212,19 +212,26 @@ def _merged_generation_config(model, args, kwargs):
     return merged
 
 
-def _as_config(config, overrides) -> LynxConfig:
+def _as_config(config, overrides, current: LynxConfig | None = None) -> LynxConfig:
+    """The config ``patch(model, config, **overrides)`` asks for. ``current``: the config of the model when it is
+    already patched; a partial configuration (``config`` ``None`` or a dict, and the keyword ``overrides``) applies
+    on top of it (``docs/cases.md`` C43), a complete one (a :class:`LynxConfig`, a config file) replaces it. Each set
+    of options is translated on its own (an old field name given with its replacement in one of them is refused,
+    ``lynx_hf.config.check_pairs``), so an override wins over the config's value under either name."""
     if config is None:
-        return LynxConfig.from_dict(overrides)  # unknown names -> LynxConfigError listing the fields
-    if isinstance(config, (str, os.PathLike)):  # a config file (LynxConfig.to_file, lynx-hf sweep's lynx_config.json)
-        config = LynxConfig.from_file(config)
-    if isinstance(config, dict):
-        return LynxConfig.from_dict({**config, **overrides})
-    if not isinstance(config, LynxConfig):
+        base = current
+    elif isinstance(config, (str, os.PathLike)):  # a config file (LynxConfig.to_file, lynx-hf sweep's lynx_config.json)
+        base = LynxConfig.from_file(config)
+    elif isinstance(config, dict):
+        base = LynxConfig.from_dict(config, base=current)  # unknown names -> LynxConfigError listing the fields
+    elif isinstance(config, LynxConfig):
+        base = config
+    else:
         raise LynxConfigError(f"config must be a LynxConfig, a dict, a config file path or None, got "
                               f"{type(config).__name__}")
-    if overrides:
-        return LynxConfig.from_dict({**config.to_dict(), **overrides})
-    return config
+    if overrides or base is None:
+        return LynxConfig.from_dict(overrides, base=base)
+    return base
 
 
 def _families_text() -> str:
@@ -257,7 +264,9 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     on top of it (``patch(m, policy="oea")``, ``patch(m, "lynx_config.json", telemetry=False)``).
     ``model`` may be a transformers model or any module holding one (a PEFT ``PeftModel``, a
     ``torch.compile`` wrapper): the model that actually runs is patched. Patching a patched model only
-    swaps the config (re-validated; the telemetry restarts if it changed).
+    swaps the config (re-validated; the telemetry restarts if it changed): keyword ``overrides`` and a dict
+    ``config`` apply on top of the config it runs with (``patch(m, policy="none")`` keeps its ``gate``,
+    ``telemetry``, ``expert_cache_bytes``, ...); a :class:`LynxConfig` or a config file replaces it whole.
 
     What it installs (all removed by :func:`unpatch`; no module, parameter or buffer is added, so
     ``state_dict`` and ``save_pretrained`` are unchanged, ``docs/cases.md`` C6): a forward hook on each MoE
@@ -272,12 +281,14 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     :class:`LynxConfigError` for a bad config (a config file: also when it is not JSON or has an unknown
     field; ``FileNotFoundError`` when it is missing) or a routing backend / expert path that cannot run on the
     model's device. Deprecated field names in ``overrides`` (``k0``, ``backend``) are mapped with a
-    ``FutureWarning`` (``lynx_hf.config.RENAMED``).
+    ``FutureWarning`` (``lynx_hf.config.RENAMED``); given together with their replacement (in the overrides, the
+    dict or the file) they raise :class:`LynxConfigError` naming both (``lynx_hf.config.check_pairs``).
     """
-    cfg = _as_config(config, overrides)
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
     inner = _unwrap(model)
+    state = _find_state(inner)
+    cfg = _as_config(config, overrides, None if state is None else state.config)
     if inner is not model:
         warnings.warn(
             "lynx_hf: patching the module inside a torch.compile wrapper; compiled graphs traced before the "
@@ -285,7 +296,6 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
             stacklevel=2,
         )
     _check_backend(cfg, inner)
-    state = _find_state(inner)
     if state is not None:
         _reconfigure(state, cfg)
         return model
@@ -421,8 +431,9 @@ def is_patched(model: torch.nn.Module) -> bool:
 
 @contextlib.contextmanager
 def patched(model: torch.nn.Module, config: LynxConfig | dict | None = None, **overrides):
-    """Context manager: patch on entry; on exit unpatch (or restore the previous config if the model
-    was already patched), also when the body raises."""
+    """Context manager: patch on entry (:func:`patch`: on a patched model ``overrides`` and a dict ``config`` apply on
+    top of its current config); on exit unpatch (or restore the previous config if the model was already
+    patched), also when the body raises."""
     previous = _state(model).config if is_patched(model) else None
     patch(model, config, **overrides)
     try:

@@ -1,6 +1,7 @@
 """Public API: config validation, typed errors, patch/unpatch exactness, save/load round-trip (C6)."""
 
 import copy
+import dataclasses
 import json
 
 import pytest
@@ -118,6 +119,36 @@ def test_patched_context_manager_restores_on_error():
     with lynx_hf.patched(model, policy="none"):
         assert lynx_hf.config_of(model).policy == "none"
     assert lynx_hf.config_of(model).policy == "lynx"  # previous config restored, still patched
+    lynx_hf.unpatch(model)
+
+
+def test_C43_repatch_applies_overrides_on_top_of_the_current_config(monkeypatch):
+    """CASES C43: on a patched model, patch(m, **overrides) / patch(m, dict) / patched(m, ...) change only the
+    fields given (before: they started from LynxConfig() defaults, so gate, telemetry and expert_cache_bytes
+    silently reverted); a LynxConfig or a config file replaces the config whole."""
+    monkeypatch.setenv("LYNX_HF_GATE", "auto")  # the default gate differs from the one the model runs with
+    model = fam.build("mixtral")
+    cfg = lynx_hf.LynxConfig(policy="oea", oea_k0=2, gate="always", telemetry="counts", expert_cache_bytes=4096,
+                             tau=0.5)
+    lynx_hf.patch(model, cfg)
+    lynx_hf.patch(model, policy="lynx")
+    assert lynx_hf.config_of(model) == dataclasses.replace(cfg, policy="lynx")
+    lynx_hf.patch(model, {"policy": "none"}, telemetry=True)
+    assert lynx_hf.config_of(model) == dataclasses.replace(cfg, policy="none", telemetry=True)
+    lynx_hf.patch(model, cfg)
+    with lynx_hf.patched(model, policy="xshare") as same:
+        assert lynx_hf.config_of(same) == dataclasses.replace(cfg, policy="xshare")
+        ids, mask = fam.prompts(4, 5)
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        assert lynx_hf.stats(model).summary()["telemetry"] == "counts"
+    assert lynx_hf.config_of(model) == cfg  # restored
+    lynx_hf.patch(model)  # nothing given: nothing changes
+    assert lynx_hf.config_of(model) == cfg
+    lynx_hf.patch(model, lynx_hf.LynxConfig(policy="none"))  # a complete config replaces
+    assert lynx_hf.config_of(model) == lynx_hf.LynxConfig(policy="none") and lynx_hf.config_of(model).gate == "auto"
+    lynx_hf.unpatch(model)
+    lynx_hf.patch(model, policy="none")  # unpatched first: overrides on the defaults
+    assert lynx_hf.config_of(model) == lynx_hf.LynxConfig(policy="none")
     lynx_hf.unpatch(model)
 
 

@@ -3,6 +3,7 @@ entry point: the constructor, from_dict, from_options (CLI / lm-eval / vLLM), pa
 removed fields raise naming their replacement, and each policy validates its own fields."""
 
 import argparse
+import json
 import types
 import warnings
 
@@ -52,13 +53,54 @@ def test_old_names_through_patch_overrides_and_reading():
     assert "k0" not in cfg.to_dict() and "backend" not in cfg.to_dict()
 
 
-def test_old_name_conflicting_with_the_new_one_is_refused():
-    with pytest.raises(LynxConfigError, match="pass only oea_k0"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        LynxConfig(k0=2, oea_k0=3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        assert LynxConfig(k0=2, oea_k0=2).oea_k0 == 2
+# an old name and a field it now sets, given in one set of options: refused whatever the values (equal ones too)
+PAIRS = [dict(k0=2, oea_k0=3), dict(k0=2, oea_k0=2), dict(backend="torch", routing_backend="torch"),
+         dict(backend="torch", expert_path="model"), dict(backend="triton", routing_backend="torch")]
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: "+".join(f"{k}={v}" for k, v in p.items()))
+def test_C40_old_and_new_name_together_are_refused_on_every_entry_point(pair, tmp_path, capsys):
+    """CASES C40: one rule on every entry point (lynx_hf.config.check_pairs): LynxConfigError naming both names;
+    before, from_dict / from_file / patch(**kw) / patch("file.json") / the CLI let the deprecated value win."""
+    old = next(k for k in pair if k in RENAMED)
+    new = next(k for k in pair if k not in RENAMED)
+    path = tmp_path / "lynx_config.json"
+    path.write_text(json.dumps(pair))
+    model = fam.build("mixtral")
+    makes = {"LynxConfig(...)": lambda: LynxConfig(**pair), "from_dict": lambda: LynxConfig.from_dict(pair),
+             "from_options": lambda: LynxConfig.from_options({k: str(v) for k, v in pair.items()}),
+             "from_file": lambda: LynxConfig.from_file(path), "patch(**kw)": lambda: lynx_hf.patch(model, **pair),
+             "patch(dict)": lambda: lynx_hf.patch(model, dict(pair)), "patch(file)": lambda: lynx_hf.patch(model, path),
+             "patched(**kw)": lambda: lynx_hf.patched(model, **pair).__enter__()}
+    for where, make in makes.items():
+        with pytest.raises(LynxConfigError, match=rf"{old} \(deprecated\) and {new} given together") as err, \
+                warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)  # refused before any old name is mapped
+            make()
+        assert new in str(err.value), where
+        assert not lynx_hf.is_patched(model), where
+    # the CLI: exit status 2, one line naming both (before: status 0 with the deprecated value)
+    argv = ["generate", "--batch-size", "1", "--max-new-tokens", "1"]
+    argv += [a for k, v in pair.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{old} (deprecated) and {new} given together" in err
+    assert cli.main(["generate", "--config", str(path), "--batch-size", "1"]) == 2
+    assert "given together" in capsys.readouterr().err
+
+
+def test_old_name_in_one_set_of_options_and_the_new_in_another_is_an_override():
+    """Different levels are not a pair: an override wins over the config it overrides (under either name)."""
+    model = fam.build("mixtral")
+    with pytest.warns(FutureWarning, match="oea_k0"):
+        lynx_hf.patch(model, dict(oea_k0=3), k0=2)
+    assert lynx_hf.config_of(model).oea_k0 == 2
+    with pytest.warns(FutureWarning, match="oea_k0"):
+        lynx_hf.patch(model, LynxConfig(policy="oea", oea_k0=3), k0=1)
+    assert lynx_hf.config_of(model).oea_k0 == 1
+    lynx_hf.unpatch(model)
+    with pytest.warns(FutureWarning, match="oea_k0"):
+        assert LynxConfig.from_options({"k0": "4"}, base=LynxConfig(oea_k0=2)).oea_k0 == 4
 
 
 def test_cli_deprecated_aliases():
