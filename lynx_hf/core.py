@@ -210,30 +210,8 @@ class RoutePlan:
         """The sparse Triton expert kernel (``kernels.moe.sparse_moe``), or ``None``."""
         return None if self.expert_ops is None else self.expert_ops.sparse_moe
 
-    # -- for lynx_hf.vllm until it moves to plan.run (tests/tools/test_tiers.py names this compatibility path) --
-    @property
-    def gate(self):
-        """The stage named ``"gate"`` (``lynx_hf.gate.PlanGate``) or ``None``; for lynx_hf.vllm until it moves to
-        plan.run (elsewhere: ``lynx_hf.gate.of(plan)``)."""
-        return self.stage("gate")
 
-    @property
-    def step_fn(self) -> Callable:
-        """The kernel with the positional signature of before ``StepInputs``, for lynx_hf.vllm until it moves to
-        plan.run: ``step_fn(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None) ->
-        (weights, idx, finite)``, ``selection_scores`` :func:`fp32_scores` meaning ``StepInputs.scores=None``."""
-        return _positional_step
-
-
-def _positional_step(plan, rule, step, selection_scores, logits, weights, idx, host, telemetry=None):
-    """:attr:`RoutePlan.step_fn` (for lynx_hf.vllm until it moves to plan.run): the plan's kernel alone (the plugin
-    asks its gate itself), called positionally."""
-    scores = None if selection_scores is fp32_scores else selection_scores
-    out = plan.kernel(plan, StepInputs(step, logits, weights, idx, rule, host, scores, telemetry))
-    return out.weights, out.idx, out.finite
-
-
-def make_plan(config: "LynxConfig", layer: MoELayer, *compat, stages: Sequence[Stage] = (), **compat_kw) -> RoutePlan:
+def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] = ()) -> RoutePlan:
     """Resolve ``config`` (a ``LynxConfig``) for one MoE ``layer`` (:class:`MoELayer`: N experts, top-k, device):
     routing backend, policy parameters, ops, expert kernel and the decode-step function (:attr:`RoutePlan.kernel`),
     then compose ``stages`` around it (:class:`Stage`, outermost first; each bound once, here).
@@ -242,15 +220,10 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *compat, stages: Sequence[S
     ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel; ``"auto"`` / ``"model"`` keep the
     model's own experts implementation (transformers' ``grouped_mm`` on CUDA, ``lynx_hf.experts``) until a GPU
     run measures which is faster per shape. Raises ``RuntimeError`` when Triton cannot run on the device,
-    ``TypeError`` for arguments besides ``config``, ``layer`` and ``stages``; whatever a stage's ``bind`` raises.
-
-    ``make_plan(config, num_experts, top_k, device, shape=None, expert_fn=None)``, the signature of before
-    :class:`MoELayer`, is still accepted, for lynx_hf.vllm until it hands its stages in (:func:`_make_plan_v1`).
+    ``TypeError`` when ``layer`` is not a :class:`MoELayer`; whatever a stage's ``bind`` raises.
     """
     if not isinstance(layer, MoELayer):
-        return _make_plan_v1(config, layer, *compat, **compat_kw)
-    if compat or compat_kw:
-        raise TypeError(f"make_plan(config, layer, stages=...) got extra arguments {compat} {sorted(compat_kw)}")
+        raise TypeError(f"make_plan(config, layer, stages=...): layer must be a MoELayer, got {type(layer).__name__}")
     device = torch.device(layer.device)
     num_experts, top_k = int(layer.num_experts), int(layer.top_k)
     policy = policies.get(config.policy)
@@ -277,26 +250,6 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *compat, stages: Sequence[S
             runner = wrapped
             bound.append(stage)
     return dataclasses.replace(plan, stages=tuple(reversed(bound)), runner=runner)
-
-
-def _make_plan_v1(config, num_experts: int, top_k: int, device, shape=None, expert_fn=None) -> RoutePlan:
-    """``make_plan`` with the signature of before :class:`MoELayer`, for lynx_hf.vllm until it hands its stages in
-    (``tests/tools/test_tiers.py`` allows the one function-local import of a feature module in the core here):
-    ``shape`` (a ``lynx_hf.gate.LayerShape``) with ``config.gate == "auto"`` composes the cost gate
-    (``lynx_hf.gate.PlanGate``, timing ``expert_fn``) as the plugin's one stage."""
-    stages = ()
-    if shape is not None and config.gate == "auto":
-        from . import gate  # the compatibility path for lynx_hf.vllm (this function's docstring)
-
-        stages = (gate.PlanGate(shape, telemetry=config.telemetry, expert_fn=expert_fn),)
-    return make_plan(config, MoELayer(num_experts, top_k, device), stages=stages)
-
-
-def fp32_scores(logits: torch.Tensor) -> torch.Tensor:
-    """``logits.float()``: the selection scores of a router whose scores are its logits. Passed as
-    ``selection_scores`` to :attr:`RoutePlan.step_fn` it means ``StepInputs.scores=None`` (the weight rule reuses the
-    cast); for lynx_hf.vllm until it moves to plan.run."""
-    return logits.float()
 
 
 # -- decode-step functions (one is chosen per plan: RoutePlan.kernel) -----------------------------------------
@@ -444,4 +397,4 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
 
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "StepInputs", "Routed",
            "Runner", "Stage", "MoELayer", "RoutePlan", "make_plan", "decode_step", "keep_routing", "remap_step",
-           "fused_step", "remap", "record_step", "host_reads_allowed", "fp32_scores"]
+           "fused_step", "remap", "record_step", "host_reads_allowed"]

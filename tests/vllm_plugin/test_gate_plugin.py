@@ -58,7 +58,7 @@ def test_gated_off_op_keeps_vllm_routing_and_reports_it(layer):
     entry = snap["layers"][0]["gate"]
     assert entry["by_tokens"][8]["on"] is False and entry["steps_skipped"] == 1
     assert snap["summary"]["gate_steps_skipped"] == 1 and snap["layers"][0]["decode_steps"] == 0
-    assert one.plan.gate is not None
+    assert gate.of(one.plan) is not None
     telemetry.reset()
     assert telemetry.snapshot()["layers"][0]["gate"]["steps_skipped"] == 0
 
@@ -87,7 +87,7 @@ def test_op_times_its_body_and_the_gate_switches_off_when_it_costs_more_than_mea
     for _ in range(2):
         out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
         assert not torch.equal(out[1], ids)  # on while observed
-    d = one.plan.gate.decision(8)
+    d = gate.of(one.plan).decision(8)
     assert not d.on and d.cost_ms == 5.0 and "2 served steps" in d.reason
     out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
     assert torch.equal(out[1], ids) and torch.equal(out[0], weights)
@@ -211,13 +211,13 @@ def test_configure_a_frozen_engine_cannot_bring_the_op_back(attached):
         layers.configure({"policy": "lynx", "gate": "always"})
     assert STATE.config is before and one.bypass
     assert layers.configure({"policy": "oea", "oea_k0": 1, "gate": "auto"}) is True
-    assert STATE.config.lynx.policy == "oea" and one.bypass and one.plan.gate is not None
+    assert STATE.config.lynx.policy == "oea" and one.bypass and gate.of(one.plan) is not None
 
     router, one = attached({"policy": "lynx", "gate": "auto"}, set())
     plans.before_forward(_ModelRunner(mode=3, eager=True))
     assert one.bypass and not STATE.start.frozen
     assert layers.configure({"policy": "lynx", "gate": "always"}) is True
-    assert not one.bypass and one.plan is not None and one.plan.gate is None and STATE.bypassed == ()
+    assert not one.bypass and one.plan is not None and gate.of(one.plan) is None and STATE.bypassed == ()
 
 
 def test_frozen_reads_the_compilation_config():

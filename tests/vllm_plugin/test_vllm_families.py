@@ -31,7 +31,7 @@ import torch
 
 from lynx_hf import UnsupportedModelError
 from lynx_hf.config import LynxConfig
-from lynx_hf.core import Step, make_plan, remap
+from lynx_hf.core import MoELayer, Step, StepInputs, make_plan, remap
 from lynx_hf.eval import DATA_DIR
 from lynx_hf.kernels.backend import routing_ops
 from lynx_hf.kernels.routing_torch import routing_weights
@@ -147,16 +147,17 @@ def test_rule_reproduces_the_router_class(case, torch_reference_paths):
         torch.testing.assert_close(ours, weights.float(), rtol=tol, atol=tol)
     logits = _logits()
     weights, ids = router._compute_routing(hidden, logits, None)
-    new_ids, new_weights = routing_ops("torch").remap(scores_fn(logits), torch.ones(N, dtype=torch.bool),
+    scores = logits.float() if scores_fn is None else scores_fn(logits)  # None: the scores are the fp32 logits
+    new_ids, new_weights = routing_ops("torch").remap(scores, torch.ones(N, dtype=torch.bool),
                                                       router.top_k, logits, rule.weight.kind,
                                                       rule.weight.renormalize, rule.weight.scale)
     a_ids, a_w = _sorted(new_ids, new_weights)
     b_ids, b_w = _sorted(ids, weights)
     assert torch.equal(a_ids, b_ids)
     torch.testing.assert_close(a_w, b_w, rtol=1e-6, atol=1e-6)
-    plan = make_plan(LynxConfig(policy="none"), N, router.top_k, torch.device("cpu"))
-    kept_w, kept_ids, _ = plan.step_fn(plan, rule.weight, Step("decode"), scores_fn, logits, weights, ids, True)
-    assert kept_w is weights and kept_ids is ids
+    plan = make_plan(LynxConfig(policy="none"), MoELayer(N, router.top_k, "cpu"))
+    kept = plan.run(StepInputs(Step("decode"), logits, weights, ids, rule.weight, True, scores_fn))
+    assert kept.weights is weights and kept.idx is ids
 
 
 @pytest.mark.vllm_code
@@ -219,7 +220,7 @@ def test_remap_never_leaves_the_allowed_groups(case, policy, torch_reference_pat
     rule = routers.derive(router)
     scores_fn = routers.selection_scores_fn(rule, router)
     cfg = LynxConfig.from_options(policy)
-    plan = make_plan(cfg, N, router.top_k, torch.device("cpu"))
+    plan = make_plan(cfg, MoELayer(N, router.top_k, "cpu"))
     logits = _logits(torch.bfloat16, seed=7)[:16]
     weights, ids = router._compute_routing(torch.zeros(16, 8), logits, None)
     new_w, new_ids, _ = remap(plan, rule.weight, Step("decode"), scores_fn(logits), logits, weights, ids, host=True)
@@ -231,7 +232,7 @@ def test_remap_never_leaves_the_allowed_groups(case, policy, torch_reference_pat
     torch.testing.assert_close(new_w.float(), routing_weights(logits.float(), new_ids.long(), rule.weight.kind,
                                                               rule.weight.renormalize, rule.weight.scale))
     # the plan's decode-step function too (the policy's one-call CPU path where it has one)
-    step_w, step_ids, _ = plan.step_fn(plan, rule.weight, Step("decode"), scores_fn, logits, weights, ids, True)
+    step_ids = plan.run(StepInputs(Step("decode"), logits, weights, ids, rule.weight, True, scores_fn)).idx
     assert bool(allowed.gather(1, step_ids.long()).all())
     assert len(set(step_ids.flatten().tolist())) < len(set(ids.flatten().tolist()))
 
