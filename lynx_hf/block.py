@@ -147,6 +147,28 @@ class BlockRouting:
             return None
         return None if own is None else (lambda h, i, w: own(experts, h, i, w))
 
+    def gate_key(self) -> tuple:
+        """What changes this block's decode cost besides its shape (the cost gate's cache key, ``lynx_hf.gate.measure``
+        ``cost_key``; ``docs/cases.md`` C41): the experts module's class, the experts implementation it runs (its
+        config's, e.g. ``grouped_mm`` or ``eager``), how its weights are stored (each tensor's class, dtype, device;
+        a quantized or wrapped tensor is another class) and whether they are read per expert from an offload
+        (``lynx_hf.offload``; with the resident cache's budget)."""
+        experts = self.experts
+        impl = None
+        if isinstance(experts, torch.nn.Module) and uses_interface(experts):
+            try:
+                impl = original_implementation(experts)
+            except (AttributeError, KeyError, TypeError, ValueError):
+                impl = None
+        storage = ()
+        if isinstance(experts, torch.nn.Module):
+            storage = tuple(sorted({(type(t).__name__, str(t.dtype), t.device.type)
+                                    for t in [*experts.parameters(), *experts.buffers()]}))
+        offloaded = None
+        if self.offload is not None:
+            offloaded = ("experts", self.model_state.config.expert_cache_bytes)
+        return (type(experts).__qualname__, impl, storage, offloaded)
+
     def layer_shape(self) -> LayerShape:
         """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),
         I (one expert's intermediate size: the dimension of the experts' ``down_proj`` that is not H; ``None`` if
@@ -328,7 +350,7 @@ def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
     if config.gate != "auto":
         return None
     return gate.stage(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms, expert_fn=block.expert_fn(),
-                      route_fn=block.gate_probe)
+                      route_fn=block.gate_probe, cost_key=block.gate_key())
 
 
 def _param_device(module) -> torch.device | None:

@@ -39,6 +39,7 @@ Units: milliseconds per layer-step throughout. Measurement is skipped (the gate 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -175,6 +176,29 @@ def _time_ms(fn, device: torch.device, reps: int = 25, budget_s: float | None = 
     return min(times) * 1e3
 
 
+@contextlib.contextmanager
+def untouched(device=None):
+    """Run a measurement without changing what the user sees (``docs/cases.md`` C38): the global CPU RNG stream and
+    the CUDA one of ``device`` (where CUDA is initialised), torch's intra-op thread count (where settable,
+    :func:`thread_count_settable`) and the grad mode are put back as they were, also when the body raises. The
+    measurements themselves draw from private generators (:func:`synthetic_routing`, :func:`measure_expert_ms`);
+    this guards what they call (the model's own experts implementation)."""
+    device = torch.device(device) if device is not None else None
+    cpu_rng = torch.get_rng_state()
+    cuda = device is not None and device.type == "cuda" and torch.cuda.is_initialized()
+    cuda_rng = torch.cuda.get_rng_state(device) if cuda else None
+    threads, grad = torch.get_num_threads(), torch.is_grad_enabled()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+        if torch.get_num_threads() != threads and thread_count_settable():
+            torch.set_num_threads(threads)
+        torch.set_grad_enabled(grad)
+
+
 def cannot_measure(device: torch.device) -> str | None:
     """Why a measurement cannot run now (``None``: it can): tracing by ``torch.compile``, CUDA-graph capture, or a
     ``meta`` device."""
@@ -273,9 +297,11 @@ def measure_expert_ms(hidden: int, intermediate: int, dtype: torch.dtype, device
     per_expert = 3 * hidden * intermediate * torch.empty((), dtype=dtype).element_size()
     big = max(2, min(int(num_experts), math.ceil(POOL_BYTES / per_expert)))
     small = max(1, big // 4)
-    gate_up = torch.randn(big, hidden, 2 * intermediate, device=device).to(dtype) * 0.02
-    down = torch.randn(big, intermediate, hidden, device=device).to(dtype) * 0.02
-    x = torch.randn(big, tokens_per_expert, hidden, device=device).to(dtype)
+    # drawn from a private generator on the CPU, never the global CPU / CUDA streams (docs/cases.md C38)
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(big, hidden, 2 * intermediate, generator=g) * 0.02).to(device=device, dtype=dtype)
+    down = (torch.randn(big, intermediate, hidden, generator=g) * 0.02).to(device=device, dtype=dtype)
+    x = torch.randn(big, tokens_per_expert, hidden, generator=g).to(device=device, dtype=dtype)
 
     def mlp(e: int):
         h = torch.bmm(x[:e], gate_up[:e])
@@ -341,8 +367,10 @@ class LayerShape:
     mixed_steps: bool = False
 
 
-#: (shape, device, plan key, bucket, extra ms) -> GateDecision, shared by every layer of this process
+#: (shape, device, plan key, bucket, extra ms, cost key, threads) -> GateDecision, shared by every layer of this
+#: process whose key is equal (:func:`measure`)
 _CACHE: dict = {}
+#: the batched-MLP expert timing (:func:`measure_expert_ms`) per (H, I, dtype, device, tokens, N, threads)
 _EXPERT_CACHE: dict = {}
 
 
@@ -360,22 +388,27 @@ def bucket_of(num_tokens: int, buckets=BUCKETS) -> int:
 
 
 def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = True,
-            extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None) -> GateDecision:
+            extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None, cost_key: tuple = ()) -> GateDecision:
     """The gate's decision for ``plan`` at a step of ``num_tokens`` tokens (the bucket's, cached in-process per shape,
     device, policy configuration and bucket), decided with :data:`MARGIN`. The figure that decided is timed again up to
     :data:`CONFIRM` times while the decision flips, the smallest timing kept (on: the saving per expert; off: the
     cost), so that one burst of load does not fix a wrong decision for the process; not where that timing took
     :data:`CONFIRM_MAX_S` or more (a burst does not move a timing of seconds). ``route_fn``: the engine's per-step
-    routing path (:func:`measure_routing`). Without H and I (``shape.hidden`` / ``intermediate`` ``None``) or
-    where :func:`cannot_measure` says so, :func:`always_on`."""
+    routing path (:func:`measure_routing`). ``cost_key``: what else changes the cost and the saving of this layer
+    (the engine's description of its experts: implementation, module class, weight storage, offload; HF:
+    ``lynx_hf.block.BlockRouting.gate_key``), part of the cache key with the shape, device, dtypes, policy
+    configuration, bucket, extra per-expert cost and torch's intra-op thread count, so two layers share measured
+    figures only where all of it is equal (``docs/cases.md`` C41). Without H and I (``shape.hidden`` /
+    ``intermediate`` ``None``) or where :func:`cannot_measure` says so, :func:`always_on`."""
     if shape.hidden is None or shape.intermediate is None:
         return always_on("not measured: the layer's hidden / intermediate size is unknown")
     why = cannot_measure(plan.device)
     if why:
         return always_on(f"not measured: {why}")
     b = bucket_of(num_tokens)
+    threads = torch.get_num_threads()
     key = (shape, str(plan.device), _plan_key(plan, telemetry), b, float(extra_expert_ms), expert_fn is not None,
-           route_fn is not None)
+           route_fn is not None, tuple(cost_key), threads)
     hit = _CACHE.get(key)
     if hit is not None:
         return hit
@@ -392,7 +425,7 @@ def measure(plan, shape: LayerShape, num_tokens: int, telemetry: bool | str = Tr
     # decode; fewer distinct measurements); nothing saved (one token, every expert kept): no expert timing needed
     tokens = 1 << max(0, math.ceil(math.log2(max(1.0, b * shape.top_k / max(before, 1.0)))))
     edtype = shape.expert_dtype or shape.dtype
-    ekey = (shape.hidden, shape.intermediate, edtype, str(plan.device), tokens, shape.num_experts)
+    ekey = (shape.hidden, shape.intermediate, edtype, str(plan.device), tokens, shape.num_experts, threads)
 
     def expert_time() -> float:
         if expert_fn is not None:  # the layer's own experts path: what it really saves
@@ -462,6 +495,8 @@ class PlanGate:
     #: the engine's per-step routing path ``fn(run, inputs)`` around ``run(inputs)`` (HF: the router hook's work,
     #: ``lynx_hf.block.BlockRouting.gate_probe``), timed for the cost; ``None``: the step below the gate alone
     route_fn: object = None
+    #: what else changes this layer's cost (:func:`measure`'s ``cost_key``: HF, ``BlockRouting.gate_key``)
+    cost_key: tuple = ()
     #: the engine's step body runs eagerly on the host (the vLLM plugin's op on CPU): a host step the gate runs is timed
     #: and the bucket decided again from those timings (:meth:`observe`)
     observe_served: bool = False
@@ -517,7 +552,11 @@ class PlanGate:
         d = self.decisions.get(b)
         if d is None:
             extra = {} if self.route_fn is None else {"route_fn": self.route_fn}
-            d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms, self.expert_fn, **extra)
+            if self.cost_key:
+                extra["cost_key"] = self.cost_key
+            quiet = untouched(self.plan.device) if cannot_measure(self.plan.device) is None else contextlib.nullcontext()
+            with quiet:
+                d = measure(self.plan, self.shape, b, self.telemetry, self.extra_expert_ms, self.expert_fn, **extra)
             if not d.reason.startswith("not measured"):
                 self.decisions[b] = d
         return d
@@ -640,7 +679,7 @@ def patch_note(gates: list) -> str | None:
 
 
 def stage(config: LynxConfig, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
-          observe_served: bool = False) -> PlanGate | None:
+          observe_served: bool = False, cost_key: tuple = ()) -> PlanGate | None:
     """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config``: ``None`` unless
     ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` that times ``expert_fn`` and
     ``route_fn`` and weighs ``extra_expert_ms`` per expert (the :class:`PlanGate` fields), in ``config.telemetry``'s
@@ -648,7 +687,7 @@ def stage(config: LynxConfig, shape: LayerShape, extra_expert_ms: float = 0.0, e
     if config.gate != "auto":
         return None
     return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
-                    route_fn=route_fn, observe_served=observe_served)
+                    route_fn=route_fn, observe_served=observe_served, cost_key=tuple(cost_key))
 
 
 def of(plan: RoutePlan | None) -> PlanGate | None:
@@ -658,4 +697,4 @@ def of(plan: RoutePlan | None) -> PlanGate | None:
 
 __all__ = ["ENV", "NAME", "BUCKETS", "LOGIT_STD", "MARGIN", "OBSERVE_STEPS", "GateDecision", "LayerShape", "PlanGate",
            "decide", "always_on", "measure", "measure_routing", "measure_expert_ms", "synthetic_routing", "bucket_of",
-           "cannot_measure", "off_line", "patch_note", "stage", "of"]
+           "cannot_measure", "untouched", "off_line", "patch_note", "stage", "of"]

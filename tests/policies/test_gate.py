@@ -138,7 +138,8 @@ def fixed_gate(monkeypatch):
     calls = []
 
     def install(on):
-        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None, route_fn=None):
+        def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None, route_fn=None,
+                    cost_key=()):
             calls.append((shape, num_tokens))
             return _decision(on(num_tokens) if callable(on) else on)
 
@@ -439,3 +440,90 @@ def test_measure_does_not_time_a_long_figure_again(monkeypatch):
     monkeypatch.setattr(gate, "CONFIRM_MAX_S", 0.0)
     d, costs, experts = _timed_measure(monkeypatch, [0.087], [0.4])
     assert d.on and (costs, experts) == (1, 1)
+
+
+# -- the measurement leaves no trace (docs/cases.md C38) ---------------------------------------------------------
+def _user_state(model):
+    return (torch.get_rng_state(), torch.get_num_threads(), torch.is_grad_enabled(), model.training,
+            [m.training for m in model.modules()])
+
+
+def test_C38_patch_time_measurement_leaves_rng_threads_grad_and_training_alone():
+    """CASES C38: the gate's patch-time measurement (gate="auto": routing cost, experts' own timing, the batched-MLP
+    fallback) consumes no global RNG draw and leaves the thread count, grad mode and training flags as they were;
+    so a sampled generate seeded before patch(gate="auto") (then policy none) gives the unpatched model's tokens.
+    Before, gate.measure_expert_ms drew its weights from the global generator."""
+    model = fam.build("llama4")  # experts outside transformers' interface: the batched-MLP timing always runs
+    ids, mask = fam.prompts(4, 5)
+
+    def sample():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=True, top_k=0,
+                              temperature=1.5, pad_token_id=0)
+
+    torch.manual_seed(1234)
+    want = sample()
+    gate._CACHE.clear()
+    gate._EXPERT_CACHE.clear()
+    torch.manual_seed(1234)
+    torch.set_grad_enabled(True)  # not the measurement's no_grad
+    before = _user_state(model)
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    after = _user_state(model)
+    assert any(g.decisions for g in (gate.of(b.plan) for b in lynx_hf.patcher._state(model).blocks))  # it measured
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    lynx_hf.patch(model, policy="none")  # the model's own routing: only the RNG stream could make a difference
+    got = sample()
+    lynx_hf.unpatch(model)
+    assert torch.equal(got, want)
+    # each measurement on its own, the fallback expert timing included
+    state = torch.get_rng_state()
+    gate.measure_expert_ms(16, 32, torch.float32, "cpu", 1, 8)
+    with gate.untouched("cpu"):
+        torch.randn(3)
+        torch.set_grad_enabled(False)
+    assert torch.equal(torch.get_rng_state(), state) and torch.is_grad_enabled()
+
+
+def test_C41_models_of_one_shape_with_different_experts_implementations_do_not_share_figures(monkeypatch):
+    """CASES C41: the gate's decision cache key holds what changes the cost (lynx_hf.block.BlockRouting.gate_key:
+    the experts implementation, module class, weight storage, offload; the thread count), so a same-shape model on
+    the ``eager`` experts gets figures measured on its own experts; an identical model reuses them. Before, the
+    second model reused the first's figures bit for bit (decisions flipped at T = 2, 4 on a real pair)."""
+    monkeypatch.setattr(gate, "TIME_BUDGET_S", 0.002)  # short timings: only which figures are measured is asserted
+    timed = []
+    real = gate.measure_routing
+
+    def spy(plan, num_tokens, *args, **kwargs):
+        timed.append(num_tokens)
+        return real(plan, num_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(gate, "measure_routing", spy)
+    gate._CACHE.clear()
+    models = {impl: fam.build("qwen2_moe") for impl in ("grouped_mm", "eager", "grouped_mm again")}
+    models["eager"].set_experts_implementation("eager")
+    counts, keys = {}, {}
+    for impl, model in models.items():
+        before = len(timed)
+        lynx_hf.patch(model, policy="lynx", gate="auto")
+        counts[impl] = len(timed) - before
+    assert counts["grouped_mm"] > 0 and counts["eager"] > 0  # measured again
+    assert counts["grouped_mm again"] == 0  # all equal: shared
+    for impl, model in models.items():
+        blocks = lynx_hf.patcher._state(model).blocks
+        keys[impl] = blocks[0].gate_key()
+        assert gate.of(blocks[0].plan).cost_key == keys[impl]
+    assert keys["grouped_mm"][1] == "grouped_mm" and keys["eager"][1] == "eager"
+    assert keys["grouped_mm again"] == keys["grouped_mm"]
+    before, threads = len(timed), torch.get_num_threads()
+    planned = gate.of(lynx_hf.patcher._state(models["grouped_mm"]).blocks[0].plan)
+    planned.decisions.clear()
+    torch.set_num_threads(threads + 1)
+    try:  # another thread count: measured again
+        planned.decision(8)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(timed) > before
+    for model in models.values():
+        lynx_hf.unpatch(model)
+    gate._CACHE.clear()
+
