@@ -47,7 +47,7 @@ _LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
 
 __all__ = ["DECODE_STEP", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan", "install_plan",
            "step_buckets", "gated_off_everywhere", "set_bypass", "route", "skip_bypassed", "gate_summary",
-           "reset_layer", "remaps", "layer_shape", "before_forward", "frozen"]
+           "reset_layer", "remaps", "layer_shape", "before_forward", "frozen", "padding_rows", "without_padding"]
 
 
 def masked_step(kinds: torch.Tensor) -> Step:
@@ -205,7 +205,37 @@ def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights
     return _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
 
 
+def padding_rows(topk_ids: torch.Tensor, host: bool):
+    """``[T]`` bool, the rows vLLM's router marked as padding (expert id -1: ``FusedTopKRouter`` /
+    ``FusedTopKBiasRouter`` under ``VLLM_MOE_SKIP_PADDING=1``, every row of a CUDA-graph capture warm-up, DP dummy
+    runs, padded decode batches), or ``None`` where there are none: on the host (CPU eager) asked there, once (the
+    router classes that run on CPU never mark any); off the host always the mask (no host read)."""
+    if host and not bool((topk_ids < 0).any()):
+        return None
+    return (topk_ids < 0).any(dim=-1)
+
+
+def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tuple[Step, torch.Tensor]:
+    """``(step, ids)`` with the padding rows ``pad [T]`` neither decode nor live (they do not vote, seed, remap or
+    count; :func:`lynx_hf.core.remap` / :func:`~lynx_hf.core.record_step`) and their ids 0 (a valid index for every
+    index op of the remap, the union and the telemetry; nothing counts them). Sync-free."""
+    keep = ~pad
+    decode = keep if step.decode is None else step.decode & keep
+    live = keep if step.live is None else step.live & keep
+    return Step(step.kind, decode=decode, live=live), topk_ids.masked_fill(pad[:, None], 0)
+
+
 def _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host):
+    pad = padding_rows(topk_ids, host)
+    if pad is not None:  # padding rows come back as vLLM gave them (id -1, its weights)
+        step, ids = without_padding(step, topk_ids, pad)
+        new_weights, new_ids = _routed_rows(layer, plan, step, router_logits, topk_weights, ids, host)
+        return (torch.where(pad[:, None], topk_weights, new_weights.to(topk_weights.dtype)),
+                torch.where(pad[:, None], topk_ids, new_ids.to(topk_ids.dtype)))
+    return _routed_rows(layer, plan, step, router_logits, topk_weights, topk_ids, host)
+
+
+def _routed_rows(layer, plan, step, router_logits, topk_weights, topk_ids, host):
     record = STATE.config.lynx.telemetry
     if step is DECODE_STEP and host:
         # every row a live decode row: the step function records the telemetry itself (the fused path in the same
