@@ -45,6 +45,39 @@ def _resolve(module: torch.nn.Module, path: str):
     return module
 
 
+def _offload_hook(module):
+    """accelerate's ``AlignDevicesHook`` on ``module`` that holds its tensors' values (a ``weights_map``: CPU / disk
+    offload, ``offload_buffers=True``), looked up duck-typed (no accelerate import); ``None`` without one."""
+    hook = module.__dict__.get("_hf_hook") if isinstance(module, torch.nn.Module) else None
+    for one in [hook, *getattr(hook, "hooks", ())]:
+        if one is not None and getattr(one, "weights_map", None) is not None:
+            return one
+    return None
+
+
+def live_tensor(module: torch.nn.Module, path: str) -> torch.Tensor:
+    """The tensor at the dotted attribute ``path`` of ``module`` with its values, read where they live: a parameter or
+    buffer that accelerate offloads (``cpu_offload`` / ``disk_offload`` / ``dispatch_model`` / ``from_pretrained``
+    with an offloading device map, ``offload_buffers=True`` for buffers) is on ``meta`` outside its module's forward
+    (the router hook runs after accelerate's post-forward put it back), so its value is read from the module's hook
+    the way accelerate's pre-forward reads it (``weights_map[name]``, on the hook's execution device). Any other
+    tensor is returned as it is (``docs/cases.md`` C39)."""
+    *parents, leaf = path.split(".")
+    owner = _resolve(module, ".".join(parents)) if parents else module
+    tensor = getattr(owner, leaf)
+    if isinstance(tensor, torch.Tensor) and tensor.device.type == "meta":
+        hook = _offload_hook(owner)
+        if hook is not None:
+            try:
+                value = hook.weights_map[leaf]
+            except KeyError:
+                return tensor
+            device = hook.execution_device
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cpu")
+            return value.to(device=device if device.type != "meta" else "cpu", dtype=tensor.dtype)
+    return tensor
+
+
 @dataclass(frozen=True)
 class BiasedSelection:
     """One router's selection rule: ``top-k(mask_groups(score(logits) + bias))``.
@@ -75,13 +108,13 @@ class BiasedSelection:
         return f"top-k of {score} + {where}{groups}"
 
     def bias(self, router: torch.nn.Module, block: torch.nn.Module | None, num_experts: int = 0) -> torch.Tensor:
-        """The live bias ``[N]`` in fp32 (a view when it already is); zeros of ``num_experts`` for ``owner ==
-        "none"`` (a grouped router without a bias)."""
+        """The live bias ``[N]`` in fp32 (a view when it already is; an offloaded one read from accelerate's hook,
+        :func:`live_tensor`); zeros of ``num_experts`` for ``owner == "none"`` (a grouped router without a bias)."""
         if self.owner == "none":
             device = next((p.device for p in router.parameters()), None)
             return torch.zeros(num_experts, device=device)
         owner = router if self.owner == "router" else block
-        return _resolve(owner, self.path).detach().reshape(-1).float()
+        return live_tensor(owner, self.path).detach().reshape(-1).float()
 
     def corrected(self, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``c [T, N]`` fp32 = ``score(logits) + bias``, the model's own ops."""

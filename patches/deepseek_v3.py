@@ -85,7 +85,8 @@ def allowed_mask(gate, scores_for_choice: torch.Tensor) -> torch.Tensor:
 def selection_scores(gate, router_logits: torch.Tensor) -> torch.Tensor:
     """fp32 ``log(c - min(bias))`` with ``c`` the corrected scores, ``-inf`` outside allowed groups
     (:meth:`BiasedSelection.selection_scores`). ``router_logits [T, N]`` -> ``[T, N]`` fp32."""
-    return selection_rule(gate).selection_scores(router_logits, gate.e_score_correction_bias.float())
+    rule = selection_rule(gate)
+    return rule.selection_scores(router_logits, rule.bias(gate, None))  # the live bias (accelerate offload: C39)
 
 
 SPEC = FamilySpec(

@@ -71,7 +71,7 @@ from ..core import WeightRule
 from ..errors import UnsupportedModelError
 from ..experts import unwrap
 from ..kernels.routing_torch import routing_weights
-from ..selection import GROUP_SCORES, SCORE_FNS, BiasedSelection
+from ..selection import GROUP_SCORES, SCORE_FNS, BiasedSelection, live_tensor
 from .base import BlockRule, FamilySpec
 
 _PROBE_TOKENS = 16  # the fewest tokens a deferred verification trusts (real router outputs)
@@ -422,7 +422,8 @@ class GenericSpec(FamilySpec):
                 for group_score in (GROUP_SCORES if grouped else GROUP_SCORES[:1]):
                     candidates.append(BiasedSelection(fn, owner, path, n_group if grouped else 1,
                                                       topk_group if grouped else 1, group_score, passes))
-        offloaded = [f"{o}.{p}" for o, p, t in _find_biases(block, router, num_experts) if t.device.type == "meta"]
+        offloaded = [f"{o}.{p}" for o, p, t in _find_biases(block, router, num_experts)
+                     if live_tensor(router if o == "router" else block, p).device.type == "meta"]
         if offloaded:
             raise UnsupportedModelError(
                 f"{who}: its selection bias {offloaded} is not materialized (offloaded), so the selection scores "

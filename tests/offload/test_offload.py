@@ -501,3 +501,83 @@ def test_generate_patched_under_inference_mode(tmp_path, one_thread):
     lynx_hf.unpatch(model)
     assert torch.equal(out, ref) and torch.equal(again, ref)
     assert summary["offload_layers"] == 1 and summary["offload_cache_hits"] > 0
+
+
+# -- a router that reads a buffer, buffers offloaded too (docs/cases.md C39) -----------------------------------
+DEEPSEEK_V3_DISK = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk",
+                    "model.layers.2": "disk", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+
+
+def _biased_deepseek_v3():
+    model = fam.build("deepseek_v3")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=g) * 0.5)  # moves the selection: a wrong read shows
+    return model
+
+
+@pytest.mark.parametrize("storage", ["cpu_offload", "disk_offload", "from_pretrained"])
+def test_C39_offload_buffers_with_a_router_reading_a_buffer(storage, tmp_path, one_thread):
+    """CASES C39: accelerate with ``offload_buffers=True`` keeps DeepSeek-V3's ``e_score_correction_bias`` on
+    ``meta`` outside the router's forward; the router hook runs after accelerate's post-forward, so it reads the
+    bias from the hook's weights map (``lynx_hf.selection.live_tensor``). Policy none: the unpatched model's tokens;
+    LYNX: decodes (before: "Cannot copy out of meta tensor") and gives the in-memory patched model's tokens."""
+    from accelerate import cpu_offload, disk_offload
+
+    memory = _biased_deepseek_v3()
+    ids, mask = fam.prompts(BATCH, PROMPT)
+
+    def run(model):
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+    want = run(memory)
+    with lynx_hf.patched(memory, policy="lynx", gate="always", mass_price=None, tau=1000.0):
+        want_lynx = run(memory)
+    if storage == "from_pretrained":
+        memory.save_pretrained(tmp_path / "ckpt")
+        model = type(memory).from_pretrained(tmp_path / "ckpt", device_map=DEEPSEEK_V3_DISK, offload_buffers=True,
+                                             offload_folder=str(tmp_path / "off"), dtype=torch.float32).eval()
+    else:
+        model = _biased_deepseek_v3()
+        if storage == "cpu_offload":
+            cpu_offload(model, execution_device=torch.device("cpu"), offload_buffers=True)
+        else:
+            disk_offload(model, str(tmp_path / "dat"), execution_device=torch.device("cpu"), offload_buffers=True)
+    biases = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert biases and all(b.device.type == "meta" for b in biases)  # the condition of the case
+    assert torch.equal(run(model), want)
+    lynx_hf.patch(model, policy="none", gate="always")
+    assert torch.equal(run(model), want)
+    lynx_hf.patch(model, policy="lynx", mass_price=None, tau=1000.0)  # on top: gate stays "always"
+    got = run(model)
+    summary = lynx_hf.stats(model).summary()
+    assert summary["decode_steps"] == 3 and summary["unique_experts_after"] < summary["unique_experts_before"]
+    assert torch.equal(got, want_lynx)
+    lynx_hf.unpatch(model)
+    assert torch.equal(run(model), want)
+
+
+def test_C39_generic_spec_router_with_an_offloaded_bias_is_verified_and_remaps(one_thread):
+    """CASES C39, the generic spec (GLM-4.5, the bias a router buffer, grouped): under ``cpu_offload(...,
+    offload_buffers=True)`` the router is verified on its first large call with the bias read from accelerate's hook
+    (before: refused, "not materialized"), and decodes the in-memory patched model's tokens."""
+    import warnings
+
+    from accelerate import cpu_offload
+
+    from lab import family_matrix as fm
+
+    ids = torch.randint(3, 100, (8, 4), generator=torch.Generator().manual_seed(0))
+    memory, model = fm.build(fm.case_of("glm4_moe")), fm.build(fm.case_of("glm4_moe"))
+    with lynx_hf.patched(memory, policy="lynx", gate="always"):
+        want = memory.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    cpu_offload(model, execution_device=torch.device("cpu"), offload_buffers=True)
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no "keeps the model's own routing" refusal
+        got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert all(b.rule_status == "verified" for b in _state(model).blocks)
+    assert lynx_hf.stats(model).summary()["decode_steps"] == 3 and torch.equal(got, want)
+    lynx_hf.unpatch(model)
