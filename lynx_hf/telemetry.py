@@ -57,8 +57,18 @@ class BlockTelemetry:
     def counts_only(self) -> bool:
         return self.mode == COUNTS
 
+    @torch.no_grad()
     def reset(self) -> None:
-        self.acc = None
+        """Zero the accumulators **in place** (never reallocated: a CUDA graph captured with them keeps adding into
+        the same memory on every replay, so a reset must not free or move it)."""
+        acc = self.acc
+        if acc is None:
+            return
+        if acc.is_inference() and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():  # created under vLLM's inference_mode: zeroed there, same memory
+                acc.zero_()
+        else:
+            acc.zero_()
 
     def _buf(self, device) -> torch.Tensor:
         acc = self.acc

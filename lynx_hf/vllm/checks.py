@@ -12,14 +12,88 @@ multiprocess, external launcher, the server's engine core). Imports no vLLM at i
 from __future__ import annotations
 
 from ..errors import LynxHookError, UnsupportedModelError
-from . import compat
+from . import compat, plans
 from .runners import HOOKED_RUNNERS, UNHOOKED, hooked_names
 from .state import STATE, resolve_config, warn_once
 
-__all__ = ["LIVENESS_STEPS", "decode_scheduled", "after_worker_step", "check_start"]
+__all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "decode_scheduled", "after_worker_step", "check_start",
+           "refused_parallelism", "check_parallelism", "unhooked_moe", "check_gathered"]
 
 #: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
 LIVENESS_STEPS = 4
+
+
+#: MoE modules that route and run their experts without a vLLM ``MoERunner`` (so without the router the plugin hooks):
+#: class names, matched along the MRO (vLLM 0.34: DeepGEMM's MegaMoE, used directly by the NVIDIA DeepSeek-V4, Kimi-K3,
+#: MiniMax-M3 and GLM-5-Next models, which compute their own top-k)
+OUTSIDE_RUNNER = ("DeepGemmMegaMoEExperts",)
+
+
+def refused_parallelism(vllm_config) -> list[str]:
+    """The configurations of ``vllm_config`` (a ``VllmConfig``) the plugin refuses, each with its reason: where a MoE
+    layer's router call holds rows the step mask cannot place (the op reads the mask from row 0)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None:
+        return []
+    out = []
+    try:
+        sequence_parallel = bool(parallel.use_sequence_parallel_moe)
+    except AttributeError:
+        sequence_parallel = False
+    if sequence_parallel:
+        out.append("sequence-parallel MoE (expert parallel with tensor parallel > 1, data parallel > 1 and the "
+                   f"{parallel.all2all_backend!r} all2all backend): each rank's router sees a slice of the step's "
+                   "rows that does not start at row 0")
+    ubatching = bool(getattr(parallel, "enable_dbo", False)) or int(getattr(parallel, "ubatch_size", 0) or 0) > 1
+    if ubatching:
+        out.append("dual-batch overlap / micro-batching (enable_dbo, ubatch_size): a micro-batch's router call holds "
+                   "rows that do not start at row 0 of the step")
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
+    if name == "ray" or "Ray" in str(name):
+        out.append("the Ray executor (distributed_executor_backend='ray'): its compiled DAG calls the model runner "
+                   "directly, past the worker hook the liveness rule runs in")
+    return out
+
+
+def check_parallelism(vllm_config, cfg) -> None:
+    """Engine start (the driver's ``EngineArgs.create_engine_config``, before any engine process, and every worker's
+    start): a configured plugin (``cfg`` not ``None``) refuses :func:`refused_parallelism`'s configurations with
+    :class:`~lynx_hf.UnsupportedModelError` naming each and why."""
+    if cfg is None:
+        return
+    refused = refused_parallelism(vllm_config)
+    if refused:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) on an engine the plugin cannot follow: "
+            f"{'; '.join(refused)}. Start it without these, or without the plugin's configuration.")
+
+
+def unhooked_moe(model) -> list[str]:
+    """The MoE modules of ``model`` (a ``torch.nn.Module``) the plugin does not route: vLLM ``MoERunner`` s whose router
+    it did not hook (built before the hook, or a runner class that skips ``MoERunner.__init__``) and modules of
+    :data:`OUTSIDE_RUNNER` (routing outside any ``MoERunner``), as ``"name (class)"``."""
+    hooked = {id(layer.runner()) for layer in STATE.layers if layer.runner is not None and layer.runner() is not None}
+    out = []
+    for name, module in model.named_modules():
+        mro = [cls.__name__ for cls in type(module).__mro__]
+        outside = any(n in OUTSIDE_RUNNER for n in mro)
+        if outside or ("MoERunnerInterface" in mro and id(module) not in hooked):
+            out.append(f"{name or '<model>'} ({type(module).__name__})")
+    return out
+
+
+def check_gathered(remaps: bool, names: list[str]) -> None:
+    """A policy that remaps (``remaps``) refuses MoE layers whose router sees an all-gathered batch of several
+    data-/context-parallel ranks (``names``; :func:`lynx_hf.vllm.op.is_gathered`): this rank's step mask does not
+    describe those rows. Raises :class:`~lynx_hf.UnsupportedModelError`."""
+    if remaps and names:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layers {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} route an "
+            "all-gathered batch of several data-/context-parallel ranks (naive dispatch: DP without EP, the "
+            "all-gather dispatch, prefill context parallel without all2all); this rank's step mask does not describe "
+            "those rows, so a remapping policy cannot act there. Use an all2all backend (routing before dispatch), "
+            "or policy 'none'.")
 
 
 def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:
@@ -92,6 +166,24 @@ def check_start(worker) -> None:
         raise UnsupportedModelError(
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but no MoE layer of this model was hooked "
             "(no vLLM MoERunner was built: a dense model, or MoE layers outside vLLM's fused-MoE)")
+    check_parallelism(getattr(worker, "vllm_config", None), cfg)
+    model = _model_of(runner)
+    unhooked = [] if model is None else unhooked_moe(model)
+    if unhooked:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but MoE layers of this model route outside the "
+            f"router the plugin hooks, so they would stay untouched: {', '.join(unhooked[:4])}"
+            f"{', ...' if len(unhooked) > 4 else ''} ({len(unhooked)} of them)")
+    check_gathered(plans.remaps(cfg), plans.gathered_layers())
     if getattr(runner, "pcp_manager", None) is not None:
         raise UnsupportedModelError("lynx_hf.vllm: prefill context parallel on Model Runner V2 partitions each "
                                     "step's tokens across ranks; the plugin's step mask does not describe them")
+
+
+def _model_of(runner):
+    """The model a model runner runs (``get_model()`` where it has one), or ``None``."""
+    try:
+        return runner.get_model()
+    except Exception:  # noqa: BLE001 - runners without a model yet / another layout: the check is skipped
+        model = getattr(runner, "model", None)
+        return model if hasattr(model, "named_modules") else None

@@ -10,12 +10,15 @@ input preparation of each runner in ``RUNNER_HOOKS``    the step mask (:mod:`lyn
 that runner's ``_dummy_run``                            before the first forward: plans and cost gate
                                                         (:func:`lynx_hf.vllm.plans.before_forward`)
 that runner's ``execute_model``                         the same; after the forward the mask is cleared
+``WorkerWrapperBase.init_worker``                       before: a new engine's state and configuration
+                                                        (:func:`lynx_hf.vllm.state.new_engine`)
 ``WorkerWrapperBase.initialize_from_config``            the start check (:func:`lynx_hf.vllm.checks.check_start`)
 ``WorkerWrapperBase.execute_model``                     after: the liveness rule
                                                         (:func:`lynx_hf.vllm.checks.after_worker_step`)
 ``EngineArgs.create_engine_config`` (driver)            validate the configuration before any engine process starts;
                                                         copy ``LYNX_VLLM_CONFIG`` into ``additional_config["lynx"]``
-                                                        (vLLM's config hash, every worker)
+                                                        (vLLM's config hash, every worker); after: refuse what the
+                                                        plugin cannot follow (:func:`~lynx_hf.vllm.checks.check_parallelism`)
 ======================================================  =====================================================
 
 ``WorkerBase`` gains ``lynx_stats`` / ``lynx_reset_stats`` / ``lynx_configure`` for ``LLM.collective_rpc``
@@ -30,7 +33,7 @@ import threading
 from . import checks, compat, layers, plans, steps, telemetry
 from . import config as plugin_config
 from .runners import HOOKED_RUNNERS, resolve_runners
-from .state import STATE
+from .state import STATE, new_engine
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -75,6 +78,12 @@ def _runner_execute(original, self, *args, **kwargs):
         steps.end_step()
 
 
+def _worker_init(original, self, all_kwargs, *args, **kwargs):
+    kwargs_of_rank = all_kwargs[getattr(self, "rpc_rank", 0)] if all_kwargs else {}
+    new_engine(kwargs_of_rank.get("vllm_config") if isinstance(kwargs_of_rank, dict) else None)
+    return original(self, all_kwargs, *args, **kwargs)
+
+
 def _worker_start(original, self, *args, **kwargs):
     checks.check_start(self.worker)  # the model is loaded: MoE layers hooked, model runner built
     return original(self, *args, **kwargs)
@@ -89,7 +98,10 @@ def _worker_execute(original, self, scheduler_output, *args, **kwargs):
 
 def _engine_config(original, self, *args, **kwargs):
     validate_engine_args(self)
-    return original(self, *args, **kwargs)
+    vllm_config = original(self, *args, **kwargs)
+    additional = getattr(vllm_config, "additional_config", None)
+    checks.check_parallelism(vllm_config, plugin_config.resolve(additional if isinstance(additional, dict) else None))
+    return vllm_config
 
 
 def validate_engine_args(engine_args) -> None:
@@ -138,7 +150,8 @@ def hooks(version: tuple | None) -> list:
     for row, cls in resolve_runners(version):
         table += [(cls, row.prepare, _prepare_v1 if row.kind == "v1" else _prepare_v2),
                   (cls, "execute_model", _runner_execute), (cls, "_dummy_run", _dummy_run)]
-    table += [(WorkerWrapperBase, "execute_model", _worker_execute),
+    table += [(WorkerWrapperBase, "init_worker", _worker_init),
+              (WorkerWrapperBase, "execute_model", _worker_execute),
               (WorkerWrapperBase, "initialize_from_config", _worker_start),
               (EngineArgs, "create_engine_config", _engine_config)]
     for cls, name, _hook in table:

@@ -16,12 +16,13 @@ import torch
 
 from ..core import WeightRule
 from ..errors import LynxConfigError, UnsupportedModelError
+from . import checks, plans, routers, telemetry
 from . import config as plugin_config
-from . import plans, routers, telemetry
 from .op import remap_routing
 from .state import STATE, Layer, resolve_config
 
-__all__ = ["attach", "original_routing", "weight_rule", "monolithic", "configure"]
+__all__ = ["attach", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
+           "HOST_FIELDS"]
 
 
 def weight_rule(router) -> WeightRule:
@@ -42,6 +43,15 @@ def monolithic(runner) -> bool:
         return False
 
 
+def logical_experts(runner) -> int:
+    """N of ``runner``'s routing: the **logical** expert count (the router logits' width, the ids the router returns),
+    ``moe_config.num_logical_experts``; the router's ``global_num_experts`` counts EPLB's redundant physical slots too
+    (logical + redundant), which would skew LYNX's bins and can drop the group restriction (``N % num_expert_group``).
+    The router's ``global_num_experts`` where the runner has no such config (no EPLB there)."""
+    logical = getattr(getattr(runner, "moe_config", None), "num_logical_experts", None)
+    return int(logical) if isinstance(logical, int) and logical > 0 else int(runner.router.global_num_experts)
+
+
 def attach(runner) -> None:
     """A vLLM ``MoERunner`` was built (its ``__init__`` returned): when the plugin is configured in this engine, its
     router's rules are derived (:func:`lynx_hf.vllm.routers.derive`, refusing routing the plugin cannot reproduce),
@@ -58,9 +68,11 @@ def attach(runner) -> None:
         raise UnsupportedModelError(
             f"lynx_hf.vllm: MoE layer {runner.layer_name} uses a monolithic experts kernel that routes "
             "internally (the router is bypassed), so its routing cannot be remapped")
-    rule = routers.derive(router)  # the router class's selection (scores, allowed groups); read live at each call
+    num_experts = logical_experts(runner)
+    # the router class's selection (scores, allowed groups); read live at each call
+    rule = routers.derive(router, num_experts)
     layer = Layer(index=len(STATE.layers), name=str(runner.layer_name), top_k=int(router.top_k),
-                  num_experts=int(router.global_num_experts), rule=rule.weight, runner=weakref.ref(runner),
+                  num_experts=num_experts, rule=rule.weight, runner=weakref.ref(runner),
                   router_rule=rule, scores=routers.selection_scores_fn(rule, router))
     routers.check_groups(rule, plans.remaps(cfg), layer.name)
     # the cost gate's layer shape: H and I (this rank's shard) from the runner's FusedMoEConfig; where they are not
@@ -103,6 +115,19 @@ def original_routing(router):
     return routing.__wrapped__
 
 
+#: what ``configure`` may change under captured CUDA graphs: read on the host at every step (the step mask's rule;
+#: where and how often the telemetry is written), never inside the captured op
+HOST_FIELDS = ("q_max", "verify", "stats_path", "stats_every")
+
+
+def graph_changes(old, new) -> list[str]:
+    """The fields of ``new`` (a :class:`~lynx_hf.vllm.config.PluginConfig`) that differ from ``old`` and that a
+    captured CUDA graph cannot follow (every field but :data:`HOST_FIELDS`)."""
+    before = {} if old is None else old.to_dict()
+    after = new.to_dict()
+    return sorted(k for k in set(before) | set(after) if k not in HOST_FIELDS and before.get(k) != after.get(k))
+
+
 def configure(options) -> bool:
     """Replace this process's configuration (``options``: as ``additional_config["lynx"]``); the per-layer plans are
     re-resolved (made now where the engine has started: the cost gate measures here, not in a served step) and the
@@ -122,7 +147,17 @@ def configure(options) -> bool:
             raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
         if layer.router_rule is not None:
             routers.check_groups(layer.router_rule, plans.remaps(cfg), layer.name)
+    checks.check_gathered(plans.remaps(cfg), plans.gathered_layers())
     start = STATE.start
+    if start.captured:
+        changed = graph_changes(STATE.config, cfg)
+        if changed:
+            raise LynxConfigError(
+                f"lynx_hf.vllm.configure: this engine's forward is captured in CUDA graphs; a replay repeats what the "
+                f"plugin's op did at capture (policy, its parameters, plan, cost-gate decision, telemetry buffers), so "
+                f"it cannot follow a change of {', '.join(changed)}. Nothing changed. Only "
+                f"{', '.join(HOST_FIELDS)} (read on the host every step) can change here; start the engine with the "
+                "configuration wanted, or with enforce_eager=True to switch configurations at run time.")
     made = None
     if start.started and start.device is not None:
         # a frozen forward cannot take the op back into a layer it was traced without

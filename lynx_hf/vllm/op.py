@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UnsupportedModelError
 from . import plans
-from .state import STATE, Layer, warn_once
+from .state import STATE, Layer
 from .steps import buffer
 
 __all__ = ["remap_routing", "remap_layer", "remap_step", "step_for", "is_gathered"]
@@ -73,6 +74,10 @@ def remap_step(layer: Layer, step, router_logits, topk_weights, topk_ids, host: 
     this call's rows, with the cost gate and the telemetry as in the op (:func:`lynx_hf.vllm.plans.route`).
     :func:`remap_layer` passes the step :func:`step_for` chose; a caller may pass another description of the same
     rows (e.g. ``plans.masked_step(kinds)`` for an all-decode step: the masked path, the fused path's reference)."""
+    if router_logits.shape[-1] != layer.num_experts:  # a static shape: a host-side check
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {layer.name}: router logits of width {router_logits.shape[-1]}, but the layer "
+            f"was attached with {layer.num_experts} logical experts; the policy must see the logical experts only")
     plan = plans.plan_for(layer, router_logits.device, router_logits.dtype, STATE.config.lynx)
     return plans.route(layer, plan, step, router_logits, topk_weights, topk_ids, host)
 
@@ -82,7 +87,7 @@ def step_for(layer: Layer, router_logits: torch.Tensor, host: bool):
     decode step where every row decodes (``phase="decode"``, or on the host when the buffer says so), else the step
     buffer's masks. ``host``: CPU tensors in eager mode."""
     cfg = STATE.config
-    if cfg is None or is_gathered(layer):
+    if cfg is None or plans.is_gathered(layer):
         return None
     rows = router_logits.shape[0]
     if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)
@@ -105,23 +110,5 @@ def step_for(layer: Layer, router_logits: torch.Tensor, host: bool):
     return plans.masked_step(kind[:rows])
 
 
-def is_gathered(layer: Layer) -> bool:
-    """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens (vLLM's naive
-    dispatch all-gathers hidden states and router logits before routing): this rank's step mask does not describe
-    those rows, so the layer is left untouched (checked once per layer)."""
-    if layer.gathered is None:
-        runner = layer.runner() if layer.runner is not None else None
-        gathered = False
-        if runner is not None:
-            try:
-                cfg = runner.moe_config
-                gathered = bool(runner.do_naive_dispatch_combine) or (
-                    cfg.pcp_size > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
-            except AttributeError:
-                gathered = False
-        if gathered:
-            warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
-                      "parallel ranks (naive dispatch); they keep vLLM's routing. Use an all2all backend "
-                      "(routing before dispatch) for LYNX under DP+EP.")
-        layer.gathered = gathered
-    return layer.gathered
+#: whether a layer's router sees several ranks' all-gathered rows (:func:`lynx_hf.vllm.plans.is_gathered`)
+is_gathered = plans.is_gathered

@@ -37,7 +37,7 @@ from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import BlockTelemetry, mode_of, union_size
 from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
-from .state import DECODE, PADDING, STATE, Layer
+from .state import DECODE, PADDING, STATE, Layer, warn_once
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -47,7 +47,8 @@ _LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
 
 __all__ = ["DECODE_STEP", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan", "install_plan",
            "step_buckets", "gated_off_everywhere", "set_bypass", "route", "skip_bypassed", "gate_summary",
-           "reset_layer", "remaps", "layer_shape", "before_forward", "frozen", "padding_rows", "without_padding"]
+           "reset_layer", "remaps", "layer_shape", "before_forward", "frozen", "captured", "padding_rows",
+           "without_padding", "is_gathered", "gathered_layers"]
 
 
 def masked_step(kinds: torch.Tensor) -> Step:
@@ -150,9 +151,16 @@ def gate_summary(layer: Layer) -> dict:
 
 
 def reset_layer(layer: Layer) -> None:
-    """Zero the layer's telemetry, loaded-experts counts, skipped calls and its gate's counters."""
+    """Zero the layer's telemetry, loaded-experts counts, skipped calls and its gate's counters. The device
+    accumulators are zeroed in place, never reallocated (captured CUDA graphs keep adding into their addresses)."""
     layer.telemetry.reset()
-    layer.loaded = None
+    loaded = layer.loaded
+    if loaded is not None:
+        if loaded.is_inference() and not torch.is_inference_mode_enabled():
+            with torch.inference_mode():
+                loaded.zero_()
+        else:
+            loaded.zero_()
     layer.skipped = 0
     gate = gate_of(layer.plan)
     if gate is not None:
@@ -179,6 +187,34 @@ def _experts_fn(layer: Layer, device: torch.device):
         return method.apply(experts, hidden, weights.float(), idx.to(torch.int32), None, None)
 
     return fn
+
+
+def gathered_layers() -> list[str]:
+    """The names of this process's MoE layers whose router sees an all-gathered batch (:func:`is_gathered`)."""
+    return [layer.name for layer in STATE.layers if is_gathered(layer)]
+
+
+def is_gathered(layer: Layer) -> bool:
+    """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens (vLLM's naive
+    dispatch all-gathers hidden states and router logits before routing): this rank's step mask does not describe
+    those rows, so the layer is left untouched (checked once per layer)."""
+    if layer.gathered is None:
+        runner = layer.runner() if layer.runner is not None else None
+        gathered = False
+        if runner is not None:
+            try:
+                cfg = runner.moe_config
+                gathered = bool(runner.do_naive_dispatch_combine) or (
+                    cfg.pcp_size > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
+            except AttributeError:
+                gathered = False
+        if gathered:
+            warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
+                      "parallel ranks (naive dispatch); they keep vLLM's routing (a remapping policy is refused at "
+                      "engine start and in configure: lynx_hf.vllm.checks.check_gathered). Use an all2all backend "
+                      "(routing before dispatch) for LYNX under DP+EP.")
+        layer.gathered = gathered
+    return layer.gathered
 
 
 # --------------------------------------------------------------------------- one step
@@ -306,6 +342,16 @@ def frozen(model_runner) -> bool:
                                                    getattr(cudagraphs, "name", "NONE") != "NONE"))
 
 
+def captured(model_runner, device: torch.device) -> bool:
+    """Whether ``model_runner``'s forward is captured in CUDA graphs: on a CUDA device, not ``enforce_eager``, and
+    ``compilation_config.cudagraph_mode`` not ``NONE`` (unknown: assumed captured, so ``configure`` is stricter,
+    never wrong)."""
+    if device.type != "cuda" or getattr(getattr(model_runner, "model_config", None), "enforce_eager", False):
+        return False
+    cudagraphs = getattr(getattr(model_runner, "compilation_config", None), "cudagraph_mode", None)
+    return cudagraphs is None or getattr(cudagraphs, "name", "NONE") != "NONE"
+
+
 def before_forward(model_runner) -> None:
     """Before the first forward of this worker (hooked on the model runners' ``_dummy_run`` and ``execute_model``;
     once): every layer's plan is made on the runner's device, its cost gate measured, and a layer the gate keeps off
@@ -329,6 +375,7 @@ def before_forward(model_runner) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert timing's scratch weights: not reserved when vLLM profiles memory
     start.frozen = frozen(model_runner)
+    start.captured = captured(model_runner, device)
     if STATE.bypassed:
         logger.warning("lynx_hf.vllm: the cost gate (gate='auto') keeps vLLM's routing on %d/%d MoE layers at every "
                        "step size up to %d tokens on this device (expected saving <= measured routing cost); those "

@@ -116,14 +116,17 @@ def _grouped(router, num_experts: int, scoring: str, bias: bool, one_group: bool
                            "top2_sum" if bias else "max")
 
 
-def derive(router) -> RouterRule:
-    """The :class:`RouterRule` of a vLLM router instance; raises :class:`~lynx_hf.UnsupportedModelError` for
-    routing the plugin cannot reproduce."""
+def derive(router, num_experts: int | None = None) -> RouterRule:
+    """The :class:`RouterRule` of a vLLM router instance over ``num_experts`` logical experts (the router logits'
+    width; ``None``: the router's ``global_num_experts``, which also counts EPLB's redundant slots:
+    :func:`lynx_hf.vllm.layers.logical_experts`); raises :class:`~lynx_hf.UnsupportedModelError` for routing the
+    plugin cannot reproduce."""
     kind = type(router).__name__
     if kind not in ROUTERS:
         raise UnsupportedModelError(f"lynx_hf.vllm: router {kind} is not supported ({', '.join(ROUTERS)})")
     _refuse_extras(router, kind)
-    top_k, num_experts = int(router.top_k), int(router.global_num_experts)
+    top_k = int(router.top_k)
+    num_experts = int(router.global_num_experts) if num_experts is None else int(num_experts)
     scoring = getattr(router, "scoring_func", "softmax")
     renormalize = bool(getattr(router, "renormalize", False))
     scale = float(getattr(router, "routed_scaling_factor", 1.0) or 1.0)

@@ -16,12 +16,14 @@ drive the op without an engine). Imports no vLLM at import time.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import LynxConfigError
 from ..telemetry import BlockTelemetry
 from . import config as plugin_config
 
@@ -94,6 +96,10 @@ class Start:
     #: the forward is compiled / captured (vLLM's compiled mode, CUDA graphs): each layer's ``bypass`` was read once,
     #: when it was traced, so it cannot change any more (``configure`` refuses what would need it to)
     frozen: bool = False
+    #: the forward is captured in CUDA graphs (a CUDA device, ``cudagraph_mode`` not ``NONE``, not eager): replays
+    #: repeat what the op did at capture (its policy, plan, gate decision, telemetry addresses), so ``configure``
+    #: refuses any change of those (:data:`lynx_hf.vllm.layers.HOST_FIELDS` are read on the host every step)
+    captured: bool = False
     device: torch.device | None = None  # where the plans were made (the model runner's device)
     dtype: torch.dtype | None = None  # the model's dtype (the router logits' dtype the gate measures with)
 
@@ -143,6 +149,31 @@ def resolve_config(vllm_config) -> plugin_config.PluginConfig | None:
     return STATE.config
 
 
+def new_engine(vllm_config) -> plugin_config.PluginConfig | None:
+    """A worker of a new engine is being built in this process (``WorkerWrapperBase.init_worker``, before its model is
+    loaded; every executor, and every engine of a process that starts several one after another, as notebooks and
+    sweeps do with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``): :data:`STATE` starts afresh and this engine's own
+    configuration is read from ``vllm_config`` (:func:`resolve_config`). Without this a second engine kept the first
+    one's configuration (``None`` where the first ran without the plugin: policy ``off``, 0 decode steps).
+
+    Raises :class:`~lynx_hf.LynxConfigError` while MoE layers hooked by an earlier engine of this process are still
+    alive (after a garbage collection): the plugin's state is per process, so two live engines in one process cannot
+    each have their own; nothing is changed then."""
+    if STATE.layers:
+        gc.collect()  # a deleted engine's model may sit in reference cycles
+        alive = [layer.name for layer in STATE.layers if layer.runner is not None and layer.runner() is not None]
+        if alive:
+            raise LynxConfigError(
+                f"lynx_hf.vllm: a new vLLM engine is starting in this process while {len(alive)} MoE layers an "
+                f"earlier engine hooked are still alive ({alive[0]}, ...): the plugin keeps one state per process, "
+                "so a second live engine cannot have its own configuration. Delete the first engine first "
+                "(del llm; gc.collect()), or run each engine in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1, "
+                "vLLM's default).")
+    vars(STATE).clear()
+    vars(STATE).update(vars(ProcessState()))
+    return resolve_config(vllm_config)
+
+
 @contextlib.contextmanager
 def isolated(options=None, capacity: int = 0):
     """A fresh :data:`STATE` for the block (no layer, no step, nothing started), configured by ``options`` (as
@@ -161,4 +192,4 @@ def isolated(options=None, capacity: int = 0):
 
 
 __all__ = ["STATE", "ProcessState", "Layer", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
-           "warn_once", "resolve_config", "isolated"]
+           "warn_once", "resolve_config", "new_engine", "isolated"]
