@@ -34,6 +34,8 @@ from .experts import implementations, original_implementation, register, uses_in
 from .gate import LayerShape
 from .patches import SPECS
 from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
+from .patches.generic import AmbiguousRule
+from .selection import live_tensor
 from .telemetry import BlockTelemetry, mode_of
 
 BLOCK_ATTR = "_lynx_block"  # on a Llama-4 block whose forward is swapped (removed by unpatch)
@@ -62,6 +64,12 @@ class BlockRouting:
         # the generic spec's verified selection-bias rule (lynx_hf/selection.py), None: spec.selection_scores
         self.selection = rule.selection
         self.rule_status = RULE_VERIFIED if self.rule is not None else RULE_PENDING
+        # why verification is deferred though the router is materialized (the probe could not tell candidate rules
+        # apart, docs/cases.md C42), the (module, path) of the tensors that depends on, and their fingerprint when it
+        # was last found ambiguous: verified again only once one of them changes (load_state_dict)
+        self.pending_reason: str | None = rule.pending_reason
+        self.watch: tuple = rule.watch
+        self.watched = self._fingerprint() if rule.watch else None
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
         self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
@@ -103,7 +111,7 @@ class BlockRouting:
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
         # a state pickled before these attributes existed
         for name, value in (("selection", None), ("offload", None), ("offload_reason", None), ("extra_expert_ms", 0.0),
-                            ("gated_off", False)):
+                            ("gated_off", False), ("pending_reason", None), ("watch", ()), ("watched", None)):
             state.setdefault(name, value)
         self.__dict__.update(state)
         if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
@@ -271,26 +279,49 @@ class BlockRouting:
         real output, on the first call (prefill or decode) with at least as many tokens as the patch-time
         probe (``spec.probe_tokens``). Until then the block keeps the model's own routing: a check on a few
         tokens proves little (a group-limited or bias-corrected router can agree with plain top-k on one
-        token by chance). A refusal warns once and the block keeps the model's own routing for good."""
+        token by chance). A refusal warns once and the block keeps the model's own routing for good.
+        Also a router whose patch-time probe could not tell candidate rules apart (:attr:`pending_reason`,
+        ``docs/cases.md`` C42): verified again only once a tensor it depends on changed (:attr:`watch`, e.g. the
+        selection bias after ``load_state_dict``), on this output and else on the probe through the router; while
+        still ambiguous the block keeps the model's own routing."""
         if self.rule_status == RULE_REFUSED:
             return False
         logits = output[0] if isinstance(output, (tuple, list)) and output else None
         if isinstance(logits, torch.Tensor) and logits.dim() >= 1 and \
                 logits.shape[0] < getattr(self.spec, "probe_tokens", 1):
             return False
+        if self.watch and self._fingerprint() == self.watched:
+            return False  # ambiguous, and nothing it depends on changed since: no new evidence
         try:
             verified = self.spec.deferred_rule(self.block, self.name, output)
-            self.rule, self.selection = verified.weight, verified.selection
-            shape = (verified.num_experts, verified.top_k)
-            if shape != (self.num_experts, self.top_k):  # the plan was made for the patch-time shape
-                self.num_experts, self.top_k = shape
-                self.plan = None
-            self.rule_status = RULE_VERIFIED
-            return True
+        except AmbiguousRule as exc:  # still ambiguous: keep the model's routing, ask again after the next change
+            self.pending_reason, self.watch = str(exc), exc.watch or self.watch
+            self.watched = self._fingerprint()
+            return False
         except UnsupportedModelError as exc:
             warnings.warn(f"lynx_hf: {exc}; this block keeps the model's own routing", stacklevel=3)
             self.rule_status = RULE_REFUSED
             return False
+        self.rule, self.selection = verified.weight, verified.selection
+        self.pending_reason, self.watch, self.watched = None, (), None
+        shape = (verified.num_experts, verified.top_k)
+        if shape != (self.num_experts, self.top_k):  # the plan was made for the patch-time shape
+            self.num_experts, self.top_k = shape
+            self.plan = None
+        self.rule_status = RULE_VERIFIED
+        return True
+
+    def _fingerprint(self) -> tuple:
+        """Identity and version counter of each watched tensor (:attr:`watch`): host-side integers, no device read;
+        ``load_state_dict`` (an in-place copy) bumps the version, ``assign=True`` replaces the tensor."""
+        out = []
+        for module, path in self.watch:
+            try:
+                tensor = live_tensor(module, path)
+                out.append((id(tensor), tensor._version))
+            except (AttributeError, RuntimeError):  # gone, or an inference tensor (no version counter)
+                out.append(None)
+        return tuple(out)
 
     def _note_unrouted(self, output) -> None:
         """A decode call the router hook does not route (the rule not verified): the experts implementation still asks

@@ -340,6 +340,13 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
         state.blocks.append(block)
     for block in state.blocks:
         block.install()
+    pending = [block for block in state.blocks if block.pending_reason]
+    if pending:  # docs/cases.md C42: never a rule the probe could not tell from another
+        warnings.warn(
+            f"lynx_hf: {len(pending)}/{len(state.blocks)} MoE blocks keep the model's own routing for now: "
+            f"{pending[0].pending_reason}; each is verified again on its first router call of at least "
+            f"{pending[0].spec.probe_tokens} tokens after that tensor changes (e.g. load_state_dict with the "
+            f"checkpoint's values), and remaps from then on", UserWarning, stacklevel=2)
     state.tracker.attach(backbone)
     _install_model_methods(state)  # generate, init_continuous_batching
     object.__setattr__(generating, MODEL_ATTR, state)

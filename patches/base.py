@@ -42,6 +42,12 @@ class BlockRule:
     top_k: int
     weight: WeightRule | None
     selection: object = None
+    #: why verification is deferred though the router is materialized (``None``: it is not, or nothing is deferred):
+    #: the probe could not tell candidate rules apart (``docs/cases.md`` C42)
+    pending_reason: str | None = None
+    #: ``(module, dotted path)`` of the tensors that ambiguity depends on (a selection bias): the block verifies again
+    #: once one of them changes (``lynx_hf.block.BlockRouting``)
+    watch: tuple = ()
 
 
 @dataclass(frozen=True)

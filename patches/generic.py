@@ -37,6 +37,10 @@ Otherwise ``patch`` refuses with :class:`lynx_hf.UnsupportedModelError` naming t
 the rule that did not fit (how many probe tokens, which candidates) and what would be needed. A router whose
 weights are not materialized at patch time (meta / offloaded) is verified on its first call of at least 16
 tokens instead, on the real outputs; if that fails the block keeps the model's own routing (a warning says so).
+A probe that more than one selection rule fits exactly (a constant selection bias: every score function then picks
+the same experts) raises :class:`AmbiguousRule` inside the spec: the block is patched with its rule deferred (the
+model's own routing, a warning at patch time) and verified again once the bias it depends on changes
+(``lynx_hf.block.BlockRouting``; ``docs/cases.md`` C42).
 
 Never a raw error: the probe's hidden size comes from the config's ``hidden_size`` (else the router weight,
 else the expert layout, transposed or not: GPT-OSS stores ``gate_up_proj [N, H, 2I]``), in the router's dtype
@@ -100,9 +104,26 @@ class InferredRule:
     renorm_eps: float = 0.0
 
 
-def _block_rule(num_experts: int, top_k: int, rule: InferredRule | None) -> BlockRule:
-    """The :class:`~lynx_hf.patches.base.BlockRule` of a verified ``rule`` (``None``: verification deferred)."""
+class AmbiguousRule(UnsupportedModelError):
+    """Several candidate selection rules reproduce the router's ids equally on the probe (e.g. a selection bias that
+    is all zero, as in a model built from its config before ``load_state_dict``: sigmoid + bias, softmax + bias and
+    logits + bias then pick the same experts), so the probe cannot tell which one the router applies; they differ
+    once the bias changes (``docs/cases.md`` C42). ``watch``: ``(module, dotted path)`` of the tensors they depend
+    on; ``candidates``: the rules that fit."""
+
+    def __init__(self, message: str, watch: tuple = (), candidates: tuple = ()) -> None:
+        super().__init__(message)
+        self.watch = tuple(watch)
+        self.candidates = tuple(candidates)
+
+
+def _block_rule(num_experts: int, top_k: int, rule: InferredRule | None, ambiguous: AmbiguousRule | None = None
+                ) -> BlockRule:
+    """The :class:`~lynx_hf.patches.base.BlockRule` of a verified ``rule`` (``None``: verification deferred;
+    ``ambiguous``: why, when the probe could not tell rules apart)."""
     if rule is None:
+        if ambiguous is not None:
+            return BlockRule(num_experts, top_k, None, pending_reason=str(ambiguous), watch=ambiguous.watch)
         return BlockRule(num_experts, top_k, None)
     return BlockRule(num_experts, top_k, WeightRule(rule.kind, rule.renormalize, rule.scale, rule.renorm_eps),
                      rule.selection)
@@ -331,6 +352,7 @@ class GenericSpec(FamilySpec):
         router, experts = block_parts(block)
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         weight = next(router.parameters(), None)
+        ambiguous = None
         if weight is None or weight.device.type == "meta" or _up_weight(experts).device.type == "meta":
             rule = None  # not materialized here: verify on the first decode call
         else:
@@ -351,18 +373,45 @@ class GenericSpec(FamilySpec):
                 )
             args, kwargs, output = call
             passed = [t for t in (*args[1:], *kwargs.values()) if isinstance(t, torch.Tensor)]
-            rule = self.verify(block, name, output, passed=passed)
+            try:
+                rule = self.verify(block, name, output, passed=passed)
+            except AmbiguousRule as exc:  # deferred: verified again once the tensors it depends on change
+                rule, ambiguous = None, exc
         num_experts = experts.num_experts
         top_k = rule.top_k if rule is not None else self.shape(block)[1]
         self.check_routing(block, name, config, num_experts, top_k)
-        return _block_rule(num_experts, top_k, rule)
+        return _block_rule(num_experts, top_k, rule, ambiguous)
 
     def deferred_rule(self, block, name, output) -> BlockRule:
         """The :class:`~lynx_hf.patches.base.BlockRule` verified on the router's real ``output`` (its first call
         of at least :attr:`probe_tokens` tokens, a router not materialized at patch time). Raises
         :class:`UnsupportedModelError`."""
-        rule = self.verify(block, name, output)
+        try:
+            rule = self.verify(block, name, output)
+        except AmbiguousRule:
+            # real tokens rarely sit at the tiny logit gaps where a bias decides: the patch-time probe, on the router
+            # as it is now (its own forward, no module hooks), tells the rules apart if anything can
+            rule = self.verify(block, name, self._probe_router(block, output))
         return _block_rule(block_parts(block)[1].num_experts, rule.top_k, rule)
+
+    def _probe_router(self, block, output):
+        """The router's output on the patch-time probe (:func:`probe_hidden`), called through its ``forward`` (an
+        accelerate hook's too; no module hooks, so the block's own router hook does not run), on the device and in the
+        dtype of ``output``'s logits' router; ``output`` itself when that call fails."""
+        router, experts = block_parts(block)
+        hidden_dim = _hidden_dim(block, router, experts)
+        weight = next(router.parameters(), None)
+        if hidden_dim is None or weight is None:
+            return output
+        dtype = weight.dtype if weight.dtype.is_floating_point and weight.element_size() > 1 else torch.float32
+        probe = probe_hidden(hidden_dim, dtype, output[0].device)
+        with torch.no_grad():
+            for x in (probe, probe.unsqueeze(0)):
+                try:
+                    return router.forward(x)
+                except Exception:  # noqa: BLE001 - a router that needs more than hidden states: keep the output
+                    continue
+        return output
 
     def verify(self, block, name, output, passed=()) -> InferredRule:
         """The rule that reproduces ``output`` (the router's own ``(logits [T, N], weights [T, k], ids [T, k])``;
@@ -428,13 +477,27 @@ class GenericSpec(FamilySpec):
             raise UnsupportedModelError(
                 f"{who}: its selection bias {offloaded} is not materialized (offloaded), so the selection scores "
                 f"could not be read in decode; load the model without offloading the router to patch it")
-        tried = []
+        tried, fit = [], []
         for selection in candidates:
             bias = selection.bias(router, block, num_experts).to(logits.device)
             bad = int(selection.mismatches(logits, bias, idx).sum())
             if bad == 0:
-                return selection
+                fit.append((selection, bias))
             tried.append(f"{selection.describe()}: {bad} of {logits.shape[0]} tokens differ")
+        if len(fit) > 1 and fit[0][0].owner != "none":
+            # more than one rule reproduces every probe token: the probe cannot tell which the router applies, and
+            # they differ on other inputs or once the bias changes; never pick one (docs/cases.md C42)
+            constant = bool((fit[0][1] == fit[0][1].reshape(-1)[0]).all())
+            why = (f" (its selection bias {fit[0][0].owner}.{fit[0][0].path} is constant, "
+                   f"{float(fit[0][1].reshape(-1)[0]):g} everywhere: a model built from its config before its "
+                   f"weights are loaded?)" if constant else "")
+            watch = tuple(dict.fromkeys((router if sel.owner == "router" else block, sel.path) for sel, _ in fit))
+            raise AmbiguousRule(
+                f"{who}: {len(fit)} selection rules reproduce the router's experts equally on the probe "
+                f"({'; '.join(sel.describe() for sel, _ in fit)}){why}, so it cannot tell which one the router "
+                f"applies", watch=watch, candidates=tuple(sel for sel, _ in fit))
+        if fit:
+            return fit[0][0]
         raise UnsupportedModelError(
             f"{who}: no selection rule reproduces the router's own experts exactly on the probe ({'; '.join(tried)}); "
             f"its selection is not a (biased, grouped) top-k the generic family spec knows (a dedicated family spec "

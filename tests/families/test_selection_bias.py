@@ -4,6 +4,9 @@ verifies the whole rule exactly on its probe, and the policies choose among the 
 ranked by the biased scores; the weights stay the unbiased rule. CASES C32: a small bias is never accepted with a
 wrong rule. Tiny models from config classes (``lab.family_matrix``)."""
 
+import re
+import warnings
+
 import pytest
 import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
@@ -194,3 +197,40 @@ def test_bias_changed_after_patching_is_read_live(monkeypatch):
     for state, logits, scores, idx, *_ in seen:
         assert torch.equal(scores.gather(1, idx.long()).sort(-1, descending=True).values,
                            scores.topk(idx.shape[-1], dim=-1).values)
+
+
+@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
+def test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loaded(assign):
+    """CASES C42: Kolibri-1 selects on ``logits + bias``; built from its config the bias is all zero, so sigmoid +
+    bias, softmax + bias and logits + bias reproduce its ids equally on the probe. The spec must not pick one (it took
+    the first, sigmoid: after ``load_state_dict`` brought the real bias, OEA with k0 = k -- a remap that keeps every
+    token's own top-k -- moved decode tokens off the model's experts). Now the block keeps the model's own routing
+    (a warning says why), is verified again on its first large router call after the bias changed, and then
+    remaps with the router's rule: OEA k0 = k gives the unpatched tokens."""
+    if "kolibri1" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("transformers ships no Kolibri-1")
+    model = _model("kolibri1")
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}  # the biases randn x 0.1 (fm.build)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    k = model.config.num_experts_per_tok
+    ids = torch.randint(3, 100, (8, 4), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        lynx_hf.patch(model, policy="oea", oea_k0=k, gate="always")
+    blocks = _blocks(model)
+    status = [b.rule_status for b in blocks]
+    model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # nothing changed yet
+    status_before_load = [b.rule_status for b in blocks]
+    steps_before_load = lynx_hf.stats(model).summary()["decode_steps"]
+    model.load_state_dict(checkpoint, assign=assign)
+    got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    steps = lynx_hf.stats(model).summary()["decode_steps"]
+    lynx_hf.unpatch(model)
+    assert torch.equal(got, model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    assert steps - steps_before_load == 5  # it remapped after the load
+    assert all(b.rule_status == "verified" and b.selection.score == "logits" for b in blocks)
+    assert status == status_before_load == ["pending"] * len(blocks) and steps_before_load == 0
+    assert any(re.search(r"3 selection rules reproduce .* constant, 0 everywhere", str(w.message)) for w in record)
