@@ -3,6 +3,14 @@
 
 Sections (run in this order; each is skipped with a printed note when the time budget is nearly spent):
 
+0. ``vllm`` — what a lent GPU should check first for the vLLM plugin (issue 36), without vLLM on the device: the
+   plugin's step function (``lynx_hf.vllm.plans.route``, what its custom op runs; vLLM is not imported) on CUDA
+   tensors, sync-free path. Padding rows (expert id -1, as vLLM's ``FusedTopKRouter`` gives them under
+   ``VLLM_MOE_SKIP_PADDING=1``) under policies lynx / paper rule / oea / none on the torch and Triton routing ops:
+   live rows and telemetry equal to the torch path on the live rows alone, padding rows untouched, an all-padding
+   step (capture warm-up) untouched; then one layer-step captured in a CUDA graph (``torch.cuda.graph``) and replayed
+   on new routing and step masks: equal to eager, the telemetry reset in place between replays (same addresses,
+   counting from zero), an all-padding replay a no-op.
 1. ``kernels`` — every Triton kernel vs its torch reference at the real shapes of Qwen2-57B-A14B,
    DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3, decode batches B = 1, 16, 64:
    routing kernels (LYNX critical set, paper rule and the default policy's cover, the routing-mass
@@ -642,8 +650,165 @@ def section_gate(args, dev, budget) -> None:
                                                    for r in rows), f"{len(rows)} decisions")
 
 
+# ------------------------------------------------------------------------------------------- section 0
+VLLM_POLICIES = {"lynx default": dict(policy="lynx"), "lynx paper rule": dict(policy="lynx", mass_price=None),
+                 "oea k0=1": dict(policy="oea", oea_k0=1), "none": dict(policy="none")}
+
+
+def _vllm_layer(N: int, k: int):
+    """One MoE layer in the plugin's (isolated) process state, as ``lynx_hf.vllm.layers.attach`` adds it for a
+    vLLM ``FusedTopKRouter`` (softmax over all N, renormalized)."""
+    from lynx_hf.core import WeightRule
+    from lynx_hf.vllm import state
+
+    layer = state.Layer(index=0, name="gpu_check.moe", top_k=k, num_experts=N,
+                        rule=WeightRule("softmax_all", renormalize=True))
+    state.STATE.layers.append(layer)
+    return layer
+
+
+def _vllm_routing(logits, k: int, pad):
+    """vLLM's fused top-k routing (softmax, renormalized; fp32 weights, int32 ids), padding rows id -1 / weight 0."""
+    vals, ids = torch.topk(logits.float(), k, dim=-1)
+    weights = torch.softmax(vals, dim=-1).masked_fill(pad[:, None], 0.0)
+    return weights, ids.to(torch.int32).masked_fill(pad[:, None], -1)
+
+
+def _vllm_step(options: dict, N: int, k: int, dev, kinds, logits, weights, ids):
+    """One layer-step through the plugin's step function on a fresh plugin state: (weights, ids, telemetry)."""
+    from lynx_hf.vllm import plans, state
+
+    with state.isolated({**options, "gate": "always"}, capacity=int(kinds.shape[0])):
+        layer = _vllm_layer(N, k)
+        plan = plans.plan_for(layer, dev, logits.dtype, state.STATE.config.lynx)
+        out_w, out_ids = plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+        return out_w, out_ids, layer.telemetry.summary()
+
+
+def _same_telemetry(a: dict, b: dict) -> bool:
+    """Equal counts; the routing mass kept (an fp32 sum over rows, whose order changes with the row count) to 1e-6."""
+    return a.keys() == b.keys() and all(
+        (x is None and y is None) or (x is not None and y is not None and math.isclose(x, y, rel_tol=1e-6, abs_tol=1e-9))
+        for x, y in ((a[key], b[key]) for key in a))
+
+
+def section_vllm(args, dev, budget) -> None:
+    from lynx_hf.vllm.state import DECODE, PREFILL
+
+    S = "vllm"
+    if not budget.allows(60 if not args.dry_run else 15, "vLLM plugin paths (padding rows, CUDA graphs)", S):
+        return
+    N, k, T = (16, 4, 12) if args.dry_run else (64, 6, 48)
+    print(f"\n== vLLM plugin's step function (N {N}, k {k}, T {T}; no vLLM needed) ==", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    pad = torch.zeros(T, dtype=torch.bool)
+    pad[T // 3::4] = True
+    pad[-2:] = True  # a padded tail, as a padded decode batch has
+    pad = pad.to(dev)
+    kinds = torch.full((T,), DECODE, dtype=torch.int8)
+    kinds[:2] = PREFILL
+    kinds = kinds.to(dev)
+    keep = ~pad
+    for backend in ("torch", "triton"):
+        for pname, policy in VLLM_POLICIES.items():
+            logits = (torch.randn(T, N, generator=gen) * 2).to(dev)
+            weights, ids = _vllm_routing(logits, k, pad)
+            options = {**policy, "routing_backend": backend}
+            try:
+                out_w, out_ids, tel = _vllm_step(options, N, k, dev, kinds, logits, weights, ids)
+                ref_w, ref_ids, ref_tel = _vllm_step({**policy, "routing_backend": "torch"}, N, k, dev, kinds[keep],
+                                                     logits[keep], weights[keep], ids[keep])
+                all_w, all_ids, all_tel = _vllm_step(options, N, k, dev, kinds, logits, torch.zeros_like(weights),
+                                                     torch.full_like(ids, -1))
+                ok = (torch.equal(out_ids[pad], ids[pad]) and torch.equal(out_w[pad], weights[pad])
+                      and torch.equal(out_ids[keep], ref_ids)
+                      and torch.allclose(out_w[keep], ref_w, rtol=1e-5, atol=1e-6) and _same_telemetry(tel, ref_tel)
+                      and bool((all_ids == -1).all()) and all_tel["decode_steps"] == 0)
+                record(S, f"padding rows excluded ({backend}, {pname})", ok,
+                       f"{int(pad.sum())} of {T} rows padding; decode tokens {tel['decode_tokens']} "
+                       f"(reference {ref_tel['decode_tokens']}); all-padding step untouched: "
+                       f"{bool((all_ids == -1).all())}")
+            except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+                record(S, f"padding rows excluded ({backend}, {pname})", False, f"{type(exc).__name__}: {exc}"[:400])
+                traceback.print_exc()
+    _vllm_graph(args, dev, N, k, T, kinds, pad)
+
+
+def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
+    """One layer-step captured in a CUDA graph, replayed on new inputs (the dry run calls it again instead)."""
+    from lynx_hf.vllm import plans, state
+
+    S = "vllm"
+    options = {"policy": "lynx", "gate": "always", "routing_backend": "auto" if dev.type == "cuda" else "torch"}
+    gen = torch.Generator().manual_seed(1)
+    static_logits = torch.zeros(T, N, device=dev)
+    static_w = torch.zeros(T, k, device=dev)
+    static_ids = torch.zeros(T, k, dtype=torch.int32, device=dev)
+    static_kinds = kinds.clone()
+
+    def fill(padding):
+        logits = (torch.randn(T, N, generator=gen) * 2).to(dev)
+        weights, ids = _vllm_routing(logits, k, padding)
+        static_logits.copy_(logits)
+        static_w.copy_(weights)
+        static_ids.copy_(ids)
+        return logits.clone(), weights.clone(), ids.clone()
+
+    try:
+        with state.isolated(options, capacity=T):
+            layer = _vllm_layer(N, k)
+            plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
+
+            def step():
+                return plans.route(layer, plan, plans.masked_step(static_kinds), static_logits, static_w, static_ids,
+                                   False)
+
+            fill(pad)
+            for _ in range(2):  # warm-up (Triton compiles, the accumulators are made), as vLLM warms up
+                step()
+            if dev.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out_w, out_ids = step()
+                replay = graph.replay
+            else:
+                note(S, "CUDA graph", "not captured in the dry run (CPU): each replay is an eager call")
+                out = {}
+
+                def replay():
+                    out["w"], out["ids"] = step()
+            plans.reset_layer(layer)
+            ptr = layer.telemetry.acc.data_ptr()
+            same = []
+            for padding in (pad, torch.zeros_like(pad)):
+                logits, weights, ids = fill(padding)
+                replay()
+                got_w, got_ids = (out_w, out_ids) if dev.type == "cuda" else (out["w"], out["ids"])
+                ref_w, ref_ids, ref_tel = _vllm_step(options, N, k, dev, static_kinds, logits, weights, ids)
+                same.append(torch.equal(got_ids, ref_ids) and torch.allclose(got_w, ref_w, rtol=1e-5, atol=1e-6))
+            tel = layer.telemetry.summary()
+            record(S, "captured layer-step replayed == eager", all(same),
+                   f"{len(same)} replays (padding rows, none); decode steps counted {tel['decode_steps']} (2)")
+            plans.reset_layer(layer)
+            logits, weights, ids = fill(pad)
+            replay()
+            _, _, ref_tel = _vllm_step(options, N, k, dev, static_kinds, logits, weights, ids)
+            tel = layer.telemetry.summary()
+            record(S, "telemetry reset in place, replay counts from zero",
+                   layer.telemetry.acc.data_ptr() == ptr and _same_telemetry(tel, ref_tel),
+                   f"same address: {layer.telemetry.acc.data_ptr() == ptr}; decode steps {tel['decode_steps']}")
+            fill(torch.ones_like(pad))
+            replay()
+            got_ids = out_ids if dev.type == "cuda" else out["ids"]
+            record(S, "all-padding replay (capture warm-up shape) untouched",
+                   bool((got_ids == -1).all()) and layer.telemetry.summary()["decode_steps"] == tel["decode_steps"])
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "CUDA-graph capture + replay of the plugin's step", False, f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+
+
 # ------------------------------------------------------------------------------------------------ main
-SECTIONS = ("kernels", "sync", "tpot", "graphs", "gate")
+SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate")
 
 
 def main(argv=None) -> int:
@@ -678,7 +843,8 @@ def main(argv=None) -> int:
           f"triton {triton.__version__}", flush=True)
     budget = Budget(args.budget)
     models: dict = {}
-    runners = {"kernels": lambda: section_kernels(args, dev, budget),
+    runners = {"vllm": lambda: section_vllm(args, dev, budget),
+               "kernels": lambda: section_kernels(args, dev, budget),
                "sync": lambda: section_sync(args, dev, budget, models),
                "tpot": lambda: section_tpot(args, dev, budget, models),
                "graphs": lambda: section_graphs(args, dev, budget, models),

@@ -82,7 +82,8 @@ def test_padding_rows_are_excluded_and_come_back_untouched(one_layer, policy, pa
     assert torch.equal(new_w[pad], padded_w[pad])
     assert torch.equal(new_ids[keep], ref_ids)
     torch.testing.assert_close(new_w[keep], ref_w, rtol=1e-6, atol=1e-6)
-    assert tel == ref_tel and loaded == ref_loaded
+    # equal counts; the routing mass kept is an fp32 sum over rows (its order changes with the row count)
+    assert tel == pytest.approx(ref_tel, rel=1e-6) and loaded == ref_loaded
     assert tel["decode_tokens"] == 7  # the live decode rows only
 
 
