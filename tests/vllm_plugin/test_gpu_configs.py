@@ -267,3 +267,19 @@ def test_moe_layers_outside_a_hooked_runner_refused_at_start(plugin_state):
     with pytest.raises(UnsupportedModelError, match="DeepGemmMegaMoEExperts"):
         checks.check_start(worker)
 
+
+
+@pytest.mark.vllm_code
+def test_pipeline_stage_without_moe_layers_starts(plugin_state):
+    """Pipeline parallel: each stage hooks its own MoE layers; a stage holding none starts with a warning (the other
+    stages remap theirs), while a single-stage engine without MoE layers is refused."""
+    install.install()
+    plugin_state({"policy": "lynx"})
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    worker = types.SimpleNamespace(model_runner=object.__new__(CPUModelRunner),
+                                   vllm_config=_vllm_config(None, pipeline_parallel_size=2))
+    checks.check_start(worker)
+    worker.vllm_config = _vllm_config(None)
+    with pytest.raises(UnsupportedModelError, match="no MoE layer"):
+        checks.check_start(worker)
