@@ -17,7 +17,7 @@ from .runners import HOOKED_RUNNERS, UNHOOKED, hooked_names
 from .state import STATE, resolve_config, warn_once
 
 __all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "decode_scheduled", "after_worker_step", "check_start",
-           "refused_parallelism", "check_parallelism", "unhooked_moe", "check_gathered"]
+           "refused_parallelism", "check_parallelism", "unhooked_moe", "check_gathered", "check_layer_calls"]
 
 #: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
 LIVENESS_STEPS = 4
@@ -122,12 +122,15 @@ def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:
 def after_worker_step(worker, scheduler_output, seen_before: int) -> None:
     """Liveness, after one worker step (``seen_before``: ``STATE.counts.seen_decode`` before it): requests decode but
     the hooked input preparation reported no decode token for :data:`LIVENESS_STEPS` consecutive such steps ->
-    :class:`~lynx_hf.LynxHookError` naming the worker's model runner and the hooked ones."""
+    :class:`~lynx_hf.LynxHookError` naming the worker's model runner and the hooked ones. Per layer
+    (:func:`check_layer_calls`): a hooked layer whose op was not called in :data:`LIVENESS_STEPS` consecutive steps
+    with decode tokens -> :class:`~lynx_hf.LynxHookError` naming it."""
     cfg = STATE.config
     if cfg is None or not STATE.layers or cfg.lynx.phase == "decode":
         return
     if STATE.counts.seen_decode != seen_before:
         STATE.strikes = 0
+        check_layer_calls()
         return
     if not decode_scheduled(scheduler_output, cfg.lynx.q_max, cfg.lynx.verify):
         return
@@ -139,6 +142,30 @@ def after_worker_step(worker, scheduler_output, seen_before: int) -> None:
             f"consecutive steps: the input preparation of model runner {kind.__module__}.{kind.__qualname__} "
             f"did not reach the plugin's hook (hooked: {hooked_names()}). Policy {cfg.lynx.policy!r} would "
             "run without acting; stopping (vLLM version / model runner not supported by lynx_hf.vllm).")
+
+
+def check_layer_calls() -> None:
+    """After a worker step with decode tokens: every hooked layer's op must have been called (its router reached the
+    plugin), except bypassed layers (the cost gate keeps vLLM's routing, no op) and under CUDA-graph replays (no op
+    body runs; ``STATE.start.captured``). :data:`LIVENESS_STEPS` consecutive such steps without a call of a layer ->
+    :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes through the hooked router)."""
+    if STATE.start.captured:
+        return
+    missed = []
+    for layer in STATE.layers:
+        if layer.bypass or layer.calls != layer.seen_calls:
+            layer.misses = 0
+        else:
+            layer.misses += 1
+            if layer.misses >= LIVENESS_STEPS:
+                missed.append(layer.name)
+        layer.seen_calls = layer.calls
+    if missed:
+        raise LynxHookError(
+            f"lynx_hf.vllm: {len(missed)} of {len(STATE.layers)} hooked MoE layers were not routed through the "
+            f"plugin in {LIVENESS_STEPS} consecutive decode steps ({', '.join(missed[:4])}"
+            f"{', ...' if len(missed) > 4 else ''}): their forward no longer calls the router the plugin hooked; "
+            "stopping rather than running those layers without the policy.")
 
 
 def check_start(worker) -> None:

@@ -62,6 +62,7 @@ def remap_layer(router_logits, topk_weights, topk_ids, index: int):
     step (the op's body; it may return its inputs). ``router_logits [T, N]`` (the model dtype),
     ``topk_weights [T, k]`` fp32 and ``topk_ids [T, k]`` int32 (vLLM's routing, logical expert ids)."""
     layer = STATE.layers[index]
+    layer.calls += 1  # the liveness rule per layer (lynx_hf.vllm.checks.after_worker_step)
     host = plans.host_reads_allowed(router_logits)
     step = step_for(layer, router_logits, host)
     if step is None:

@@ -62,6 +62,11 @@ class Layer:
     #: True: the cost gate keeps vLLM's routing at every step size this engine can run
     #: (:func:`lynx_hf.vllm.plans.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
     bypass: bool = False
+    #: op calls of this layer (its body entered; eager and compiled forwards, not CUDA-graph replays), the count at the
+    #: last worker step with decode tokens, and consecutive such steps without a call (the liveness rule per layer)
+    calls: int = 0
+    seen_calls: int = 0
+    misses: int = 0
 
 
 @dataclass

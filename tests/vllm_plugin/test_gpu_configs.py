@@ -25,7 +25,7 @@ from vllm.config import CUDAGraphMode, ParallelConfig  # noqa: E402
 from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # noqa: E402
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: E402
 
-from lynx_hf import LynxConfigError, UnsupportedModelError  # noqa: E402
+from lynx_hf import LynxConfigError, LynxHookError, UnsupportedModelError  # noqa: E402
 from lynx_hf.vllm import checks, compat, install, layers, op, plans, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm import config as plugin_config  # noqa: E402
 from lynx_hf.vllm.state import DECODE, STATE  # noqa: E402
@@ -283,3 +283,41 @@ def test_pipeline_stage_without_moe_layers_starts(plugin_state):
     worker.vllm_config = _vllm_config(None)
     with pytest.raises(UnsupportedModelError, match="no MoE layer"):
         checks.check_start(worker)
+
+
+@pytest.mark.vllm_code
+def test_liveness_per_layer_counts_op_calls(plugin_state):
+    """Issue 36 item 6: a hooked layer whose op is not called in LIVENESS_STEPS consecutive worker steps with decode
+    tokens (its MoE forward went around the router the plugin hooked) stops the engine, naming it; a bypassed layer
+    (no op by design) and CUDA-graph replays (no op body runs) are not counted."""
+    plugin_state({"policy": "lynx", "gate": "always"})
+    first, second = (_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1))
+    layers.attach(first)
+    layers.attach(second)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    weights, ids = _routing(logits)
+
+    def worker_step(call_second=True):
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)
+        first.router._compute_routing(None, logits, None)
+        if call_second:
+            second.router._compute_routing(None, logits, None)
+        steps.end_step()
+        checks.after_worker_step(types.SimpleNamespace(model_runner=None), None, seen)
+
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        worker_step()
+    for _ in range(checks.LIVENESS_STEPS - 1):
+        worker_step(call_second=False)
+    STATE.start.captured = True  # replays: not counted
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        worker_step(call_second=False)
+    STATE.start.captured = False
+    STATE.layers[1].bypass = True  # the cost gate bypasses it: no op by design
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        worker_step(call_second=False)
+    STATE.layers[1].bypass = False
+    with pytest.raises(LynxHookError, match=r"1 of 2 hooked MoE layers.*model\.layers\.1\.mlp"):
+        for _ in range(checks.LIVENESS_STEPS):
+            worker_step(call_second=False)
