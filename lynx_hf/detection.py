@@ -87,6 +87,10 @@ class Generation:
     fed: int = 0
     eos_tensor: torch.Tensor | None = None
     finished: torch.Tensor | None = None
+    #: the token ids the generating model's forward was called with, where it is not the backbone (a VLM's
+    #: ``...ForConditionalGeneration`` passes its text backbone ``inputs_embeds``): the stop tokens a row fed are read
+    #: from them (:meth:`StepTracker._ids_hook`); ``None``: read the backbone's own input
+    ids: torch.Tensor | None = None
 
 
 _GENERATION: contextvars.ContextVar = contextvars.ContextVar("lynx_generation", default=None)
@@ -241,7 +245,10 @@ def detect_step(args, kwargs, config, generation: Generation | None, requests=No
             return PREFILL_STEP
         if q_len > 1:  # verification of candidates (assisted / prompt-lookup decoding)
             return Step(VERIFY) if generation.verify and config.verify else PREFILL_STEP
-        return Step(DECODE, live=_live_rows(generation, x))
+        tokens = x
+        if x.dtype.is_floating_point and generation.ids is not None and generation.ids.shape[:1] == x.shape[:1]:
+            tokens = generation.ids  # embeddings from a wrapper (a VLM): the ids its forward was given
+        return Step(DECODE, live=_live_rows(generation, tokens))
     if q_len > config.q_max:
         return PREFILL_STEP
     if isinstance(length, torch.Tensor):
@@ -439,23 +446,44 @@ class StepTracker:
             self._traced = PREFILL_STEP if frame.parent is None else frame.parent.step
         return None
 
+    def _ids_hook(self, module, args, kwargs):
+        """Pre-hook on the generating model where it is not the backbone (a VLM's ``...ForConditionalGeneration``,
+        whose text backbone receives ``inputs_embeds``): records the token ids of this forward for the finished-row
+        detection of the backbone forward inside it (:attr:`Generation.ids`; ``docs/cases.md`` C45)."""
+        if torch.compiler.is_compiling():
+            return None
+        generation = self._generation()
+        if generation is not None:
+            ids = kwargs.get("input_ids")
+            if ids is None and args and isinstance(args[0], torch.Tensor):
+                ids = args[0]
+            generation.ids = ids if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point else None
+        return None
+
     def attach(self, backbone: torch.nn.Module) -> None:
         backbone.register_forward_pre_hook(self._pre_hook, with_kwargs=True)
         backbone.register_forward_hook(self._post_hook, with_kwargs=True, always_call=True)
+        model = self.model_state.model
+        if model is not backbone and isinstance(model, torch.nn.Module):
+            model.register_forward_pre_hook(self._ids_hook, with_kwargs=True)
 
     def detach(self, backbone: torch.nn.Module) -> None:
-        """Remove this tracker's hooks from ``backbone`` (found by their tracker, so copies work too)."""
-        ours = [key for name in ("_forward_pre_hooks", "_forward_hooks")
-                for key, hook in getattr(backbone, name).items() if getattr(hook, "__self__", None) is self]
-        for name in self._HOOK_DICTS:
-            hooks = getattr(backbone, name, None)
-            if hooks is None:
+        """Remove this tracker's hooks from ``backbone`` and the generating model (found by their tracker, so copies
+        work too)."""
+        for module in dict.fromkeys([backbone, self.model_state.model]):
+            if not isinstance(module, torch.nn.Module):
                 continue
-            for key in ours:
-                if isinstance(hooks, set):
-                    hooks.discard(key)
-                else:
-                    hooks.pop(key, None)
+            ours = [key for name in ("_forward_pre_hooks", "_forward_hooks")
+                    for key, hook in getattr(module, name).items() if getattr(hook, "__self__", None) is self]
+            for name in self._HOOK_DICTS:
+                hooks = getattr(module, name, None)
+                if hooks is None:
+                    continue
+                for key in ours:
+                    if isinstance(hooks, set):
+                        hooks.discard(key)
+                    else:
+                        hooks.pop(key, None)
 
 
 def _remaps(model_state) -> bool:

@@ -367,3 +367,75 @@ def test_cache_length_reads_the_first_layer_holding_keys():
     assert cache.get_seq_length() == 0
     assert detection.cache_length(cache) == 5
     assert detection.cache_length(DynamicCache()) == 0
+
+
+# -- a VLM wrapper decodes as its text class (docs/cases.md C45) ----------------------------------------------------
+NO_CONSENSUS = dict(policy="lynx", gate="always", mass_price=None, tau=1000.0)
+
+
+def _minimax_m3_pair():
+    """MiniMax-M3-VL's text causal LM (tiny, ``lab.family_matrix``) and its ``...ForConditionalGeneration`` holding
+    the same weights (the vision tower and projector unused by text-only generate)."""
+    from transformers.models.minimax_m3_vl import configuration_minimax_m3_vl as cm
+    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl as mm
+
+    from lab import family_matrix as fm
+
+    text = fm.build(fm.case_of("minimax_m3_vl"))
+    vision = cm.MiniMaxM3VLVisionConfig(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, patch_size=4)
+    vlm = mm.MiniMaxM3SparseForConditionalGeneration(
+        cm.MiniMaxM3VLConfig(text_config=text.config.to_dict(), vision_config=vision.to_dict())).eval()
+    weights = {("model.language_model." + k[len("model."):]) if k.startswith("model.") else k: v
+               for k, v in text.state_dict().items()}
+    _, unexpected = vlm.load_state_dict(weights, strict=False)
+    assert not unexpected
+    return text, vlm
+
+
+def _finished_aware_run(model, ids, eos):
+    with lynx_hf.patched(model, **NO_CONSENSUS):
+        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=eos,
+                             output_scores=True, return_dict_in_generate=True)
+        return out, lynx_hf.stats(model).summary()
+
+
+def _live_tokens(sequences, prompt: int, eos) -> int:
+    """Decode tokens of live rows, counted from the sequences: a row stops voting once it fed a stop token."""
+    count = 0
+    for row in sequences.tolist():
+        for t in range(prompt + 1, len(row)):  # the forward feeding token t - 1 (the first decode step feeds prompt)
+            if row[t - 1] in eos:
+                break
+            count += 1
+    return count
+
+
+def test_C45_vlm_wrapper_decodes_as_its_text_class_finished_rows_included():
+    """CASES C45: a VLM's ``...ForConditionalGeneration`` passes its text backbone ``inputs_embeds``, so the stop
+    tokens rows fed were invisible and finished rows kept voting under LYNX (scores ~0.5 away from the text class on
+    this pair). The generating model's forward now records the ids for the backbone's step (``detection``): the
+    wrapper gives the text class's sequences and scores, and counts only live rows' decode tokens."""
+    pytest.importorskip("transformers.models.minimax_m3_vl")
+    text, vlm = _minimax_m3_pair()
+    ids = torch.randint(3, 100, (8, 4), generator=torch.Generator().manual_seed(0))
+    plain = text.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(plain, vlm.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0))
+    eos = [int(plain[0, 5]), int(plain[3, 4])]  # rows 0 and 3 finish early
+    (want, want_stats), (got, got_stats) = _finished_aware_run(text, ids, eos), _finished_aware_run(vlm, ids, eos)
+    assert torch.equal(got.sequences, want.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(got.scores, want.scores))
+    live = _live_tokens(want.sequences, ids.shape[1], eos)
+    assert live < 8 * 7 and got_stats["decode_tokens"] == want_stats["decode_tokens"] == live
+    assert not lynx_hf.is_patched(vlm) and not vlm._forward_pre_hooks  # the ids hook is gone with the patch
+
+
+def test_C45_qwen3_vl_moe_wrapper_counts_only_live_rows():
+    """CASES C45 on Qwen3-VL-MoE (no text causal LM class ships): through the wrapper, rows that fed a stop token
+    stop voting, as counted from the generated sequences."""
+    vlm = _tiny_vlm()
+    ids = torch.randint(3, fam.VOCAB, (6, 5), generator=torch.Generator().manual_seed(1))
+    plain = vlm.generate(input_ids=ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    eos = [int(plain[1, 6]), int(plain[4, 5])]
+    out, stats = _finished_aware_run(vlm, ids, eos)
+    live = _live_tokens(out.sequences, ids.shape[1], eos)
+    assert live < 6 * 7 and stats["decode_tokens"] == live
