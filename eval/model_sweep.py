@@ -10,12 +10,16 @@ of your data, decoded one token per step through the KV cache in position-aligne
 greedy in token / batch / sqrt(B) price units, OEA, XShare) at every requested B. x = unique experts per MoE
 layer per decode step, y = dCE = CE / CE(unpatched) - 1 (relative).
 
-Order and trimming: points run tier by tier over every B (tier 0: none, the library default, OEA k0 = 1, the
-paper rule at tau = 1; tier 1: the rest of the sqrt-price series (nearest the default first), OEA, XShare warm-up
-1; tier 2: the paper rule's tau grid, the token and batch price series; tier 3: the paper rule at alpha 0.5x and
-2x, XShare warm-up 0). With ``--max-minutes`` each point's time is estimated from the points measured so far at
-its B (a B's unpatched reference counts as one more point); the run stops before a point that would not fit, and
-says how much of the grid it trimmed.
+Order and trimming: points run tier by tier over every B (tier 0: none and the library default; then OEA k0 = 1
+and the paper rule at tau = 1; then the rest of the sqrt-price series (nearest the default first), OEA, XShare
+warm-up 1; then the paper rule's tau grid, the token and batch price series; last the paper rule at alpha 0.5x and
+2x, XShare warm-up 0). With ``--max-minutes`` the windows are first sized to the budget (:func:`size_to_budget`:
+one batch of the smallest B is timed, and the windows cut, in multiples of every B, so that each B's reference,
+none and the default take at most :data:`FIRST_POINTS_SHARE` of the time left; the run refuses at once, exit
+status 2, naming the minutes it needs, when even the fewest windows would not fit); then each point's time is
+estimated from the points measured so far at its B (a B's unpatched reference counts as one more point); the run
+stops before a point that would not fit, and says how much of the grid it trimmed. The precision of what was
+measured is stated: each dCE with its standard error over the windows, and how many windows the budget allowed.
 
 Resumable: every measured point (and each B's reference) is appended to ``<name>.points.jsonl`` in the output
 folder as it finishes; a rerun with the same model, data windows, prefill/decode, dtype and device skips them
@@ -57,6 +61,13 @@ DEFAULT_BATCH_SIZES = (8, 16, 32, 64)
 SERIES = ("paper", "token", "batch", "sqrt", "oea", "xshare")
 #: tie-break between configurations with equal experts and dCE (price twins at one B are identical)
 _SERIES_PREFERENCE = {"sqrt": 0, "token": 1, "batch": 2, "paper": 3, "oea": 4, "xshare": 5}
+def _clock() -> float:
+    """The clock ``--max-minutes`` is kept with (seconds; read through this module's ``time``, which tests replace)."""
+    return time.perf_counter()
+
+#: with ``--max-minutes``, the share of the time left that the windows are sized to for the first points: each B's
+#: unpatched reference, policy none and the library default (the rest of the budget goes to further points)
+FIRST_POINTS_SHARE = 0.5
 
 
 class SweepInputError(Exception):
@@ -83,7 +94,8 @@ def priority_tiers(cat: dict, series: set[str]) -> list[list[str]]:
 
     paper_1x = [n for n in of("paper") if n.endswith(" a=1x")]
     tiers = [
-        ["none", DEFAULT_NAME, "oea k0=1", pareto.paper_name(1.0, 1.0)],
+        ["none", DEFAULT_NAME],  # at every B first: a time budget always gets the answer lynx_config.json needs
+        ["oea k0=1", pareto.paper_name(1.0, 1.0)],
         by_price(of("sqrt")) + of("oea") + of("xshare", lambda c: c.xshare_warmup == 1),
         by_tau(paper_1x) + by_price(of("token")) + by_price(of("batch")),
         by_tau([n for n in of("paper") if n not in paper_1x]) + of("xshare", lambda c: c.xshare_warmup == 0),
@@ -235,6 +247,40 @@ def _windows(tok, args, files, sizes, log) -> torch.Tensor:
     return everything[:n]
 
 
+def size_to_budget(model, windows: torch.Tensor, sizes: list[int], args, left_s: float, log) -> torch.Tensor:
+    """The windows a ``--max-minutes`` budget allows (``left_s``: seconds left of it). One batch of the smallest B is
+    decoded unpatched and timed (``_clock``): seconds per window (the smallest B is the slowest per window, so the
+    estimate errs long). The first points -- each B's reference, policy none and the library default, 3 passes over
+    the windows per B -- get at most :data:`FIRST_POINTS_SHARE` of the time left: the windows are cut to the largest
+    multiple of every B that fits (at least one multiple). Raises :class:`SweepInputError` (exit status 2, before
+    anything else is measured) naming the minutes needed when even the fewest windows do not fit in the time left."""
+    step = math.lcm(*sizes)
+    smallest = min(sizes)
+    start = _clock()
+    ev.reference_run(model, windows[:smallest], smallest, args.prefill)
+    per_window = max(_clock() - start, 1e-9) / smallest
+    left = left_s - (_clock() - start)
+    passes = 3 * len(sizes)
+    need = passes * step * per_window
+    if need > left:
+        spent = 60.0 * args.max_minutes - left
+        raise SweepInputError(
+            f"--max-minutes {args.max_minutes:g} is too short on this machine: policy none and the default at every "
+            f"B ({', '.join(map(str, sizes))}) on the fewest windows ({step}, a multiple of every B) need about "
+            f"{need / 60:.2f} min (measured {per_window:.2f} s per window of {args.decode} decode steps at B = "
+            f"{smallest}), and {max(left, 0.0) / 60:.2f} min are left after loading; give --max-minutes "
+            f"{math.ceil((spent + need / FIRST_POINTS_SHARE) / 60 * 10) / 10:g} or more, or fewer batch sizes, or a "
+            f"smaller --decode")
+    fit = int(FIRST_POINTS_SHARE * left / (passes * per_window)) // step * step
+    n = max(step, min(int(windows.shape[0]), fit))
+    if n < windows.shape[0]:
+        log(f"--max-minutes {args.max_minutes:g}: {n} of {windows.shape[0]} windows, sized to the budget "
+            f"({per_window:.2f} s per window at B = {smallest}; none and the default at every B first); each dCE is "
+            f"then a mean over {n} windows x {args.decode} decode steps, its standard error in the report "
+            f"(rerun with more time for a tighter one)")
+    return windows[:n]
+
+
 # -- the run ---------------------------------------------------------------------------------------------
 def _read_points(path: Path, key: dict, log) -> dict:
     done: dict = {}
@@ -276,7 +322,7 @@ def main(args, argv, prog: str) -> int:
 def _run(args, argv) -> int:
     from tqdm.auto import tqdm
 
-    t_start = time.perf_counter()
+    t_start = _clock()
     log = lambda line: tqdm.write(line, file=sys.stderr)  # noqa: E731
     v = _validate(args)
     sizes, device, model_path = v["sizes"], v["device"], v["model"]
@@ -285,6 +331,10 @@ def _run(args, argv) -> int:
         torch.set_num_threads(args.threads)
     model, tok, num_experts, top_k, dtype = _load(model_path, args.dtype, device)
     windows = _windows(tok, args, v["files"], sizes, log)
+    deadline = None if args.max_minutes is None else 60.0 * args.max_minutes
+    requested_windows = int(windows.shape[0])
+    if deadline is not None:
+        windows = size_to_budget(model, windows, sizes, args, deadline - (_clock() - t_start), log)
     model_name = model_path.resolve().name
     out = Path(args.out) if args.out else RESULTS_DIR / f"sweep_{model_name}"
     out.mkdir(parents=True, exist_ok=True)
@@ -299,7 +349,6 @@ def _run(args, argv) -> int:
     tiers = priority_tiers(cat, v["series"])
     plan = [(b, name) for tier in tiers for b in sizes for name in tier]
     todo = [p for p in plan if p not in done]
-    deadline = None if args.max_minutes is None else 60.0 * args.max_minutes
     log(f"== {model_name} (N = {num_experts}, k = {top_k}, {dtype}, {device}): {len(plan)} points at B = "
         f"{', '.join(map(str, sizes))}, {windows.shape[0]} windows x {args.decode} decode steps; {len(todo)} to run"
         + (f"; --max-minutes {args.max_minutes:g}" if deadline else ""))
@@ -319,7 +368,7 @@ def _run(args, argv) -> int:
     announced = False
     bar = tqdm(total=len(todo), desc=f"sweep {model_name}", unit="point", file=sys.stderr)
     for i, (b, name) in enumerate(todo):
-        elapsed = time.perf_counter() - t_start
+        elapsed = _clock() - t_start
         c = cost(b)
         if deadline is not None and c is not None and elapsed + c > deadline:
             trimmed = todo[i:]
@@ -345,7 +394,7 @@ def _run(args, argv) -> int:
             announced = True  # one projection, once a few points are measured
             rest = todo[i + 1:]
             need = sum(estimate(bb) for bb, _ in rest) + sum(estimate(bb) for bb in {bb for bb, _ in rest} - set(refs))
-            left = deadline - (time.perf_counter() - t_start)
+            left = deadline - (_clock() - t_start)
             if need > left:
                 per = ", ".join(f"B={bb} {estimate(bb):.2f} s" for bb in sizes if times[bb])
                 log(f"--max-minutes {args.max_minutes:g}: the remaining {len(rest)} points need about {need / 60:.1f} "
@@ -383,7 +432,8 @@ def _run(args, argv) -> int:
                 "decode": args.decode, "batch_sizes": [r["batch_size"] for r in runs] or sizes,
                 "requested_batch_sizes": sizes, "ce_budget": budget, "device": device, "dtype": str(dtype),
                 "series": sorted(v["series"]), "taus": taus, "alpha_mults": mults, "token_prices": tprices,
-                "xshare_fractions": fractions, "max_minutes": args.max_minutes, "torch": torch.__version__,
+                "xshare_fractions": fractions, "max_minutes": args.max_minutes, "requested_sequences": requested_windows,
+                "torch": torch.__version__,
                 "threads": torch.get_num_threads()}
     rule = (f"lynx_config.json: among the configurations measured at every B ({', '.join(map(str, sizes))}), those "
             f"with dCE <= {100 * budget:g} % at every B; of them the fewest unique experts (mean over B of unique "
@@ -396,7 +446,7 @@ def _run(args, argv) -> int:
                   best_per_batch_size(run, budget)) for run in runs},
               "points": {"planned": len(plan), "measured": sum(1 for p in plan if p in done),
                          "trimmed": len(trimmed), "trimmed_names": sorted({n for _, n in trimmed})},
-              "seconds": time.perf_counter() - t_start, "command": command("sweep", argv)}
+              "seconds": _clock() - t_start, "command": command("sweep", argv)}
     pareto.compare_runs(report, "sqrt" if "sqrt" in v["series"] else None)
     missing = [b for b in sizes if b not in settings["batch_sizes"]] if runs else sizes
     (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
@@ -438,6 +488,10 @@ def summary(report: dict, missing: list[int]) -> str:
                      f"dCE {100 * cell['delta_ce_rel']:+.2f} % +- {100 * cell['delta_ce_rel_se']:.2f}")
     if missing:
         lines.append(f"  not measured at B = {', '.join(map(str, missing))} (trimmed)")
+    settings = report["settings"]
+    if settings.get("requested_sequences", settings["sequences"]) > settings["sequences"]:
+        lines.append(f"  {settings['sequences']} of {settings['requested_sequences']} windows (sized to --max-minutes "
+                     f"{settings['max_minutes']:g}): the +- is each dCE's standard error over them")
     return "\n".join(lines)
 
 

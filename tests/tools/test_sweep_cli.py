@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -99,14 +100,79 @@ def test_rerun_resumes_without_measuring_again(swept, capsys, monkeypatch):
     assert (out / "sweep.points.jsonl").read_text().splitlines() == lines
 
 
-def test_max_minutes_trims_the_grid_and_says_so(swept, capsys, monkeypatch):
+class FakeClock:
+    """``model_sweep``'s ``time.perf_counter``: seconds advance only by what the faked runs below say each pass
+    costs."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _slow_machine(monkeypatch, seconds_per_window: float) -> FakeClock:
+    """The real teacher-forced runs (fast on fixture B), each charged ``seconds_per_window`` per window decoded on a
+    fake clock, and reported so (``seconds``): a busy machine without timing anything."""
+    clock = FakeClock()
+    real_ref, real_score = ev.reference_run, ev.score_policy
+
+    def reference_run(model, windows, batch_size, prefill):
+        ref = real_ref(model, windows, batch_size, prefill)
+        ref.row["seconds"] = seconds_per_window * windows.shape[0]
+        clock.t += ref.row["seconds"]
+        return ref
+
+    def score_policy(model, ref, name, cfg):
+        row = real_score(model, ref, name, cfg)
+        row["seconds"] = seconds_per_window * sum(b.shape[0] for b in ref.batches)
+        clock.t += row["seconds"]
+        return row
+
+    monkeypatch.setattr(ms, "time", types.SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(ev, "reference_run", reference_run)
+    monkeypatch.setattr(ev, "score_policy", score_policy)
+    return clock
+
+
+BUDGETED = ["--sequences", "64", "--prefill", "4", "--decode", "8", "--series", "sqrt,oea"]
+
+
+def test_C46_max_minutes_sizes_the_windows_and_measures_none_and_the_default_first(swept, capsys, monkeypatch):
+    """CASES C46: 3 s per window (64 windows: 192 s per pass at B = 8) and --max-minutes 4. Before, the reference and
+    policy none alone took 384 s, the rest was trimmed and no lynx_config.json was written. Now one batch is timed,
+    the windows are cut to 8 (none, the default and the reference in at most half the budget), none and the default
+    run first, further points fill the budget, lynx_config.json is written and the report states the windows and
+    each dCE's standard error."""
     base, ckpt, data, _, _ = swept
-    status, _, err = cli(capsys, monkeypatch, base, "sweep", "--model", ckpt, "--data", data, "--batch-sizes", "8,16",
-                         "--max-minutes", "0.001", "--out", "trimmed", *SMALL_IN_PROCESS)
+    clock = _slow_machine(monkeypatch, 3.0)
+    status, out, err = cli(capsys, monkeypatch, base, "sweep", "--model", ckpt, "--data", data, "--batch-sizes", "8",
+                           "--max-minutes", "4", "--out", "budgeted", *BUDGETED)
     assert status == 0, err[-3000:]
-    assert "the grid is trimmed to fit --max-minutes 0.001" in err
-    report = json.loads((base / "trimmed" / "sweep.json").read_text())
-    assert report["points"]["trimmed"] > 0 and "trimmed to fit" in (base / "trimmed" / "sweep.md").read_text()
+    assert (base / "budgeted" / "lynx_config.json").is_file(), out + err[-2000:]
+    report = json.loads((base / "budgeted" / "sweep.json").read_text())
+    assert report["settings"]["sequences"] == 8 and report["settings"]["requested_sequences"] == 64
+    assert "8 of 64 windows, sized to the budget" in err
+    names = [r["name"] for r in report["runs"][0]["results"]]
+    assert names[:1] == ["unpatched"] and {"none", ms.DEFAULT_NAME} <= set(names)
+    # 24 s probe + 24 s per pass (reference, none, default, ...) within 240 s: 8 passes after the probe
+    assert report["points"]["measured"] == 8 and report["points"]["trimmed"] > 0
+    assert clock.t <= 240.0
+    assert "+-" in out  # the chosen configuration's dCE with its standard error
+
+
+def test_C46_max_minutes_too_short_refuses_at_once_naming_the_time_needed(swept, capsys, monkeypatch):
+    """10 s per window: the probe (8 windows, 80 s) leaves 160 s, and none + the default + the reference at B = 8 on
+    the fewest windows need 240 s: refused with status 2 after the probe alone, naming the minutes to give
+    ((80 + 240 / 0.5) / 60 = 9.33 -> 9.4); nothing else measured, no file written. The trimming itself: above."""
+    base, ckpt, data, _, _ = swept
+    clock = _slow_machine(monkeypatch, 10.0)
+    status, _, err = cli(capsys, monkeypatch, base, "sweep", "--model", ckpt, "--data", data, "--batch-sizes", "8",
+                         "--max-minutes", "4", "--out", "refused", *BUDGETED)
+    assert status == 2
+    assert "--max-minutes 4 is too short" in err and "need about 4.00 min" in err and "--max-minutes 9.4" in err
+    assert clock.t == 80.0 and not (base / "refused" / "lynx_config.json").exists()
+    assert err.strip().splitlines()[-1].startswith("lynx-hf sweep: error: --max-minutes 4 is too short")
 
 
 def test_generate_uses_the_config_file_and_options_override_it(swept, capsys, monkeypatch):
