@@ -54,6 +54,10 @@ class Mutant:
 PP = "tests/policies/test_policy_properties.py::"
 EQ = "tests/decode/test_equivalence.py::"
 CORE = "tests/decode/test_routing_core.py::"
+GATE = "tests/policies/test_gate.py::"
+OFF = "tests/offload/test_offload.py::"
+GEN = "tests/families/test_generic_probe_exactness.py::"
+ENTRY = "tests/decode/test_entry_points.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -202,6 +206,133 @@ MUTANTS: tuple[Mutant, ...] = (
           "union_mask(idx64, num_experts, keep) | seed\n",
           "    seed = seed  # mutant: the prefill rows' experts no longer seed\n"),),
         (CORE + "test_prefill_rows_keep_their_routing_and_seed_the_critical_set",),
+    ),
+    # -- issues 37 / 38: the cost gate, offloaded experts, the selection rule, the generic probe, detection, config
+    Mutant(
+        "gate_margin_one",
+        "the cost gate decides at 1x the cost (a saving between 1x and MARGIN x the cost switches the policy on)",
+        (("lynx_hf/gate.py", "    d = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)\n",
+          "    d = decide(cost, saved, expert, extra_expert_ms, margin=1.0)\n"),
+         ("lynx_hf/gate.py", "        new = decide(cost, saved, expert, extra_expert_ms, margin=MARGIN)\n",
+          "        new = decide(cost, saved, expert, extra_expert_ms, margin=1.0)\n")),
+        (GATE + "test_measure_decides_with_the_margin_hand_worked",),
+    ),
+    Mutant(
+        "gate_buckets_share_a_key",
+        "the gate's decision cache keys no step-size bucket (one bucket's figures answer every step size)",
+        (("lynx_hf/gate.py", "    key = (shape, str(plan.device), _plan_key(plan, telemetry), b, ",
+          "    key = (shape, str(plan.device), _plan_key(plan, telemetry), 0, "),),
+        (GATE + "test_buckets_are_measured_and_kept_apart",),
+    ),
+    Mutant(
+        "gate_confirm_off_unguarded",
+        "the confirm loop times a long cost again on the off branch (CONFIRM_MAX_S ignored there)",
+        (("lynx_hf/gate.py", "            if cost_s >= CONFIRM_MAX_S:\n                break\n", ""),),
+        (GATE + "test_off_decision_with_a_long_cost_timing_is_not_timed_again",),
+    ),
+    Mutant(
+        "gate_keeps_unmeasured",
+        "a decision asked while measuring is impossible (compile tracing) is kept for later eager steps",
+        (("lynx_hf/gate.py", '            if not d.reason.startswith("not measured"):\n                self.decisions[b] = d',
+          "            if True:\n                self.decisions[b] = d"),),
+        (GATE + "test_a_decision_asked_while_measuring_is_impossible_is_not_kept",),
+    ),
+    Mutant(
+        "gate_global_rng",
+        "the batched-MLP expert timing draws its weights from the global RNG (C38)",
+        (("lynx_hf/gate.py", "    g = torch.Generator().manual_seed(0)\n    gate_up =", "    g = None\n    gate_up ="),),
+        (GATE + "test_C38_patch_time_measurement_leaves_rng_threads_grad_and_training_alone",),
+    ),
+    Mutant(
+        "gate_cost_key_ignored",
+        "the gate's cache key leaves out the cost key (experts implementation, storage, offload) (C41)",
+        (("lynx_hf/gate.py", "           route_fn is not None, tuple(cost_key), threads)",
+          "           route_fn is not None, threads)"),),
+        (GATE + "test_C41_models_of_one_shape_with_different_experts_implementations_do_not_share_figures",),
+    ),
+    Mutant(
+        "offload_fifo",
+        "the resident cache refreshes nothing on a hit (first in, first out instead of least recently used)",
+        (("lynx_hf/offload.py", "            for e in hits:\n                self.lru.move_to_end(e)\n            needed = ",
+          "            needed = "),),
+        (OFF + "test_cache_replaces_the_least_recently_used_expert_not_the_first_loaded",
+         OFF + "test_lru_replacement_and_reads"),
+    ),
+    Mutant(
+        "offload_transfer_per_call",
+        "an offloaded expert's transfer time divided by decode calls instead of experts fetched",
+        (("lynx_hf/offload.py", 'return 1e3 * c["seconds"] / c["fetched"] if c["fetched"] else None',
+          'return 1e3 * c["seconds"] / c["calls"] if c["fetched"] else None'),),
+        (OFF + "test_transfer_time_is_per_expert_fetched",),
+    ),
+    Mutant(
+        "selection_bias_not_live",
+        "the selection bias read from the module attribute (meta under offload_buffers=True), not where it lives (C39)",
+        (("lynx_hf/selection.py", "        return live_tensor(owner, self.path).detach()",
+          "        return _resolve(owner, self.path).detach()"),),
+        (OFF + "test_C39_offload_buffers_with_a_router_reading_a_buffer",
+         OFF + "test_C39_generic_spec_router_with_an_offloaded_bias_is_verified_and_remaps"),
+    ),
+    Mutant(
+        "generic_one_mismatch_ok",
+        "the generic probe accepts a selection rule with one mismatched probe token",
+        (("patches/generic.py", "            if bad == 0:\n                fit.append",
+          "            if bad <= 1:\n                fit.append"),),
+        (GEN + "test_one_probe_token_with_other_experts_is_refused",),
+    ),
+    Mutant(
+        "generic_bf16_tolerance",
+        "the generic probe checks an fp32 router's weights to 4 ulps of bf16 instead of its own dtype",
+        (("patches/generic.py", "        tol = 4 * torch.finfo(weights.dtype).eps",
+          "        tol = 4 * torch.finfo(torch.bfloat16).eps"),),
+        (GEN + "test_weights_a_few_parts_in_ten_thousand_off_on_one_token_are_refused",),
+    ),
+    Mutant(
+        "generic_deferred_drops_eps",
+        "a rule verified on the router's real output (deferred) drops the renormalisation epsilon",
+        (("patches/generic.py", "        return _block_rule(block_parts(block)[1].num_experts, rule.top_k, rule)\n",
+          "        rule = InferredRule(rule.kind, rule.renormalize, rule.scale, rule.top_k, rule.selection)\n"
+          "        return _block_rule(block_parts(block)[1].num_experts, rule.top_k, rule)\n"),),
+        (GEN + "test_a_deferred_verification_keeps_the_routers_denominator_epsilon",),
+    ),
+    Mutant(
+        "generic_ambiguous_takes_first",
+        "a probe that several selection rules fit equally takes the first (C42)",
+        (("patches/generic.py", '        if len(fit) > 1 and fit[0][0].owner != "none":', "        if False:"),),
+        ("tests/families/test_selection_bias.py::"
+         "test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loaded",),
+    ),
+    Mutant(
+        "self_check_threshold_3",
+        "the no-decode warning fires at the 3rd unclassified forward in a row instead of the 2nd",
+        (("lynx_hf/detection.py", "        if self._unclassified_run >= 2:", "        if self._unclassified_run >= 3:"),),
+        (ENTRY + "test_C33_self_check_threshold_two_in_a_row_and_reset_by_a_decode_forward",),
+    ),
+    Mutant(
+        "self_check_never_reset",
+        "a decode forward does not reset the no-decode self-check's run of unclassified forwards",
+        (("lynx_hf/detection.py", "            self.decode_forwards += 1\n            self._unclassified_run = 0\n",
+          "            self.decode_forwards += 1\n"),),
+        (ENTRY + "test_C33_self_check_threshold_two_in_a_row_and_reset_by_a_decode_forward",),
+    ),
+    Mutant(
+        "wrapper_ids_ignored",
+        "a VLM wrapper's token ids are not used: finished rows go undetected through it (C45)",
+        (("lynx_hf/detection.py", "            tokens = generation.ids  # embeddings", "            tokens = x  # embeddings"),),
+        (ENTRY + "test_C45_vlm_wrapper_decodes_as_its_text_class_finished_rows_included",
+         ENTRY + "test_C45_qwen3_vl_moe_wrapper_counts_only_live_rows"),
+    ),
+    Mutant(
+        "config_old_and_new_name_allowed",
+        "an old field name given with its replacement is not refused (the old value wins) (C40)",
+        (("lynx_hf/config.py", "        if old in names and both:", "        if False:"),),
+        ("tests/patching/test_config.py::test_C40_old_and_new_name_together_are_refused_on_every_entry_point",),
+    ),
+    Mutant(
+        "repatch_from_defaults",
+        "patch on a patched model starts from LynxConfig() defaults (C43)",
+        (("lynx_hf/patcher.py", "    if config is None:\n        base = current\n", "    if config is None:\n        base = None\n"),),
+        ("tests/patching/test_api.py::test_C43_repatch_applies_overrides_on_top_of_the_current_config",),
     ),
 )
 

@@ -439,3 +439,35 @@ def test_C45_qwen3_vl_moe_wrapper_counts_only_live_rows():
     out, stats = _finished_aware_run(vlm, ids, eos)
     live = _live_tokens(out.sequences, ids.shape[1], eos)
     assert live < 6 * 7 and stats["decode_tokens"] == live
+
+
+def test_C33_self_check_threshold_two_in_a_row_and_reset_by_a_decode_forward(monkeypatch):
+    """Issue 38: the no-decode warning fires at the 2nd unclassified decode-looking forward in a row (not the 3rd),
+    and a decode forward in between resets the run: unclassified, decode, unclassified, decode, unclassified is
+    silent; one more unclassified warns ("2 forwards in a row"). Forwards outside generate, the cache's length read
+    as 0 on the steps chosen to be unclassified."""
+    from transformers import DynamicCache
+
+    ids, mask = fam.prompts(6, 5)
+    model = fam.build("mixtral")
+    lynx_hf.patch(model, policy="lynx")
+    real, zero = detection.cache_length, {"on": False}
+    monkeypatch.setattr(detection, "cache_length", lambda cache: 0 if zero["on"] else real(cache))
+    state = {"out": model(input_ids=ids, attention_mask=mask, use_cache=True,
+                          **fam.cache_kw(model, DynamicCache(config=model.config))), "mask": mask}
+
+    def step(unclassified: bool):
+        zero["on"] = unclassified
+        state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], 1)
+        state["out"] = model(input_ids=state["out"].logits[:, -1:].argmax(-1), attention_mask=state["mask"],
+                             use_cache=True, **fam.cache_kw(model, fam.cache_of(state["out"])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LynxNoDecodeWarning)
+        for unclassified in (True, False, True, False, True):
+            step(unclassified)
+    counts = _telemetry(model)
+    assert counts["unclassified_forwards"] == 3 and counts["decode_forwards"] == 2
+    with pytest.warns(LynxNoDecodeWarning, match="2 forwards in a row"):
+        step(True)
+    lynx_hf.unpatch(model)

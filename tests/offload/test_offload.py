@@ -581,3 +581,34 @@ def test_C39_generic_spec_router_with_an_offloaded_bias_is_verified_and_remaps(o
     assert all(b.rule_status == "verified" for b in _state(model).blocks)
     assert lynx_hf.stats(model).summary()["decode_steps"] == 3 and torch.equal(got, want)
     lynx_hf.unpatch(model)
+
+
+# -- issue 38: least-recently-used (not first-in first-out) replacement; the per-expert transfer time -----------------
+def test_cache_replaces_the_least_recently_used_expert_not_the_first_loaded():
+    """3 slots: experts 0, 1, 2 loaded in that order, then 0 used again, then 3 needs a slot. LRU evicts 1 (least
+    recently used); FIFO would evict 0 (first loaded). Then 0 is a hit (nothing read) and 1 a miss."""
+    n, rows = 6, 2
+    data = {"w": torch.arange(n * rows, dtype=torch.float32).view(n, rows)}
+    store = offload.ExpertStore(data, ["w"], {"w": (n, rows)}, {"w": torch.float32})
+    cache = offload.ExpertCache(store, {"w": (n, rows)}, n, torch.device("cpu"), budget_bytes=3 * rows * 4)
+    assert cache.slots == 3
+    fetched = [cache.gather(experts)[2] for experts in ([0, 1, 2], [0], [3])]
+    assert fetched == [3, 0, 1]
+    assert sorted(cache.lru) == [0, 2, 3] and cache.resident.tolist() == [True, False, True, True, False, False]
+    tensors, slots, fetched, hits, _, _ = cache.gather([0])
+    assert (fetched, hits) == (0, 1) and torch.equal(tensors["w"][slots[0]], data["w"][0])
+    assert cache.gather([1])[2:4] == (1, 0)
+
+
+def test_transfer_time_is_per_expert_fetched(tmp_path, one_thread):
+    """``transfer_ms``: the store's read time over the experts read, not over the decode calls: 12 ms for 6 experts
+    in 3 calls is 2 ms per expert (4 would be per call); ``None`` before any read."""
+    model = offloaded("qwen2_moe", "cpu_offload", tmp_path)
+    lynx_hf.patch(model, policy="lynx", **ALWAYS)
+    offloaded_experts = [b.offload for b in _state(model).blocks if b.offload is not None]
+    assert offloaded_experts
+    one = offloaded_experts[0]
+    assert one.transfer_ms() is None
+    one.counts.update(seconds=0.012, fetched=6, calls=3)
+    assert one.transfer_ms() == pytest.approx(2.0)
+    lynx_hf.unpatch(model)

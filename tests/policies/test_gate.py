@@ -527,3 +527,95 @@ def test_C41_models_of_one_shape_with_different_experts_implementations_do_not_s
         lynx_hf.unpatch(model)
     gate._CACHE.clear()
 
+
+
+# -- issue 38: the margin, the buckets, the confirm loop's guards, decisions asked while measuring is impossible ----
+def test_measure_decides_with_the_margin_hand_worked(monkeypatch):
+    """7 experts saved (13 -> 6), cost 0.1 ms: at 0.017 ms per expert the saving is 0.119 ms, above the cost but below
+    MARGIN (1.25) x 0.1 = 0.125: off; at 0.019 ms (0.133 ms) on. A gate deciding at 1x would run the policy at
+    0.017."""
+    assert gate.MARGIN == 1.25
+    d, _, _ = _timed_measure(monkeypatch, [0.1, 0.1], [0.017, 0.017])
+    assert not d.on and d.saving_ms == pytest.approx(0.119) and d.saving_ms > d.cost_ms
+    d, _, _ = _timed_measure(monkeypatch, [0.1, 0.1], [0.019, 0.019])
+    assert d.on and d.saving_ms == pytest.approx(0.133)
+
+
+def test_buckets_are_measured_and_kept_apart(monkeypatch):
+    """Each bucket is measured on its own and cached under its own key: fake timings per step size (cost 1 ms at T =
+    2, 0.01 ms at T = 16; 0.1 ms per expert, 7 saved) give off at 2 and on at 16, also when asked again (cached),
+    and a step of 9 tokens uses bucket 16."""
+    from lynx_hf.config import LynxConfig
+    from lynx_hf.core import MoELayer, make_plan
+
+    gate._CACHE.clear()
+    timed = []
+
+    def routing(plan, num_tokens, dtype=torch.float32, telemetry=True, draws=gate.DRAWS, mixed=False, route_fn=None):
+        timed.append(num_tokens)
+        return (1.0 if num_tokens <= 2 else 0.01), 13.0, 6.0
+
+    monkeypatch.setattr(gate, "measure_routing", routing)
+    monkeypatch.setattr(gate, "measure_module_expert_ms", lambda *a: 0.1)
+    plan = make_plan(LynxConfig(policy="lynx", gate="always"), MoELayer(32, 4, torch.device("cpu")))
+    shape = gate.LayerShape(32, 4, 64, 32)
+    g = gate.PlanGate(shape, plan=plan, expert_fn=lambda h, i, w: h)
+    assert not g.decision(2).on and g.decision(16).on
+    assert not g.decision(2).on and g.decision(9).on  # from the gate's decisions: nothing timed again
+    assert gate.measure(plan, shape, 2, expert_fn=lambda h, i, w: h).cost_ms == 1.0  # the shared cache, per bucket
+    assert gate.measure(plan, shape, 16, expert_fn=lambda h, i, w: h).cost_ms == 0.01
+    assert sorted(set(timed)) == [2, 16]
+    gate._CACHE.clear()
+
+
+def test_off_decision_with_a_long_cost_timing_is_not_timed_again(monkeypatch):
+    """The confirm loop's guard on the off branch: a cost whose timing took CONFIRM_MAX_S or more is kept as measured
+    (0.5 ms cost, 7 x 0.01 saved: off, one cost timing), where a short one is timed again (two)."""
+    monkeypatch.setattr(gate, "CONFIRM_MAX_S", 0.0)
+    d, costs, experts = _timed_measure(monkeypatch, [0.5], [0.01])
+    assert not d.on and (costs, experts) == (1, 1)
+    monkeypatch.setattr(gate, "CONFIRM_MAX_S", 1e9)
+    d, costs, experts = _timed_measure(monkeypatch, [0.5, 0.5], [0.01])
+    assert not d.on and (costs, experts) == (2, 1)
+
+
+def test_a_decision_asked_while_measuring_is_impossible_is_not_kept(monkeypatch):
+    """Asked under tracing (torch.compile) or CUDA-graph capture, the gate answers on without measuring; that answer
+    is not kept: the next eager ask measures the bucket (here: off)."""
+    from lynx_hf.config import LynxConfig
+    from lynx_hf.core import MoELayer, make_plan
+
+    gate._CACHE.clear()
+    monkeypatch.setattr(gate, "measure_routing", lambda *a, **k: (1.0, 13.0, 6.0))
+    monkeypatch.setattr(gate, "measure_module_expert_ms", lambda *a: 0.001)
+    plan = make_plan(LynxConfig(policy="lynx", gate="always"), MoELayer(32, 4, torch.device("cpu")))
+    g = gate.PlanGate(gate.LayerShape(32, 4, 64, 32), plan=plan, expert_fn=lambda h, i, w: h)
+    monkeypatch.setattr(gate, "cannot_measure", lambda device: "torch.compile tracing")
+    d = g.decision(8)
+    assert d.on and d.reason.startswith("not measured") and 8 not in g.decisions
+    monkeypatch.undo()  # measuring is possible again (the fakes go too: set them again)
+    monkeypatch.setattr(gate, "measure_routing", lambda *a, **k: (1.0, 13.0, 6.0))
+    monkeypatch.setattr(gate, "measure_module_expert_ms", lambda *a: 0.001)
+    assert not g.decision(8).on and not g.decisions[8].on
+    gate._CACHE.clear()
+
+
+def test_generate_runs_the_real_measurement_end_to_end(tmp_path, capsys):
+    """Issue 38: the CLI entry point with the real measurement (no fixed decisions): `lynx-hf generate --gate auto
+    --stats-json` measures every layer at the step size it decodes and reports finite figures, decided with the
+    margin."""
+    import json
+
+    from lynx_hf import cli
+
+    fam.save_checkpoint("qwen2_moe", tmp_path / "ckpt")
+    (tmp_path / "prompts.txt").write_text("w5 w6 w7\nw9 w3 w4\n")
+    argv = ["generate", "--model", str(tmp_path / "ckpt"), "--prompts", str(tmp_path / "prompts.txt"), "--batch-size",
+            "4", "--max-new-tokens", "3", "--quiet", "--gate", "auto", "--stats-json", str(tmp_path / "stats.json")]
+    assert cli.main(argv) == 0
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    layers = stats.get("per_layer") or stats["lynx"]["per_layer"]
+    figures = [layer["gate"]["by_tokens"]["4"] for layer in layers]
+    assert figures and all(f["cost_ms"] is not None and f["cost_ms"] >= 0 and f["expert_ms"] is not None
+                           for f in figures)
+    assert all(f["on"] == (f["saving_ms"] > gate.MARGIN * f["cost_ms"]) for f in figures)
