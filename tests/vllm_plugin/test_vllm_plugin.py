@@ -659,3 +659,27 @@ def test_lynx_reduces_decode_unique_experts_fixture_b(engine):
     assert worker["layers"][0]["rule"] == {"rule": "softmax_all", "renormalize": True, "scale": 1.0}
     assert summary["decode_steps"] >= MAX_TOKENS - 1
     assert summary["unique_experts_after"] <= 0.9 * summary["unique_experts_before"], summary
+
+
+def test_second_engine_in_one_process_honours_its_own_configuration(tmp_path):
+    """Issue 36 item 7, fixture A, engines one after another in one process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
+    a first engine without the plugin, deleted; a second with ``{"policy": "lynx"}`` and gate always reports policy
+    lynx, decode steps and fewer unique experts (before the fix: policy off, 0 decode steps); a third, after the
+    second is deleted, with OEA, reports OEA (its own configuration again, not the second's)."""
+    out = tmp_path / "out.json"
+    configs = [None, {"policy": "lynx", "gate": "always"}, {"policy": "oea", "oea_k0": 1, "gate": "always"}]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.pop("LYNX_VLLM_CONFIG", None)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(Path(__file__).with_name("engine_sequence.py")), str(FIXTURE_A),
+                           json.dumps(configs), str(out)], env=env, capture_output=True, text=True,
+                          timeout=ENGINE_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    first, second, third = json.loads(out.read_text())
+    assert first["stats"][0]["config"] is None and first["stats"][0]["layers"] == []
+    (worker,) = second["stats"]
+    assert worker["config"]["policy"] == "lynx" and worker["decode_steps"] > 0, worker.get("config")
+    summary = worker["summary"]
+    assert summary["num_moe_layers"] == 4 and summary["unique_experts_after"] < summary["unique_experts_before"]
+    (worker,) = third["stats"]
+    assert worker["config"]["policy"] == "oea" and worker["config"]["oea_k0"] == 1 and worker["decode_steps"] > 0
