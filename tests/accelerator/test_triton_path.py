@@ -47,6 +47,7 @@ def test_triton_backend_without_interpreter_on_cpu_is_a_clear_error(monkeypatch)
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ids, mask = fam.prompts(2, 4)
     out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    lynx_hf.patch(model, routing_backend="torch")
+    # a re-patch keeps the fields it is not given (docs/cases.md C43): the torch path is both fields
+    lynx_hf.patch(model, routing_backend="torch", expert_path="auto")
     assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
     lynx_hf.unpatch(model)
