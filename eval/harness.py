@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     pols = build_policies(args, top_k, xbudget)
     log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     report = {"model": name, "num_experts": num_experts, "top_k": top_k, "command": command("harness", argv),
-              "lynx_config": dict(pols)["lynx"].to_dict(), "checks": {}}
+              "lynx_config": {**dict(pols)["lynx"].to_dict(), "gate": ev.ACCURACY_GATE}, "checks": {}}  # what ran
     xs = [(n_, c) for n_, c in pols if c.policy == "xshare"]
     if xs:
         report["xshare"] = {"name": xs[0][0], "config": xs[0][1].to_dict(), "match": match}

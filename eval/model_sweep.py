@@ -41,6 +41,7 @@ sizes) are one line on stderr and exit status 2.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -309,6 +310,16 @@ def _append(path: Path, key: dict, batch_size: int, row: dict) -> None:
         f.write(json.dumps({"key": key, "batch_size": batch_size, "result": row}) + "\n")
 
 
+def config_for_file(cfg: LynxConfig) -> LynxConfig:
+    """The chosen configuration as ``lynx_config.json`` stores it: a mass-price config (``mass_price`` set) runs no
+    consensus step, so its ``tau`` is unused (``LynxConfig.tau``); the catalogue's price series carry tau = 1e6 (its
+    "no consensus" marker), the file the documented default, so a user who later sets ``mass_price=None`` (the
+    paper's rule) gets the paper's tau, not 1e6. Same routing either way."""
+    if cfg.policy == "lynx" and cfg.mass_price is not None:
+        return dataclasses.replace(cfg, tau=LynxConfig().tau)
+    return cfg
+
+
 def main(args, argv, prog: str) -> int:
     """``lynx-hf sweep --model ...`` (``args``: the parsed options of :func:`lynx_hf.eval.sweep.main`). Returns
     the exit status: 0, or 2 after printing a one-line error for a bad input."""
@@ -460,7 +471,7 @@ def _run(args, argv) -> int:
         except ImportError:
             log("matplotlib is not installed (pip install 'lynx-hf[eval]'): no PNG written")
     if choice is not None:
-        cfg = cat[choice["name"]][1]
+        cfg = config_for_file(cat[choice["name"]][1])
         about = {"made_by": "lynx-hf sweep --model", "command": report["command"], "model": str(model_path),
                  "choice": choice["name"], "within_budget": choice["within_budget"], "budget": budget,
                  "per_batch_size": choice["cells"], "rule": rule}

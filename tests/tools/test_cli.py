@@ -89,12 +89,17 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
     decode, generation agreement and the local lm-eval tasks; its built-in checks must all PASS."""
     from lynx_hf.eval import DEFAULT_FIXTURE
 
-    res = run("eval", "--model", str(DEFAULT_FIXTURE), "--sequences", "8", "--batch-size", "8", "--decode", "4",
-              "--gen-prompts", "4", "--gen-tokens", "4", "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1",
-              "--threads", "1", "--out", str(tmp_path))
+    # the user's default gate (no LYNX_HF_GATE: "auto"); the harness runs its accuracy checks with the gate forced on
+    # and its report records the configuration that ran
+    env = {k: v for k, v in ENV.items() if k != "LYNX_HF_GATE"}
+    res = subprocess.run([sys.executable, "-m", "lynx_hf", "eval", "--model", str(DEFAULT_FIXTURE), "--sequences", "8",
+                          "--batch-size", "8", "--decode", "4", "--gen-prompts", "4", "--gen-tokens", "4",
+                          "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1", "--threads", "1",
+                          "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FAIL" not in res.stdout and res.stdout.count("PASS") >= 4
     report = json.loads((tmp_path / "harness_qwen2moe-tiny.json").read_text())
+    assert report["lynx_config"]["gate"] == "always" and report["lynx_config"]["policy"] == "lynx"
     assert {"teacher_forced", "generation", "lm_eval", "checks"} <= set(report)
     assert len(report["checks"]) >= 4 and all(report["checks"].values()), report["checks"]
 

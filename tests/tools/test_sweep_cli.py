@@ -324,3 +324,20 @@ def test_choice_rule_within_budget_everywhere_else_closest_flagged():
     choice = ms.choose_config(runs, 0.0005)  # nothing within: the smallest worst-case dCE, flagged
     assert choice["name"] == "c" and not choice["within_budget"]
     assert ms.choose_config([runs[0], _run(16, [])], 0.01) is None  # nothing measured at every B
+
+
+def test_lynx_config_json_of_a_mass_price_choice_stores_the_default_tau():
+    """The price series run with tau = 1e6 (unused under a mass price); lynx_config.json stores the documented default
+    instead, so a later ``mass_price=None`` override gives the paper's tau; same routing either way. Other choices
+    are stored as they ran."""
+    from lynx_hf.eval import pareto
+
+    cat = pareto.catalog(32, 4)
+    priced = next(c for s, c in cat.values() if s == "token")
+    assert priced.tau == 1e6 and priced.mass_price is not None
+    stored = ms.config_for_file(priced)
+    assert stored.tau == LynxConfig().tau == 1.0
+    assert stored == LynxConfig.from_dict({**priced.to_dict(), "tau": 1.0})
+    paper = next(c for s, c in cat.values() if s == "paper" and c.tau != 1.0)
+    oea = cat["oea k0=1"][1]
+    assert ms.config_for_file(paper) is paper and ms.config_for_file(oea) is oea
