@@ -35,6 +35,7 @@ import torch
 
 import lynx_hf
 from helpers import families as fam
+from helpers.recording import BlockRecorder
 from lynx_hf import offload
 from lynx_hf.config import LynxConfig
 from lynx_hf.core import MoELayer, Step, make_plan, remap
@@ -99,44 +100,15 @@ def is_offloaded(block) -> bool:
 
 
 # -- running and recording ----------------------------------------------------------------------------------------
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    return x
-
-
 def _first(x):
     return x[0] if isinstance(x, (tuple, list)) else x
 
 
-class Recorder:
-    """While ``decode``: every MoE block call ``(block, args, kwargs, output)`` and every offloaded experts call's
-    inputs ``(experts module, args)``."""
-
-    def __init__(self, model):
-        self.decode = False
-        self.calls, self.experts_calls = [], []
-        self.handles = []
-        for block, _ in moe_blocks(model):
-            self.handles.append(block.register_forward_hook(self._block, with_kwargs=True))
-            if is_offloaded(block):
-                self.handles.append(experts_of(block).register_forward_pre_hook(self._experts))
-
-    def _block(self, module, args, kwargs, output):
-        if self.decode:
-            self.calls.append((module, _clone(args), _clone(kwargs), _clone(output)))
-
-    def _experts(self, module, args):
-        if self.decode:
-            self.experts_calls.append((module, _clone(args)))
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
+def record_blocks(model) -> BlockRecorder:
+    """While ``decode``: every MoE block call ``(block, args, kwargs, output)`` (``calls``) and every offloaded experts
+    call's inputs ``(experts module, args)`` (``pre_calls``)."""
+    blocks = [block for block, _ in moe_blocks(model)]
+    return BlockRecorder(blocks, [experts_of(b) for b in blocks if is_offloaded(b)])
 
 
 run = fam.teacher_forced  # prefill, then one teacher-forced decode step per token; the logits of each forward
@@ -218,7 +190,7 @@ def accelerate_objects(model):
 def expected_fetches(recorder, num_experts):
     """Per offloaded experts call: the unique experts its routing uses, from the inputs it received."""
     counts = []
-    for module, args in recorder.experts_calls:
+    for module, args in recorder.pre_calls:
         if len(args) == 3:  # (hidden, top_k_index, top_k_weights)
             counts.append((module, torch.unique(args[1]).numel()))
         else:  # Llama-4: routed_in [N * T, H], zero rows off the chosen experts
@@ -258,7 +230,7 @@ def test_offloaded_decode_reads_only_the_steps_experts(family, storage, tmp_path
         active = [b for b in state.blocks if b.offload is not None]
         assert [b.block for b in active] == [b for b, _ in moe_blocks(model) if is_offloaded(b)]
         assert all(b.offload_reason is None for b in active)
-        recorder = Recorder(model)
+        recorder = record_blocks(model)
         try:
             out = run(model, ids, mask, tokens, recorder)
         finally:
@@ -312,7 +284,7 @@ def test_resident_cache_seeds_the_remap_and_counts_hits(family, tmp_path, monkey
         lynx_hf.patch(model, policy=policy, expert_cache_bytes=half, **ALWAYS)
         active = [b for b in _state(model).blocks if b.offload is not None]
         assert all(b.offload.cache.slots == b.num_experts // 2 for b in active)
-        recorder = Recorder(model)
+        recorder = record_blocks(model)
         try:
             out = run(model, ids, mask, tokens, recorder)
         finally:

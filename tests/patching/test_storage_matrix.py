@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 import lynx_hf
 from helpers import families as fam
+from helpers.recording import BlockRecorder
 from lynx_hf.config import LynxConfig
 from lynx_hf.core import MoELayer, Step, make_plan, remap
 from lynx_hf.patches import find_spec
@@ -285,31 +286,9 @@ def build(family: str, storage: str, tmp_path, monkeypatch):
 
 
 # -- running and recording ----------------------------------------------------------------------------------
-def _clone(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_clone(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _clone(v) for k, v in x.items()}
-    return x
-
-
-class Recorder:
+def record_blocks(blocks) -> BlockRecorder:
     """Forward hooks on the MoE blocks: ``(block, args, kwargs, output)`` of every call while ``decode``."""
-
-    def __init__(self, blocks):
-        self.decode = False
-        self.calls = []
-        self.handles = [b.register_forward_hook(self._hook, with_kwargs=True) for b, _ in blocks]
-
-    def _hook(self, module, args, kwargs, output):
-        if self.decode:
-            self.calls.append((module, _clone(args), _clone(kwargs), _clone(output)))
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
+    return BlockRecorder([b for b, _ in blocks])
 
 
 run = fam.teacher_forced  # prefill, then one teacher-forced decode step per token through the KV cache
@@ -414,7 +393,7 @@ def check_cells(model, monkeypatch, kernel_ok, reason_words=(), backends=BACKEND
                     else:  # refused for the kernel at patch time, with the reason named
                         reason = (block.kernel_reason or "").lower()
                         assert any(word in reason for word in reason_words), (block.name, block.kernel_reason)
-            recorder = Recorder(blocks)
+            recorder = record_blocks(blocks)
             try:
                 out = run(model, ids, mask, tokens, recorder)
             finally:
