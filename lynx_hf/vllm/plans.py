@@ -46,7 +46,8 @@ DECODE_STEP = Step(_DECODE_KIND)
 _LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
 
 __all__ = ["DECODE_STEP", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan", "install_plan",
-           "step_buckets", "gated_off_everywhere", "set_bypass", "route", "skip_bypassed", "gate_summary",
+           "step_buckets", "gated_off_everywhere", "set_bypass", "route", "skip_bypassed", "mark_calls", "count_replays",
+           "gate_summary",
            "reset_layer", "remaps", "layer_shape", "before_forward", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers"]
 
@@ -135,6 +136,28 @@ def skip_bypassed(num_tokens: int) -> None:
     for layer in STATE.bypassed:
         gate = gate_of(layer.plan)
         if not gate.on(num_tokens):
+            gate.skip(num_tokens)
+
+
+def mark_calls() -> None:
+    """At a step's input preparation, in an engine whose forward is captured in CUDA graphs: each layer's op call
+    count now, for :func:`count_replays` after the forward."""
+    for layer in STATE.layers:
+        layer.step_calls = layer.calls
+
+
+def count_replays(num_tokens: int) -> None:
+    """After a forward of ``num_tokens`` tokens with decode tokens, in an engine whose forward is captured in CUDA
+    graphs (``STATE.start.captured``): a layer whose op body did not run in it (:func:`mark_calls`; bypassed layers
+    aside, :func:`skip_bypassed` counts those) was replayed, and a replay repeats what the body did at capture, the
+    gate's decision included (a host-side branch); its gate counts the step as the body would have: the step size
+    seen (``PlanGate.on``) and, where the gate is off there, one step skipped. The telemetry needs nothing here:
+    its device accumulators are added into by the replay itself."""
+    for layer in STATE.layers:
+        if layer.bypass or layer.plan is None or layer.calls != layer.step_calls:
+            continue
+        gate = gate_of(layer.plan)
+        if gate is not None and not gate.on(num_tokens):
             gate.skip(num_tokens)
 
 

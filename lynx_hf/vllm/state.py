@@ -67,6 +67,9 @@ class Layer:
     calls: int = 0
     seen_calls: int = 0
     misses: int = 0
+    #: ``calls`` when the current step's input preparation ran (CUDA-graph engines: a step whose forward leaves it
+    #: unchanged was a replay; :func:`lynx_hf.vllm.plans.count_replays`)
+    step_calls: int = 0
 
 
 @dataclass

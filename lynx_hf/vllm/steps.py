@@ -150,6 +150,8 @@ def write_kinds(kinds, device) -> None:
     step.num_decode = int(np.count_nonzero(kinds == DECODE))
     step.num_prefill = total - step.num_decode
     step.active = True
+    if STATE.start.captured:
+        plans.mark_calls()  # a step whose forward then calls no op is a CUDA-graph replay (end_step)
     counts = STATE.counts
     counts.steps += 1
     if step.num_decode:
@@ -165,6 +167,8 @@ def end_step() -> None:
     zero; every ``stats_every`` steps with decode tokens the telemetry is written (``stats_path``)."""
     step = STATE.step
     had_decode = step.active and step.num_decode > 0
+    if had_decode and STATE.start.captured:
+        plans.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
     step.active = False
     step.num_decode = step.num_prefill = step.num_tokens = 0
     if step.kind is not None:

@@ -152,6 +152,51 @@ def test_configure_under_captured_graphs_refuses_what_replays_cannot_follow(one_
     assert STATE.config.lynx.q_max == 4 and STATE.config.lynx.policy == "lynx"
 
 
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("phase", ["auto", "decode"])
+def test_gate_counts_are_right_under_replays(monkeypatch, plugin_state, phase):
+    """Item 3, the gate's counters: in a captured engine a replayed step runs no op body, so nothing on the host
+    counted it; the step hooks now do (``plans.mark_calls`` at the input preparation, ``plans.count_replays`` after
+    the forward, for each layer whose op was not called). Simulated on CPU: the same steps (4 and 8 tokens; the gate
+    on at bucket 8, off at 4) run eagerly (the op called) and as replays (``start.captured``, the op not called) give
+    the same gate summary: hand-worked, sizes seen {4: 3, 8: 2}, 3 steps skipped (the three 4-token steps)."""
+    from lynx_hf import gate
+    from lynx_hf.core import WeightRule
+
+    def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None):
+        return gate.decide(1.0, 4.0 if gate.bucket_of(num_tokens) == 8 else 0.0, 1.0)
+
+    monkeypatch.setattr(gate, "measure", measure)
+    sequence = [4, 8, 8, 4, 4]
+
+    def run(replay):
+        st = plugin_state({"policy": "lynx", "gate": "auto", "phase": phase}, capacity=16)
+        layer = state.Layer(index=0, name="fake", top_k=2, num_experts=8, rule=WeightRule("softmax_all", True),
+                            gathered=False, gate_shape=gate.LayerShape(8, 2, 32, 16))
+        st.layers = [layer]
+        routing = {}
+        for t in (4, 8):  # the capture: the op body runs once per size (its decisions are what replays repeat)
+            logits = torch.randn(t, 8, generator=torch.Generator().manual_seed(t)) * 3
+            routing[t] = (logits, *_routing(logits))
+            set_kinds([DECODE] * t)
+            torch.ops.lynx_vllm.remap_routing(*routing[t], 0)
+            steps.end_step()
+        telemetry.reset()  # counters zeroed, decisions kept
+        st.start.captured = replay
+        for t in sequence:
+            set_kinds([DECODE] * t)
+            if not replay:
+                torch.ops.lynx_vllm.remap_routing(*routing[t], 0)
+            steps.end_step()
+        return plans.gate_summary(layer)
+
+    eager, replayed = run(False), run(True)
+    assert replayed == eager
+    assert eager["steps_skipped"] == 3 and eager["by_tokens"][4]["steps_skipped"] == 3
+    assert eager["by_tokens"][4]["on"] is False and eager["by_tokens"][8]["on"] is True
+    assert eager["by_tokens"][8]["steps_skipped"] == 0
+
+
 # ------------------------------------------------------------------ item 5: logical experts under EPLB
 
 
