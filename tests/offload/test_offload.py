@@ -547,9 +547,13 @@ def test_C39_generic_spec_router_with_an_offloaded_bias_is_verified_and_remaps(o
         want = memory.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     cpu_offload(model, execution_device=torch.device("cpu"), offload_buffers=True)
     lynx_hf.patch(model, policy="lynx", gate="always")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)  # no "keeps the model's own routing" refusal
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         got = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    # no lynx_hf warning (the refusal: "... this block keeps the model's own routing"); transformers' own (5.19: the
+    # offloaded model's device is meta, the inputs on cpu) are not this test's subject
+    ours = [str(w.message) for w in caught if str(w.message).startswith("lynx_hf")]
+    assert not ours, ours
     assert all(b.rule_status == "verified" for b in _state(model).blocks)
     assert lynx_hf.stats(model).summary()["decode_steps"] == 3 and torch.equal(got, want)
     lynx_hf.unpatch(model)
