@@ -241,7 +241,9 @@ def _families_text() -> str:
 
 def _backbone_and_model(model: torch.nn.Module, names: list[str]):
     """The deepest module holding every MoE block (a ``PreTrainedModel`` if there is one: the decoder
-    backbone) and the deepest module above it whose ``generate`` is the model's own (the generating model)."""
+    backbone) and the outermost module above it that generates (a ``GenerationMixin``: the generating model, whose
+    ``generate`` the user calls; a VLM wrapper holding a ``...ForCausalLM`` generates through the wrapper, Llama-4
+    on transformers 5.19, ``docs/cases.md`` C45)."""
     from transformers import GenerationMixin, PreTrainedModel
 
     containing = [(name, module) for name, module in model.named_modules()
@@ -250,7 +252,7 @@ def _backbone_and_model(model: torch.nn.Module, names: list[str]):
     backbone_name, backbone = max(pretrained or containing, key=lambda item: len(item[0]) + 1 if item[0] else 0)
     generating = [(name, m) for name, m in containing if isinstance(m, GenerationMixin)
                   and (not name or backbone_name == name or backbone_name.startswith(name + "."))]
-    top = max(generating, key=lambda item: len(item[0]) + 1 if item[0] else 0)[1] if generating else backbone
+    top = min(generating, key=lambda item: len(item[0]) + 1 if item[0] else 0)[1] if generating else backbone
     return backbone, top
 
 
