@@ -23,7 +23,7 @@ import torch
 import lynx_hf
 from helpers import families as fam
 from lynx_hf.patcher import _find_state
-from test_storage_matrix import KernelSpy, Recorder, ReferenceRemap, _first, moe_blocks, rules_of, run
+from test_storage_matrix import KernelSpy, ReferenceRemap, _first, moe_blocks, record_blocks, rules_of, run
 
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
@@ -195,7 +195,7 @@ def test_moving_weights_to_a_dtype_the_kernel_lacks_falls_back_to_the_model_expe
     assert spy.calls > 0
     model.to(torch.float64)
     spy.calls = 0
-    recorder = Recorder(blocks)
+    recorder = record_blocks(blocks)
     run(model, ids, mask, tokens, recorder)
     recorder.close()
     assert spy.calls == 0
