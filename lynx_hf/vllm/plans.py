@@ -134,9 +134,15 @@ def skip_bypassed(num_tokens: int) -> None:
     """A step of ``num_tokens`` tokens with decode tokens: each bypassed layer's gate counts it as a step it kept
     vLLM's routing on, as the op body does for a step the gate skips."""
     for layer in STATE.bypassed:
-        gate = gate_of(layer.plan)
-        if not gate.on(num_tokens):
-            gate.skip(num_tokens)
+        _count_without_op(layer, num_tokens)
+
+
+def _count_without_op(layer: Layer, num_tokens: int) -> None:
+    """A step with decode tokens in which ``layer``'s op body did not run (bypassed, or a CUDA-graph replay): its
+    gate counts it as the body would have, the step size seen (``PlanGate.on``) and a skip where the gate is off."""
+    gate = gate_of(layer.plan)
+    if gate is not None and not gate.on(num_tokens):
+        gate.skip(num_tokens)
 
 
 def mark_calls() -> None:
@@ -154,11 +160,8 @@ def count_replays(num_tokens: int) -> None:
     seen (``PlanGate.on``) and, where the gate is off there, one step skipped. The telemetry needs nothing here:
     its device accumulators are added into by the replay itself."""
     for layer in STATE.layers:
-        if layer.bypass or layer.plan is None or layer.calls != layer.step_calls:
-            continue
-        gate = gate_of(layer.plan)
-        if gate is not None and not gate.on(num_tokens):
-            gate.skip(num_tokens)
+        if not layer.bypass and layer.plan is not None and layer.calls == layer.step_calls:
+            _count_without_op(layer, num_tokens)
 
 
 def gate_summary(layer: Layer) -> dict:
