@@ -9,8 +9,11 @@ kernel with ``expert_path="triton"``, transformers' grouped matmul otherwise, bo
 own plain dense tensors on the compute device (:func:`kernel_storage` at patch time, a cheap device check
 per call); other experts (PEFT LoRA on the expert parameters, quantized, offloaded, replaced) run their
 own forward inside HF's dense computation, with the remapped dense scores (never silently wrong: a sparse
-path reads the weights only when they are the plain expert weights). With policy ``none``
-the block's computation is HF's, bit-identical.
+path reads the weights only when they are the plain expert weights). One exception to that last rule: experts held as
+one module per expert (transformers' ``SequentialLlama4TextExperts``, what a pre-quantized bitsandbytes /
+compressed-tensors Llama-4 checkpoint loads into, each ``nn.Linear`` a 4-bit one) run only the modules of the experts
+the remapped routing uses, each its own forward (:func:`per_expert_modules`): no weight is read by lynx_hf, and the
+others' weights are not read at all. With policy ``none`` the block's computation is HF's, bit-identical.
 """
 
 from __future__ import annotations
@@ -78,6 +81,25 @@ def sparse_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_w
     return out.to(hidden.dtype)
 
 
+def per_expert_modules(experts) -> bool:
+    """Whether ``experts`` holds one module per expert that maps ``[rows, H] -> [rows, H]`` (transformers'
+    ``SequentialLlama4TextExperts``, a ``ModuleList`` of ``Llama4TextMLP``: ``docs/expert-storage.md``)."""
+    return type(experts).__name__ == "SequentialLlama4TextExperts" and isinstance(experts, torch.nn.ModuleList)
+
+
+def sequential_experts(experts, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor):
+    """Routed output of per-expert modules (:func:`per_expert_modules`) for the chosen experts only: each used expert's
+    own module on its tokens' inputs times their weights (Llama-4 weighs the input), summed per token. The host reads
+    the experts used (one sync on an accelerator, as the module's own loop over every expert does not need; it reads
+    the weights of every expert instead)."""
+    out = torch.zeros(hidden.shape[0], hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(topk_idx).tolist():  # the host sync
+        token, slot = torch.where(topk_idx == e)
+        x = hidden[token] * topk_weights[token, slot, None].to(hidden.dtype)
+        out.index_add_(0, token, experts[e](x).float())
+    return out.to(hidden.dtype)
+
+
 def decode_forward(state, step, hidden_states):
     block = state.block
     hidden = hidden_states.reshape(-1, block.hidden_dim)
@@ -88,6 +110,10 @@ def decode_forward(state, step, hidden_states):
     if new_idx is idx:  # policy none: HF's computation
         return _dense(block, hidden, scores), logits
     experts = block.experts
+    if per_expert_modules(experts):  # e.g. 4-bit linears per expert: run the used experts' own modules only
+        out = block.shared_expert(hidden)
+        out.add_(sequential_experts(experts, hidden, new_idx, new_weights))
+        return out, logits
     if not state.kernel_allowed or not weights_ready(experts, hidden):
         # the experts module's own forward (PEFT-wrapped, quantized, offloaded...), with the remapped dense scores
         dense = torch.zeros_like(scores).scatter_(1, new_idx, new_weights.to(scores.dtype))

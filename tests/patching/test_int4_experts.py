@@ -127,3 +127,67 @@ def test_lynx_reduces_the_int4_experts_computed(family, one_thread):
     assert all(ran == unique for ran, unique in seen + unpatched)
     assert sum(ran for ran, _ in seen) < sum(ran for ran, _ in unpatched)
     assert summary["unique_experts_after"] < summary["unique_experts_before"]
+
+
+# -- Llama-4 under transformers' quantized-experts path ------------------------------------------------------------
+def sequential_llama4():
+    """Tiny Llama-4 (k = 2 so LYNX has something to cut) whose experts are transformers' own
+    ``SequentialLlama4TextExperts`` (one ``Llama4TextMLP`` per expert), the module a pre-quantized bitsandbytes or
+    compressed-tensors Llama-4 checkpoint loads into (``transformers.quantizers.base.MODULES_TO_PATCH_FOR_QUANTIZATION``;
+    there each ``nn.Linear`` is then a ``Linear4bit``). Here the linears stay fp32: the test needs no bitsandbytes
+    (not a dependency of this project), and what it checks, which per-expert modules run, does not depend on them."""
+    from transformers.quantizers.base import SequentialLlama4TextExperts
+
+    model = fam.build("llama4", num_experts_per_tok=2)
+    for block, _ in moe_blocks(model):
+        fused = block.experts
+        seq = SequentialLlama4TextExperts(model.config)
+        inter = fused.down_proj.shape[1]
+        with torch.no_grad():
+            for e, mlp in enumerate(seq):
+                gate_up = fused.gate_up_proj[e]  # [H, 2I], weight on the input side
+                mlp.gate_proj.weight.copy_(gate_up[:, :inter].T)
+                mlp.up_proj.weight.copy_(gate_up[:, inter:].T)
+                mlp.down_proj.weight.copy_(fused.down_proj[e].T)
+        block.experts = seq.eval()
+    return model
+
+
+def test_llama4_sequential_experts_cells(monkeypatch, one_thread):
+    """Storage-matrix cells on Llama-4 with ``SequentialLlama4TextExperts``: none bit-identical, LYNX / OEA equal to
+    the remap replayed through the unpatched block (which runs every expert on dense scores)."""
+    check_cells(sequential_llama4(), monkeypatch, kernel_ok=False, reason_words=("besides the dense weights",),
+                backends=("torch",))
+
+
+def test_llama4_sequential_experts_run_only_the_remapped_experts(one_thread):
+    """With a remapping policy the patched Llama-4 block runs only the per-expert modules its decode tokens are routed
+    to (the 4-bit weights of the others are not read); unpatched and policy ``none``, transformers runs all N."""
+    model = sequential_llama4()
+    blocks = [b for b, _ in moe_blocks(model)]
+    num_experts = len(blocks[0].experts)
+    calls = []
+    handles = [mlp.register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+               for b in blocks for mlp in b.experts]
+    ids, mask = fam.prompts(BATCH, PROMPT, seed=3)
+    g = torch.Generator().manual_seed(5)
+    tokens = [torch.randint(3, fam.VOCAB, (BATCH, 1), generator=g) for _ in range(3)]
+    per_step = {}
+    try:
+        for policy in ("unpatched", "none", "lynx"):
+            if policy != "unpatched":
+                lynx_hf.patch(model, policy=policy)
+            run(model, ids, mask, [])  # prefill alone
+            prefill = len(calls)
+            calls.clear()
+            run(model, ids, mask, tokens)
+            per_step[policy] = (len(calls) - prefill) / (len(tokens) * len(blocks))
+            calls.clear()
+            if policy == "lynx":
+                summary = lynx_hf.stats(model).summary()
+            lynx_hf.unpatch(model)
+    finally:
+        for h in handles:
+            h.remove()
+    assert per_step["unpatched"] == per_step["none"] == num_experts
+    assert per_step["lynx"] == pytest.approx(summary["unique_experts_after"]) and per_step["lynx"] < num_experts
