@@ -37,6 +37,14 @@ Sections (run in this order; each is skipped with a printed note when the time b
 5. ``gate`` — the cost gate's decisions (``LynxConfig.gate="auto"``, ``lab.gate_table``) on this GPU for
    fixture A, DeepSeek-V2-Lite, Qwen2-57B-A14B, Mixtral-8x7B and OLMoE-1B-7B shapes x B = 1, 4, 16, 64: measured
    routing cost, expected saving, on / off. Sections 2-4 force the gate on (``gate="always"``): they check the policy.
+6. ``int4`` — LYNX over 4-bit experts (issue 39; the paper: +10 % on top of INT4): the 2-layer Qwen2-57B-A14B
+   model's experts in int4 (``lab.int4_experts.Int4Experts``, PyTorch's tinygemm int4 matmul per expert, group 128,
+   bf16 activations: ``torch.ops.aten._weight_int4pack_mm`` on CUDA). First the CUDA packing against the CPU kernel
+   (4 experts, same int4 weights: relative error < 2e-2) and the int4 error against the bf16 experts (info); then
+   decode-step time of ``model.generate`` at B = 16, 64, interleaved: bf16 unpatched, bf16 + LYNX (grouped_mm), int4
+   unpatched, int4 + LYNX; unique experts before / after. Not a fused int4 MoE kernel (vLLM's Marlin MoE is the GPU
+   one): a loop over the routed experts, one host read of the routing per layer, so launches may dominate; the
+   ratio int4 + LYNX / int4 is the figure to read. CPU figures: ``python -m lab.bench_int4``.
 
 A summary table closes the run. Exit status 1 if any check fails.
 
@@ -808,7 +816,101 @@ def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ main
-SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate")
+# ------------------------------------------------------------------------------------------- section 6
+INT4_BATCHES, DRY_INT4_BATCHES = (16, 64), (2,)
+
+
+def section_int4(args, dev, budget, models) -> None:
+    from types import SimpleNamespace
+
+    from transformers import LogitsProcessorList
+
+    import lynx_hf
+
+    from .bench_compile import twin
+    from .int4_experts import Int4Experts, quantize_experts
+
+    S = "int4"
+    name, config = next(iter(model_configs(args.dry_run).items()))  # the Qwen2-57B-A14B config
+    if not budget.allows(60 if not args.dry_run else 10, f"{name} int4", S):
+        return
+    print(f"\n== int4 experts: {name} ==", flush=True)
+    dtype = torch.float32 if args.dry_run else torch.bfloat16
+    model = models.get(name) or build_model(config, dev, dtype)
+    models[name] = model
+    group = next(g for g in (128, 64, 32) if config.hidden_size % g == 0 and config.moe_intermediate_size % g == 0)
+    experts = model.model.layers[0].mlp.experts
+    # the device packing vs the CPU kernel on the same int4 weights (4 experts), and the int4 error vs bf16
+    few = SimpleNamespace(gate_up_proj=experts.gate_up_proj[:4], down_proj=experts.down_proj[:4], act_fn=experts.act_fn)
+    on_dev, on_cpu = Int4Experts.from_experts(few, group, dev), Int4Experts.from_experts(few, group, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(8, config.hidden_size, generator=gen).to(dtype)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(8)])
+    w = torch.rand(8, 2, generator=gen)
+    with torch.inference_mode():
+        got = on_dev(x.to(dev), ids.to(dev), w.to(dev)).float().cpu()
+        want = on_cpu(x.to(on_cpu.dtype), ids, w.to(on_cpu.dtype)).float()
+        dense = experts(x.to(dev), ids.to(dev), w.to(dev).to(dtype)).float().cpu()
+    err = rel_err(got, want)
+    record(S, f"int4 packing on {dev.type} vs the CPU kernel", err < 2e-2, f"relative error {err:.2e} (< 2e-2)")
+    note(S, "int4 vs bf16 experts", f"relative error {rel_err(got, dense):.3f} (group {group}, asymmetric)")
+    quantized = twin(model)
+    quantize_experts(quantized, group, dev)
+    variants = {"bf16": (model, None), "bf16+lynx": (model, TORCH), "int4": (quantized, None),
+                "int4+lynx": (quantized, TORCH)}
+    rounds = 1 if args.dry_run else args.rounds
+    new_tokens = 3 if args.dry_run else args.new_tokens
+    for B in (DRY_INT4_BATCHES if args.dry_run else INT4_BATCHES):
+        if not budget.allows(25 if not args.dry_run else 2, f"{name} int4 B={B}", S):
+            break
+        ids, mask = prompts(B, 16, config.vocab_size, dev)
+        times = {v: [] for v in variants}
+        unique = {}
+
+        def run(v, n_new):
+            m, options = variants[v]
+            if options is None:
+                lynx_hf.unpatch(m)
+            else:
+                lynx_hf.patch(m, policy="lynx", **options)
+                lynx_hf.reset_stats(m)
+            clock = StepClock(dev)
+            with torch.inference_mode():
+                m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_new, min_new_tokens=n_new,
+                           do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]))
+            if options is not None:
+                s = lynx_hf.stats(m).summary()
+                unique[v] = (s.get("unique_experts_before"), s.get("unique_experts_after"))
+            diffs = [b - a for a, b in zip(clock.stamps, clock.stamps[1:])]
+            return sum(diffs) / max(len(diffs), 1)
+
+        try:
+            for v in variants:
+                run(v, 2)
+            names = list(variants)
+            for r in range(rounds):
+                for i in range(len(names)):
+                    v = names[(r + i) % len(names)]
+                    times[v].append(run(v, new_tokens))
+        except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+            record(S, f"{name} int4 B={B}", False, f"{type(exc).__name__}: {exc}"[:300])
+            traceback.print_exc()
+            continue
+        finally:
+            lynx_hf.unpatch(model)
+            lynx_hf.unpatch(quantized)
+        med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
+        u4 = unique.get("int4+lynx", (None, None))
+        note(S, f"{name} int4 B={B}",
+             f"ms per decode step: bf16 {med['bf16']:.2f}, bf16+LYNX {med['bf16+lynx']:.2f} "
+             f"({med['bf16+lynx'] / med['bf16']:.2f}x), int4 {med['int4']:.2f} ({med['int4'] / med['bf16']:.2f}x of bf16), "
+             f"int4+LYNX {med['int4+lynx']:.2f} ({med['int4+lynx'] / med['int4']:.2f}x of int4) | unique experts "
+             f"{_fmt(u4[0])} -> {_fmt(u4[1])}")
+    del quantized
+    free_memory(dev)
+
+
+SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate", "int4")
 
 
 def main(argv=None) -> int:
@@ -848,7 +950,8 @@ def main(argv=None) -> int:
                "sync": lambda: section_sync(args, dev, budget, models),
                "tpot": lambda: section_tpot(args, dev, budget, models),
                "graphs": lambda: section_graphs(args, dev, budget, models),
-               "gate": lambda: section_gate(args, dev, budget)}
+               "gate": lambda: section_gate(args, dev, budget),
+               "int4": lambda: section_int4(args, dev, budget, models)}
     for name in SECTIONS:
         if name not in sections:
             continue

@@ -42,8 +42,8 @@ def quantize(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
 def _pack(q: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    byte = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
-    return torch.ops.aten._convert_weight_to_int4pack(byte.to(device), _INNER_K_TILES)
+    byte = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)  # CUDA tinygemm: two int4 per byte, even index high
+    return torch.ops.aten._convert_weight_to_int4pack(byte, _INNER_K_TILES)
 
 
 def _matmul(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
@@ -88,7 +88,7 @@ class Int4Experts(torch.nn.Module):
         packed = {"gate_up": ([], []), "down": ([], [])}
         for e in range(num_experts):
             for name, w in (("gate_up", gate_up[e]), ("down", down[e])):
-                q, scale, zero = quantize(w.detach().to("cpu"), group_size)
+                q, scale, zero = quantize(w.detach().to(device), group_size)
                 packed[name][0].append(_pack(q, device))
                 packed[name][1].append(torch.stack([scale, zero], -1).transpose(0, 1).to(device, dtype).contiguous())
         stacked = [torch.stack(packed[n][i]) for n in ("gate_up", "down") for i in (0, 1)]
