@@ -2,6 +2,7 @@
 (the wheel ships ``lynx_hf.eval``: what ``lynx-hf`` runs). Run from the checkout's root as modules::
 
     python -m lab.bench_compile | bench_generate | bench_offload | bench_step | gate_table   # CPU measurements
+    python -m lab.bench_int4                       # LYNX over int4 experts (lab.int4_experts) vs bf16
     python -m lab.serving_report                   # transformers serving-shaped batches (continuous batching, ...)
     .venv-vllm/bin/python -m lab.serve_bench       # the vLLM plugin in engines (serve_profile: its op, no engine)
     python -m lab.kernel_report                    # every Triton kernel compiled for sm_80 / sm_90, on CPU
