@@ -46,6 +46,11 @@ Sections (run in this order; each is skipped with a printed note when the time b
    one): a loop over the routed experts, one host read of the routing per layer, so launches may dominate; the
    ratio int4 + LYNX / int4 is the figure to read. CPU figures: ``python -m lab.bench_int4``.
 
+7. ``slo`` — throughput under a TPOT SLO (issue 39) in transformers' continuous batching (``generate_batch``) on the
+   2-layer Qwen2-57B-A14B config, bf16, C = 1..128, unpatched / LYNX / OEA / XShare (``lynx_hf.eval.slo``): the most
+   tokens/s whose TPOT meets the unpatched TPOT at C = 8, 16, 32 and multiples of its batch-1 TPOT. The CPU run
+   (docs/results.md) turns compute-bound near 32 requests; a GPU should stay memory-bound far past 64.
+
 A summary table closes the run. Exit status 1 if any check fails.
 
     python -m lab.gpu_check              # on a CUDA machine (prints a note and exits 0 without CUDA)
@@ -910,7 +915,37 @@ def section_int4(args, dev, budget, models) -> None:
     free_memory(dev)
 
 
-SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate", "int4")
+def section_slo(args, dev) -> None:
+    """Throughput under a TPOT SLO in transformers' continuous batching on this GPU (``lynx_hf.eval.slo``'s
+    transformers engine: the Qwen2-57B-A14B config cut to 2 layers, bf16, unpatched / LYNX / OEA / XShare,
+    concurrency 1..128): the table the CPU run cannot give (on the CPU the step turns compute-bound near 32 requests)."""
+    from types import SimpleNamespace
+
+    from lynx_hf.eval import slo
+
+    S = "slo"
+    print("\n== throughput under a TPOT SLO (transformers continuous batching) ==", flush=True)
+    dry = args.dry_run
+    opts = SimpleNamespace(layers=2, vocab=256 if dry else 4096, scale=16 if dry else 1, threads=None,
+                           dtype="float32" if dry else "bfloat16", device=dev, prompt_tokens=4 if dry else 16,
+                           new_tokens=3 if dry else 16, rounds=1, variants=list(slo.VARIANTS),
+                           concurrency=[1, 4] if dry else [1, 4, 8, 16, 32, 64, 128], cmd="lab.gpu_check slo")
+    try:
+        run = slo.run_transformers(opts)
+        rows = slo.slo_rows(slo.points_of(run), at=(4,) if dry else slo.AT)
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "transformers continuous batching", False, f"{type(exc).__name__}: {exc}"[:300])
+        traceback.print_exc()
+        return
+    print(slo.slo_markdown(rows) + "\n\n" + slo.curve_markdown(slo.points_of(run)), flush=True)
+    for r in rows:
+        if r["variant"] == "lynx" and r["slo"].startswith("TPOT"):
+            note(S, f"LYNX at SLO {r['slo']}", "—" if r["ratio"] is None else
+                 f"{r['ratio']:.2f}x the unpatched tokens/s ({r['tok_s']:.0f} tok/s at C={r['concurrency']})")
+    free_memory(dev)
+
+
+SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate", "int4", "slo")
 
 
 def main(argv=None) -> int:
@@ -951,7 +986,9 @@ def main(argv=None) -> int:
                "tpot": lambda: section_tpot(args, dev, budget, models),
                "graphs": lambda: section_graphs(args, dev, budget, models),
                "gate": lambda: section_gate(args, dev, budget),
-               "int4": lambda: section_int4(args, dev, budget, models)}
+               "int4": lambda: section_int4(args, dev, budget, models),
+               "slo": lambda: section_slo(args, dev) if budget.allows(10 if args.dry_run else 150, "slo", "slo")
+               else None}
     for name in SECTIONS:
         if name not in sections:
             continue

@@ -40,6 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from lynx_hf.eval.slo import VARIANTS as SLO_VARIANTS
+
 from . import DATA_DIR, ROOT, command
 from . import DEFAULT_FIXTURE as FIXTURE_A
 from . import RESULTS_DIR as RESULTS
@@ -48,6 +50,7 @@ VARIANTS = {
     "unpatched": None,  # the plugin is installed (entry point) but off: vLLM's own code path
     "lynx": {"policy": "lynx"},  # LynxConfig() defaults
     "oea": {"policy": "oea", "oea_k0": 1},
+    "xshare": SLO_VARIANTS["xshare"],  # budget matched to the default's experts at 16 requests (lynx_hf.eval.slo)
     "none": {"policy": "none"},  # optional: the plugin's own cost (hook, telemetry) without a remap
 }
 DEFAULT_VARIANTS = ("unpatched", "lynx", "oea")
@@ -231,7 +234,7 @@ def worker(spec_path: str, out_path: str) -> None:
     if spec["lynx"] is not None:
         kwargs["additional_config"] = {"lynx": spec["lynx"]}
     top = max(spec["concurrency"])
-    llm = LLM(model=spec["model_path"], dtype="bfloat16", enforce_eager=spec["eager"], seed=0,
+    llm = LLM(model=spec["model_path"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=spec["eager"], seed=0,
               max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 16, max_num_seqs=top,
               max_num_batched_tokens=max(2048, top * spec["prompt_tokens"]),
               enable_prefix_caching=False,  # the warm-up batch must not make the timed prefill a cache hit
@@ -333,6 +336,9 @@ def parse_args(argv=None):
     p.add_argument("--prompt-tokens", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's compiled mode)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the engine's dtype (the checkpoint is bf16; float32: CPUs without native bf16 (AVX2 only), "
+                        "where vLLM's bf16 GEMMs fall back to slow paths)")
     p.add_argument("--layers", type=int, default=2, help="decoder layers of the real-shape model")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary of the real-shape model (fixture A's tokenizer)")
     p.add_argument("--scale", type=int, default=1, help="divide the real-shape model's sizes by this (dry runs)")
@@ -381,16 +387,18 @@ def main(argv=None) -> int:
                 for variant in order:
                     spec = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": rnd,
                             "lynx": VARIANTS[variant], "eager": args.eager, "concurrency": args.concurrency,
-                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "vocab": args.vocab}
+                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "vocab": args.vocab,
+                            "dtype": args.dtype}
                     out = run_engine(spec, work, env, args.timeout)
-                    out.update(model=model, round=rnd)
+                    label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
+                    out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"), round=rnd)
                     results.append(out)
     rows = aggregate(results, args.variants)
     import torch
     import vllm
 
     header = (f"# vLLM serving benchmark (CPU)\n\ncommand: `{cmd.strip()}`; vLLM {vllm.__version__}, torch "
-              f"{torch.__version__}, {os.cpu_count()} CPUs, bf16, {'eager' if args.eager else 'compiled'}; "
+              f"{torch.__version__}, {os.cpu_count()} CPUs, {args.dtype}, {'eager' if args.eager else 'compiled'}; "
               f"{args.rounds} round(s), prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
               f"total {time.perf_counter() - t_start:.0f} s")
     md = markdown(rows, header)

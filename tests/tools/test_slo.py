@@ -1,0 +1,84 @@
+"""The SLO table (python -m lynx_hf.eval.slo): the reachable throughput under an SLO, worked by hand on small curves,
+and a smoke run of the transformers continuous-batching engine on a 1/16-scaled model (no timing asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from lynx_hf.eval import slo
+
+
+def _p(variant, c, tpot, tok, engine="e", model="m"):
+    return {"engine": engine, "model": model, "variant": variant, "concurrency": c, "tpot_ms": tpot, "tok_s": tok,
+            "unique_before": None, "unique_after": None}
+
+
+CURVES = [_p("unpatched", 1, 10.0, 100.0), _p("unpatched", 2, 15.0, 133.0), _p("unpatched", 4, 25.0, 160.0),
+          _p("lynx", 1, 9.0, 111.0), _p("lynx", 2, 12.0, 166.0), _p("lynx", 4, 16.0, 250.0)]
+
+
+def test_best_under_takes_the_most_tokens_per_second_among_points_meeting_the_slo():
+    assert slo.best_under(CURVES[:3], 15.0)["concurrency"] == 2  # 15 <= 15 counts
+    assert slo.best_under(CURVES[:3], 14.9)["concurrency"] == 1
+    assert slo.best_under(CURVES[:3], 9.0) is None
+
+
+def test_slo_rows_hand_worked():
+    rows = {(r["slo"], r["variant"]): r for r in slo.slo_rows(CURVES, multiples=(1.5, 2.5), at=(2, 4))}
+    # 1.5 x 10 ms = 15 ms: unpatched reaches C=2 (133 tok/s), LYNX C=2 (166; its C=4 at 16 ms misses by 1 ms)
+    r = rows[("1.5 x TPOT(unpatched, C=1)", "lynx")]
+    assert (r["slo_ms"], r["concurrency"], r["tok_s"]) == (15.0, 2, 166.0)
+    assert r["ratio"] == pytest.approx(166.0 / 133.0)
+    # 2.5 x 10 = 25 ms: unpatched C=4 (160), LYNX C=4 (250)
+    assert rows[("2.5 x TPOT(unpatched, C=1)", "lynx")]["ratio"] == pytest.approx(250.0 / 160.0)
+    # at the unpatched TPOT of C=2 (15 ms) and C=4 (25 ms): the same SLOs by another name
+    assert rows[("TPOT(unpatched, C=2)", "lynx")]["ratio"] == pytest.approx(166.0 / 133.0)
+    assert rows[("TPOT(unpatched, C=4)", "unpatched")]["ratio"] == pytest.approx(1.0)
+    assert ("TPOT(unpatched, C=8)", "lynx") not in rows  # no unpatched point at C=8
+
+
+def test_a_variant_meeting_no_slo_gets_no_throughput_and_a_curve_without_unpatched_is_refused():
+    pts = [_p("unpatched", 1, 10.0, 100.0), _p("lynx", 1, 11.0, 91.0)]
+    row = next(r for r in slo.slo_rows(pts, multiples=(1.0,), at=()) if r["variant"] == "lynx")
+    assert row["tok_s"] is None and row["ratio"] is None
+    with pytest.raises(ValueError, match="no unpatched points"):
+        slo.slo_rows([_p("lynx", 1, 9.0, 111.0)])
+
+
+def test_serve_bench_rows_are_read_as_vllm_points():
+    run = {"command": "x", "rows": [{"model": "q", "concurrency": 8, "variant": "lynx", "tpot_ms": 5.0,
+                                     "decode_tok_s": 1600.0, "unique_before": 50.0, "unique_after": 12.0}]}
+    (p,) = slo.points_of(run)
+    assert (p["engine"], p["tok_s"], p["unique_after"]) == ("vllm", 1600.0, 12.0)
+
+
+@pytest.mark.slow
+def test_transformers_engine_smoke_run_writes_the_table(tmp_path):
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "lynx_hf.eval.slo", "transformers", "--scale", "16", "--vocab", "256",
+         "--concurrency", "1", "4", "--new-tokens", "4", "--prompt-tokens", "4", "--variants", "unpatched", "lynx",
+         "--multiples", "2", "--at", "4", "--out", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads((tmp_path / "slo.json").read_text())
+    pts = {(p["variant"], p["concurrency"]): p for p in out["points"]}
+    assert set(pts) == {("unpatched", 1), ("unpatched", 4), ("lynx", 1), ("lynx", 4)}
+    # structural facts: the policy never touches more experts than the router chose
+    assert pts[("lynx", 4)]["unique_after"] <= pts[("lynx", 4)]["unique_before"]
+    assert (tmp_path / "slo.png").is_file() and "| SLO |" in (tmp_path / "slo.md").read_text()
+
+
+def test_step_model_recovers_the_costs_of_an_exact_curve():
+    # TPOT = 10 + 2 T + 3 C; the unpatched points take T from the other variant's "before" at the same C
+    pts = []
+    for c, before, after in ((4, 20.0, 8.0), (8, 30.0, 10.0), (16, 40.0, 15.0), (32, 50.0, 22.0)):
+        pts.append(_p("unpatched", c, 10 + 2 * before + 3 * c, 1.0))
+        pts.append(dict(_p("lynx", c, 10 + 2 * after + 3 * c, 1.0), unique_before=before, unique_after=after))
+    fit = slo.step_model(pts)
+    assert fit["a_ms"] == pytest.approx(10.0) and fit["b_ms_per_expert"] == pytest.approx(2.0)
+    assert fit["c_ms_per_request"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
+    assert slo.step_model(pts[:3]) is None  # too few points that know T
