@@ -318,7 +318,7 @@ def main(argv=None) -> int:
     if args.what == "transformers":
         run = run_transformers(args)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"{args.name}_transformers_run.json").write_text(json.dumps(run, indent=1))
+        (args.out / f"{args.name}_run.json").write_text(json.dumps(run, indent=1))
         runs = [run, *[json.loads(p.read_text()) for p in args.also]]
     else:
         runs = [json.loads(p.read_text()) for p in args.runs]
