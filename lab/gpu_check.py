@@ -926,13 +926,14 @@ def section_slo(args, dev) -> None:
     S = "slo"
     print("\n== throughput under a TPOT SLO (transformers continuous batching) ==", flush=True)
     dry = args.dry_run
-    opts = SimpleNamespace(layers=2, vocab=256 if dry else 4096, scale=16 if dry else 1, threads=None,
+    opts = SimpleNamespace(layers=1 if dry else 2, vocab=256 if dry else 4096, scale=16 if dry else 1, threads=None,
                            dtype="float32" if dry else "bfloat16", device=dev, prompt_tokens=4 if dry else 16,
-                           new_tokens=3 if dry else 16, rounds=1, variants=list(slo.VARIANTS),
-                           concurrency=[1, 4] if dry else [1, 4, 8, 16, 32, 64, 128], cmd="lab.gpu_check slo")
+                           new_tokens=3 if dry else 16, rounds=1,
+                           variants=["unpatched", "lynx"] if dry else list(slo.VARIANTS),
+                           concurrency=[2] if dry else [1, 4, 8, 16, 32, 64, 128], cmd="lab.gpu_check slo")
     try:
         run = slo.run_transformers(opts)
-        rows = slo.slo_rows(slo.points_of(run), at=(4,) if dry else slo.AT)
+        rows = slo.slo_rows(slo.points_of(run), at=(2,) if dry else slo.AT)
     except Exception as exc:  # noqa: BLE001 - reported, the script goes on
         record(S, "transformers continuous batching", False, f"{type(exc).__name__}: {exc}"[:300])
         traceback.print_exc()
