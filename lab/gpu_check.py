@@ -513,6 +513,19 @@ class StepClock:
         return scores
 
 
+def interleaved(run, variants, rounds: int, new_tokens: int, times: dict) -> None:
+    """``run(variant, new_tokens)`` -> seconds per decode step: a 2-token warm-up of each variant (kernels compiled,
+    caches allocated), then ``rounds`` rounds over the variants, the start rotating each round; appends to
+    ``times[variant]``."""
+    for v in variants:
+        run(v, 2)
+    names = list(variants)
+    for r in range(rounds):
+        for i in range(len(names)):
+            v = names[(r + i) % len(names)]
+            times[v].append(run(v, new_tokens))
+
+
 def section_tpot(args, dev, budget, models) -> None:
     from transformers import LogitsProcessorList
 
@@ -555,13 +568,7 @@ def section_tpot(args, dev, budget, models) -> None:
                 return sum(diffs) / max(len(diffs), 1)
 
             try:
-                for v in variants:  # warm-up: kernels compiled, caches allocated
-                    run(v, 2)
-                names = list(variants)
-                for r in range(rounds):
-                    for i in range(len(names)):
-                        v = names[(r + i) % len(names)]
-                        times[v].append(run(v, new_tokens))
+                interleaved(run, variants, rounds, new_tokens, times)
             except Exception as exc:  # noqa: BLE001 - reported, the script goes on
                 record(S, f"{name} B={B}", False, f"{type(exc).__name__}: {exc}"[:300])
                 traceback.print_exc()
@@ -890,13 +897,7 @@ def section_int4(args, dev, budget, models) -> None:
             return sum(diffs) / max(len(diffs), 1)
 
         try:
-            for v in variants:
-                run(v, 2)
-            names = list(variants)
-            for r in range(rounds):
-                for i in range(len(names)):
-                    v = names[(r + i) % len(names)]
-                    times[v].append(run(v, new_tokens))
+            interleaved(run, variants, rounds, new_tokens, times)
         except Exception as exc:  # noqa: BLE001 - reported, the script goes on
             record(S, f"{name} int4 B={B}", False, f"{type(exc).__name__}: {exc}"[:300])
             traceback.print_exc()
