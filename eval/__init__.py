@@ -7,6 +7,7 @@ wheel, as ``lynx-hf`` subcommands or as modules::
     python -m lynx_hf.eval.sweep          # lynx-hf sweep    Pareto sweep LYNX vs OEA (--model PATH: model_sweep)
     python -m lynx_hf.eval.bench          # lynx-hf bench    decode latency benchmark
     python -m lynx_hf.eval.router_report  # lynx-hf report   router statistics
+    python -m lynx_hf.eval.slo            # throughput under a TPOT SLO (transformers continuous batching; tables)
 
 The project's other scripts (benchmarks, reports, the GPU check, the family census, the fixture builders, the
 mutation probe) are not installed: ``lab/`` of the source checkout, ``python -m lab.<script>``.
