@@ -221,7 +221,6 @@ def run_transformers(args) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    torch.set_flush_denormal(True)
     kw = (scaled_shapes(args.scale) if args.scale > 1 else SHAPES)["qwen2-57b-a14b"][1]
     model = build_tpot_model(kw, args.layers, args.vocab)
     if args.dtype == "float32":
@@ -316,6 +315,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     args.cmd = command("slo", argv)
     if args.what == "transformers":
+        import torch
+
+        torch.set_flush_denormal(True)  # process-wide state: set by the command, never by run_transformers (callers)
         run = run_transformers(args)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.name}_run.json").write_text(json.dumps(run, indent=1))
