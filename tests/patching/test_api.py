@@ -152,6 +152,33 @@ def test_C43_repatch_applies_overrides_on_top_of_the_current_config(monkeypatch)
     lynx_hf.unpatch(model)
 
 
+def test_C43_a_partial_config_file_replaces_the_config_and_overrides_apply_on_top(monkeypatch, tmp_path):
+    """CASES C43 with a file that names only some fields (issue 47): a config file is a complete configuration,
+    its left-out fields the ``LynxConfig`` defaults, never the values the model ran with; keyword overrides then
+    apply on top of the file. Re-patching with files written by ``LynxConfig.to_file`` (every field) cannot tell
+    replacing from merging; this file can. The expected config is written out field by field."""
+    monkeypatch.setenv("LYNX_HF_GATE", "auto")  # the default gate differs from the one the model runs with
+    model = fam.build("mixtral")
+    running = lynx_hf.LynxConfig(policy="oea", oea_k0=2, gate="always", telemetry="counts", expert_cache_bytes=4096,
+                                 tau=0.5, q_max=2)
+    lynx_hf.patch(model, running)
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps({"policy": "xshare", "xshare_budget": 5, "tau": 0.75}))
+    lynx_hf.patch(model, path, telemetry=False)
+    got = lynx_hf.config_of(model)
+    # from the file
+    assert (got.policy, got.xshare_budget, got.tau) == ("xshare", 5, 0.75)
+    # the override
+    assert got.telemetry is False
+    # left out of both: the defaults (oea_k0 1, gate "auto" here, no expert cache, q_max 1), not the running config's
+    assert (got.oea_k0, got.gate, got.expert_cache_bytes, got.q_max) == (1, "auto", 0, 1)
+    assert got == lynx_hf.LynxConfig(policy="xshare", xshare_budget=5, tau=0.75, telemetry=False)
+    with lynx_hf.patched(model, str(path)) as same:  # the context manager: the same replacement, then restored
+        assert lynx_hf.config_of(same) == lynx_hf.LynxConfig(policy="xshare", xshare_budget=5, tau=0.75)
+    assert lynx_hf.config_of(model) == got
+    lynx_hf.unpatch(model)
+
+
 def _intercepted(model):
     """Modules lynx_hf changed: a swapped forward (Llama-4) or a forward hook on the router (the others),
     reported by the block's name."""
