@@ -6,8 +6,9 @@ layer shape.
     python -m lynx_hf.eval.slo table RUN.json ...    # the table and plot from measured curves (this script's JSON or
                                                      # lab.serve_bench's: the vLLM engine, run in .venv-vllm)
 
-A serving user picks the largest batch (concurrent requests) whose decode-step latency meets the SLO; fewer distinct
-experts per step move that point. Per engine, model and variant the run measures one point per concurrency C:
+A serving user runs the batch (concurrent requests) with the most throughput whose decode-step latency meets the SLO
+(the largest such batch only where tokens/s rise with the batch: measured curves dip); fewer distinct experts per step
+move that point. Per engine, model and variant the run measures one point per concurrency C:
 the median per-request TPOT (ms; (time of the last token - time of the first) / (tokens - 1), as vLLM's benchmarks
 define it) and the decode throughput (tokens/s: decode tokens / decode span, all C requests added at once). For an
 SLO of S ms, a variant's reachable throughput is the most tokens/s among its points with TPOT <= S (measured points

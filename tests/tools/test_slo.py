@@ -26,6 +26,39 @@ def test_best_under_takes_the_most_tokens_per_second_among_points_meeting_the_sl
     assert slo.best_under(CURVES[:3], 9.0) is None
 
 
+#: curves whose tokens/s dip as concurrency grows (measured vLLM curves do: a step past the memory-bound regime slows
+#: more than the batch grows), tok/s = 1000 C / TPOT: unpatched 100 / 160 / 200 / 160 at C 1 / 4 / 8 / 16 (the dip at
+#: 16), LYNX 111 / 250 / 200 / 200 (the dip at 8)
+DIPS = [_p("unpatched", 1, 10.0, 100.0), _p("unpatched", 4, 25.0, 160.0), _p("unpatched", 8, 40.0, 200.0),
+        _p("unpatched", 16, 100.0, 160.0), _p("lynx", 1, 9.0, 111.0), _p("lynx", 4, 16.0, 250.0),
+        _p("lynx", 8, 40.0, 200.0), _p("lynx", 16, 80.0, 200.0)]
+
+
+def test_best_under_a_dipping_curve_is_the_most_tokens_per_second_not_the_largest_concurrency():
+    """Issue 47: the point of a curve under an SLO is the one with the most tokens/s, which after a dip is not the
+    largest concurrency meeting the SLO. Worked by hand on :data:`DIPS`."""
+    lynx = [p for p in DIPS if p["variant"] == "lynx"]
+    unpatched = [p for p in DIPS if p["variant"] == "unpatched"]
+    # 40 ms: LYNX meets it at C 1, 4, 8; 250 tok/s at C=4 beats 200 at C=8
+    assert (slo.best_under(lynx, 40.0)["concurrency"], slo.best_under(lynx, 40.0)["tok_s"]) == (4, 250.0)
+    # 100 ms: the unpatched curve meets it everywhere; C=8 (200) beats C=16 (160)
+    assert (slo.best_under(unpatched, 100.0)["concurrency"], slo.best_under(unpatched, 100.0)["tok_s"]) == (8, 200.0)
+
+
+def test_slo_rows_on_dipping_curves_hand_worked():
+    """The rows of :data:`DIPS`: at TPOT(unpatched, C=8) = 40 ms LYNX's best is C=4 (250 tok/s) against the unpatched
+    C=8 (200): 1.25x; at 10 x TPOT(C=1) = 100 ms, LYNX C=4 (250, not its C=16 at 200) against unpatched C=8 (200, not
+    its C=16 at 160): 1.25x again."""
+    rows = {(r["slo"], r["variant"]): r for r in slo.slo_rows(DIPS, multiples=(10.0,), at=(8,))}
+    at8 = rows[("TPOT(unpatched, C=8)", "lynx")]
+    assert (at8["slo_ms"], at8["concurrency"], at8["tok_s"]) == (40.0, 4, 250.0)
+    assert at8["ratio"] == pytest.approx(250.0 / 200.0)
+    ten = rows[("10 x TPOT(unpatched, C=1)", "lynx")]
+    assert (ten["slo_ms"], ten["concurrency"], ten["ratio"]) == (100.0, 4, pytest.approx(250.0 / 200.0))
+    base = rows[("10 x TPOT(unpatched, C=1)", "unpatched")]
+    assert (base["concurrency"], base["tok_s"], base["ratio"]) == (8, 200.0, 1.0)
+
+
 def test_slo_rows_hand_worked():
     rows = {(r["slo"], r["variant"]): r for r in slo.slo_rows(CURVES, multiples=(1.5, 2.5), at=(2, 4))}
     # 1.5 x 10 ms = 15 ms: unpatched reaches C=2 (133 tok/s), LYNX C=2 (166; its C=4 at 16 ms misses by 1 ms)
