@@ -16,13 +16,19 @@ language-model weights as its text class. Text-only inputs:
     after the first), or transformers' own refusal for that wrapper recorded (:data:`CB_REFUSED`).
 
 Families ``lynx_hf.patch`` refuses (as their text class is refused, docs/families-matrix.md) are checked for the
-typed refusal and an untouched wrapper.
+typed refusal and an untouched wrapper. What transformers itself fails or refuses is recorded per release
+(:data:`UPSTREAM_BROKEN`: an explicit strict ``xfail`` naming the bug, so the release that fixes it fails the test until
+the record is updated; :data:`CB_REFUSED`), never skipped by a version test.
+
+A toy wrapper (:class:`ToyWrapper`: a ``GenerationMixin`` holding a ``...ForCausalLM``, the nesting of Llama-4's
+wrapper) checks on every release that the outermost generating model is the one patched (issue 47).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -30,25 +36,34 @@ import torch
 import transformers
 
 import lynx_hf
+from helpers import families as fam
 from lynx_hf.errors import UnsupportedModelError
 
-ON_5_24 = transformers.__version__.startswith("5.24.")  # the release the records below were made on
+#: this transformers' "major.minor" (the records below are keyed by it)
+RELEASE = ".".join(transformers.__version__.split(".")[:2])
 NO_CONSENSUS = dict(policy="lynx", gate="always", mass_price=None, tau=1000.0)
 NEW = 6
 #: model type -> how the wrapper is checked: "pair" (a text causal LM ships: compared with it), "alone" (only a text
-#: decoder ships: the wrapper's own counts), "refused" (patch refuses the text family: typed error), "upstream"
-#: (transformers' wrapper fails every text-only forward itself, unpatched: Llama-4 5.24 reads ``image_outputs`` off
-#: its language model's ``MoeCausalLMOutputWithPast``; patching changes nothing about that)
+#: decoder ships: the wrapper's own counts), "refused" (patch refuses the text family: typed error)
 VLMS = {
     "aria": "pair", "deepseek_ocr2": "alone", "ernie4_5_vl_moe": "alone", "glm4v_moe": "alone",
-    "glm5_next": "alone", "hy_v4_vl": "alone", "llama4": "upstream", "minimax_m3_vl": "pair",
+    "glm5_next": "alone", "hy_v4_vl": "alone", "llama4": "pair", "minimax_m3_vl": "pair",
     "mistral_large4": "alone", "qwen3_5_moe": "pair", "qwen3_vl_moe": "alone", "qwen4_exp": "pair",
     "unlimited_ocr": "alone", "inkling2": "pair", "inkling2_loop": "pair", "muse_spark": "alone",
     "dots3_note": "pair", "gemma4": "refused", "inkling_mm_model": "refused",
 }
+#: wrappers whose own text-only ``generate`` transformers breaks, unpatched: model type -> {release: the bug}. The
+#: test is an ``xfail(strict=True, raises=AttributeError)`` there, after checking that patching changes nothing about
+#: the failure; on other releases the wrapper is checked in full (Llama-4: 5.19 and 5.25 generate)
+UPSTREAM_BROKEN = {
+    "llama4": {"5.24": "transformers 5.24: Llama4ForConditionalGeneration.forward reads `image_outputs` off its "
+                       "language model's MoeCausalLMOutputWithPast on a text-only forward (AttributeError), "
+                       "unpatched; fixed in 5.25"},
+}
 #: wrappers whose ``generate_batch`` transformers itself refuses on text-only requests: model type -> exception type
-#: (its paged cache has no layer of that attention kind; raised unpatched as under LYNX, by the text class too)
-CB_REFUSED = {"qwen3_5_moe": "linear_attention", "qwen4_exp": "linear_attention", "glm5_next": "linear_attention",
+#: (its paged cache has no layer of that attention kind; raised unpatched as under LYNX, by the text class too). The
+#: same on 5.19, 5.24 and 5.25 for the families each ships
+CB_REFUSED = {"llama4": "chunked_attention", "qwen3_5_moe": "linear_attention", "qwen4_exp": "linear_attention", "glm5_next": "linear_attention",
               "hy_v4_vl": "indexed_attention", "mistral_large4": "indexed_attention",
               "unlimited_ocr": "reference_sliding_attention", "inkling2": "hybrid_sliding",
               "inkling2_loop": "hybrid_sliding", "dots3_note": "indexed_attention"}
@@ -190,7 +205,18 @@ def _cb(model):
     return {k: list(v.generated_tokens) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("model_type", sorted(VLMS))
+def _params():
+    """One parameter per wrapper; an explicit strict ``xfail`` naming the bug where :data:`UPSTREAM_BROKEN` records
+    transformers breaking it on this release."""
+    out = []
+    for model_type in sorted(VLMS):
+        bug = UPSTREAM_BROKEN.get(model_type, {}).get(RELEASE)
+        marks = () if bug is None else pytest.mark.xfail(strict=True, raises=AttributeError, reason=bug)
+        out.append(pytest.param(model_type, marks=marks))
+    return out
+
+
+@pytest.mark.parametrize("model_type", _params())
 def test_C45_every_moe_vlm_wrapper_decodes_as_its_text_class(model_type):
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
@@ -205,27 +231,23 @@ def test_C45_every_moe_vlm_wrapper_decodes_as_its_text_class(model_type):
         assert not lynx_hf.is_patched(vlm) and not vlm._forward_pre_hooks
         assert all(v.is_meta or torch.equal(v, before[k]) for k, v in vlm.state_dict().items())
         return
-    if not ON_5_24:  # another release: a family lynx_hf refuses there (Aria on 5.19) is refused through the wrapper
-        try:
-            lynx_hf.unpatch(lynx_hf.patch(text))
-        except UnsupportedModelError:
-            with pytest.raises(UnsupportedModelError):
-                lynx_hf.patch(vlm)
-            return
+    try:  # a family lynx_hf refuses on this release (Aria on 5.19) is refused through the wrapper too
+        lynx_hf.unpatch(lynx_hf.patch(text))
+    except UnsupportedModelError:
+        with pytest.raises(UnsupportedModelError):
+            lynx_hf.patch(vlm)
+        return
     try:
         plain = _gen(vlm, ids)
-    except AttributeError as exc:  # transformers' own failure, unpatched (recorded for 5.24 in VLMS)
-        assert "image_outputs" in str(exc) and VLMS[model_type] == "upstream"
-        plain = None
-    else:
-        assert VLMS[model_type] != "upstream" or not ON_5_24  # fixed in this release: compared as a pair
-    if plain is None:  # patched, the same failure
-        for policy in ("none", "lynx"):
-            with lynx_hf.patched(vlm, policy=policy, gate="always"), pytest.raises(AttributeError, match="image_outputs"):
-                _gen(vlm, ids)
-        assert not lynx_hf.is_patched(vlm)
-        return
-    pair = VLMS[model_type] in ("pair", "upstream")
+    except AttributeError as exc:  # transformers' own failure, unpatched
+        if RELEASE in UPSTREAM_BROKEN.get(model_type, {}):  # the recorded bug: patched, the same failure
+            for policy in ("none", "lynx"):
+                with lynx_hf.patched(vlm, policy=policy, gate="always"), \
+                        pytest.raises(AttributeError, match=re.escape(str(exc))):
+                    _gen(vlm, ids)
+            assert not lynx_hf.is_patched(vlm)
+        raise  # the strict xfail where recorded, a failure anywhere else
+    pair = VLMS[model_type] == "pair"
 
     # (a) policy none: bit-identical to the unpatched wrapper
     with lynx_hf.patched(vlm, policy="none"):
@@ -300,7 +322,7 @@ def _check_cb(model_type, vlm, text):
     except ValueError as exc:  # transformers' paged cache has no layer of this kind
         assert "Invalid layer type" in str(exc), exc
         refused = str(exc).rsplit(": ", 1)[-1]
-    assert refused == CB_REFUSED.get(model_type) or not ON_5_24  # the 5.24 record
+    assert refused == CB_REFUSED.get(model_type)
     if refused is not None:  # transformers' refusal: unpatched and under LYNX, the text class's the same
         match = f"Invalid layer type: {refused}"
         for model in (vlm, text) if text is not None else (vlm,):
@@ -314,3 +336,65 @@ def _check_cb(model_type, vlm, text):
     if text is not None:
         cwant, cwant_n = _lynx(text, lambda: _cb(text))
         assert cgot == cwant and cgot_n == cwant_n
+
+
+# -- a GenerationMixin holding a ...ForCausalLM, on every release (issue 47) --------------------------------------------
+class ToyWrapper(transformers.PreTrainedModel, transformers.GenerationMixin):
+    """The smallest wrapper nesting two generating models, as Llama-4's ``...ForConditionalGeneration`` holds a
+    ``Llama4ForCausalLM``: its forward passes the token ids and everything ``generate`` gives to the causal LM it
+    holds (``lm``, sharing its config), whose own ``generate`` is never called. The user calls ``ToyWrapper.generate``,
+    so that is the one a patch must watch (the outermost ``GenerationMixin`` above the decoder backbone)."""
+
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:  # transformers reads this off the source of the class's module
+        return True
+
+    def __init__(self, lm):
+        super().__init__(lm.config)
+        self.lm = lm
+
+    def get_input_embeddings(self):
+        return self.lm.get_input_embeddings()
+
+    def get_output_embeddings(self):
+        return self.lm.get_output_embeddings()
+
+    def forward(self, input_ids=None, logits_to_keep=0, **kwargs):  # generate passes logits_to_keep if named here
+        return self.lm(input_ids=input_ids, logits_to_keep=logits_to_keep, **kwargs)
+
+
+def test_C45_a_generation_mixin_holding_a_causal_lm_is_patched_where_generate_is_called():
+    """Issue 47: patching :class:`ToyWrapper` watches the wrapper's ``generate`` (the outermost generating model),
+    not the inner ``Qwen2MoeForCausalLM``'s, which the wrapper never calls. Expected values worked independently:
+    (a) LYNX with two rows finishing early: the sequences and scores equal the inner model's own patched run (the same
+    module), and ``decode_tokens`` / ``finished_row_tokens`` are the live / finished rows' tokens counted from the
+    sequences (a patch that watched the inner ``generate`` sees no stop tokens: every row's tokens count as live);
+    (b) prompt lookup through the wrapper: ``verify_tokens`` equal the inner model's and are > 0 (unwatched: the
+    verify forwards are not known as such). Runs on every release (Llama-4's wrapper, the one shipped nesting, is
+    broken upstream on 5.24: :data:`UPSTREAM_BROKEN`)."""
+    text = fam.build("qwen2_moe")
+    wrapper = ToyWrapper(text).eval()
+    ids = _ids(6, 5, 1)
+    plain = _gen(wrapper, ids)
+    _same(plain, _gen(text, ids))  # the wrapper generates as the model it holds
+    eos = [int(plain.sequences[1, 6]), int(plain.sequences[4, 5])]  # rows 1 and 4 finish early
+    want, want_n = _lynx(text, lambda: _gen(text, ids, eos_token_id=eos))
+    got, got_n = _lynx(wrapper, lambda: _gen(wrapper, ids, eos_token_id=eos))
+    _same(got, want)
+    steps = got.sequences.shape[1] - ids.shape[1] - 1
+    live = _live_tokens(got.sequences, ids.shape[1], eos)
+    assert 0 < live < 6 * steps
+    assert (got_n["decode_tokens"], got_n["finished_row_tokens"]) == (live, 6 * steps - live)
+    assert got_n == want_n
+    assert not lynx_hf.is_patched(wrapper) and not lynx_hf.is_patched(text)
+
+    look = torch.arange(3, fam.VOCAB).roll(7)[None]  # every token is in the prompt: candidates each step
+    vwant, vwant_n = _lynx(text, lambda: _gen(text, look, max_new_tokens=8, eos_token_id=None,
+                                              prompt_lookup_num_tokens=3))
+    vgot, vgot_n = _lynx(wrapper, lambda: _gen(wrapper, look, max_new_tokens=8, eos_token_id=None,
+                                               prompt_lookup_num_tokens=3))
+    _same(vgot, vwant)
+    assert vgot_n == vwant_n and vgot_n["verify_tokens"] > 0
