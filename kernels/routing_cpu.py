@@ -32,6 +32,8 @@ from .telemetry_slots import (
     BEFORE,
     FALLBACKS,
     FINISHED_TOKENS,
+    LOADED_AFTER,
+    LOADED_BEFORE,
     MASS,
     NUM_SLOTS,
     PREFILL_TOKENS,
@@ -357,12 +359,19 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
     t_count, k = orig.shape
     every = counted.shape[0] == 0
     weighed = w.shape[0] > 0
+    mixed = prefill.shape[0] > 0
     before = np.zeros(n, dtype=np.bool_)
     after = np.zeros(n, dtype=np.bool_)
+    loaded_before = np.zeros(n, dtype=np.bool_)
+    loaded_after = np.zeros(n, dtype=np.bool_)
     remapped = 0
     mass = 0.0
     tokens = 0
     for t in range(t_count):
+        if mixed and prefill[t]:
+            for j in range(k):
+                loaded_before[orig[t, j]] = True
+                loaded_after[new[t, j]] = True
         if not every and not counted[t]:
             continue
         tokens += 1
@@ -397,6 +406,9 @@ def _counts(orig, new, w, counted, prefill, finished, n, verify, fallback):
     row[VERIFY_TOKENS] = tokens if verify else 0
     row[PREFILL_TOKENS] = prefill.sum() if tokens > 0 else 0.0  # as telemetry.record: only in steps that decode
     row[FINISHED_TOKENS] = finished.sum()
+    if tokens > 0:  # the counted tokens' experts and the prefill tokens' (what the experts kernel loads)
+        row[LOADED_BEFORE] = (before | loaded_before).sum()
+        row[LOADED_AFTER] = (after | loaded_after).sum()
     return row
 
 

@@ -9,9 +9,12 @@ A row is fp64 ``[NUM_SLOTS]``; ``lynx_hf.telemetry.BlockTelemetry`` sums rows ov
 - ``MASS``: sum over counted tokens of the share of their original top-k weight still used;
 - ``TOKENS``: counted tokens; ``FALLBACKS``: 1 if a counted token kept its routing (non-finite logits);
 - ``VERIFY_TOKENS``: counted tokens of a verification forward; ``PREFILL_TOKENS``: prefill tokens of a step that
-  also decodes; ``FINISHED_TOKENS``: tokens of finished rows.
+  also decodes; ``FINISHED_TOKENS``: tokens of finished rows;
+- ``LOADED_BEFORE`` / ``LOADED_AFTER``: in a step with a counted token, distinct experts the counted tokens and the
+  step's prefill tokens use together, with the model's routing / the policy's: what the experts kernel loads in a
+  continuous-batching step (equal to ``BEFORE`` / ``AFTER`` where the step has no prefill rows); else 0.
 """
 
 (STEPS, BEFORE, AFTER, REMAPPED, ASSIGNMENTS, MASS, TOKENS, FALLBACKS, VERIFY_TOKENS, PREFILL_TOKENS,
- FINISHED_TOKENS) = range(11)
-NUM_SLOTS = 11
+ FINISHED_TOKENS, LOADED_BEFORE, LOADED_AFTER) = range(13)
+NUM_SLOTS = 13

@@ -103,7 +103,8 @@ class BlockTelemetry:
         """One step. ``orig_idx`` / ``new_idx [T, k]`` int (the model's routing, the routing used),
         ``orig_weights [T, k]`` (not read in ``"counts"`` mode), ``counted [T]`` bool (live decode tokens: the ones
         measured; ``None``: every row); ``prefill_rows`` / ``finished_rows [T]`` bool (counted separately),
-        ``fallback`` 0-d bool; ``host``: CPU tensors in eager mode (``None``: asked here)."""
+        ``fallback`` 0-d bool; ``host``: CPU tensors in eager mode (``None``: asked here). The loaded-experts slots
+        (:meth:`loaded`) count the counted and the prefill rows together."""
         acc = self._buf(orig_idx.device)
         if host is None:
             host = host_reads_allowed(orig_idx)
@@ -136,10 +137,18 @@ class BlockTelemetry:
             remapped = (~kept).sum().to(torch.float64) if rows is None else \
                 (rows[:, None] & ~kept).sum().to(torch.float64)
             assignments = n * orig_idx.shape[1]
+        before = union_size(orig_idx, num_experts, rows).to(torch.float64)
+        after = union_size(new_idx, num_experts, rows).to(torch.float64)
+        if prefill_rows is None or rows is None:  # no prefill rows: the kernel loads the counted tokens' experts
+            loaded_before, loaded_after = before * steps, after * steps
+        else:
+            loading = rows | prefill_rows.to(torch.bool)
+            loaded_before = union_size(orig_idx, num_experts, loading).to(torch.float64) * steps
+            loaded_after = union_size(new_idx, num_experts, loading).to(torch.float64) * steps
         row = torch.stack([  # kernels.telemetry_slots order
             steps,
-            union_size(orig_idx, num_experts, rows).to(torch.float64),
-            union_size(new_idx, num_experts, rows).to(torch.float64),
+            before,
+            after,
             remapped,
             assignments,
             mass,
@@ -150,8 +159,21 @@ class BlockTelemetry:
             # a device decode mask that is all False: it is not a mixed step)
             zero if prefill_rows is None else prefill_rows.sum().to(torch.float64) * steps,
             zero if finished_rows is None else finished_rows.sum().to(torch.float64),
+            loaded_before,
+            loaded_after,
         ])
         acc.add_(row)
+
+    def loaded(self) -> tuple[float, float] | None:
+        """``(before, after)``: distinct experts per decode step that the step's counted (live decode) and prefill
+        tokens use together, with the model's routing / the policy's (what the experts kernel loads in a
+        continuous-batching step; ``kernels.telemetry_slots.LOADED_BEFORE``); ``None`` before any decode step. One
+        host read of the accumulators."""
+        if self.acc is None:
+            return None
+        a = self.acc.tolist()
+        steps = a[slots.STEPS]
+        return (a[slots.LOADED_BEFORE] / steps, a[slots.LOADED_AFTER] / steps) if steps else None
 
     def summary(self) -> dict:
         a = [0.0] * slots.NUM_SLOTS if self.acc is None else self.acc.tolist()
