@@ -12,7 +12,7 @@ multiprocess, external launcher, the server's engine core). Imports no vLLM at i
 from __future__ import annotations
 
 from ..errors import LynxHookError, UnsupportedModelError
-from . import compat, plans
+from . import compat, plans, ranks
 from .runners import HOOKED_RUNNERS, UNHOOKED, hooked_names
 from .state import STATE, resolve_config, warn_once
 
@@ -59,7 +59,9 @@ def refused_parallelism(vllm_config) -> list[str]:
 def check_parallelism(vllm_config, cfg) -> None:
     """Engine start (the driver's ``EngineArgs.create_engine_config``, before any engine process, and every worker's
     start): a configured plugin (``cfg`` not ``None``) refuses :func:`refused_parallelism`'s configurations with
-    :class:`~lynx_hf.UnsupportedModelError` naming each and why."""
+    :class:`~lynx_hf.UnsupportedModelError` naming each and why, and the cost gate (``gate="auto"``) on several
+    tensor-parallel ranks where this vLLM offers no way to agree their decisions with :class:`~lynx_hf.LynxConfigError`
+    naming why and the fix, ``gate="always"`` (:func:`lynx_hf.vllm.ranks.check`)."""
     if cfg is None:
         return
     refused = refused_parallelism(vllm_config)
@@ -67,6 +69,7 @@ def check_parallelism(vllm_config, cfg) -> None:
         raise UnsupportedModelError(
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) on an engine the plugin cannot follow: "
             f"{'; '.join(refused)}. Start it without these, or without the plugin's configuration.")
+    ranks.check(vllm_config, cfg)
 
 
 def unhooked_moe(model) -> list[str]:

@@ -130,11 +130,12 @@ def graph_changes(old, new) -> list[str]:
 
 def configure(options) -> bool:
     """Replace this process's configuration (``options``: as ``additional_config["lynx"]``); the per-layer plans are
-    re-resolved (made now where the engine has started: the cost gate measures here, not in a served step) and the
-    telemetry restarts. Returns False (nothing changed) when the plugin is off in this engine (no layer attached).
-    Raises :class:`~lynx_hf.LynxConfigError` for a bad value, or where the engine's forward is compiled without the
-    op on a layer the new configuration would need it on; :class:`~lynx_hf.UnsupportedModelError` for a policy a
-    layer cannot remap."""
+    re-resolved (made now where the engine has started: the cost gate gets its decisions here, not in a served step,
+    and with several tensor-parallel ranks every rank takes rank 0's: a collective, as ``collective_rpc`` calls it on
+    every worker) and the telemetry restarts. Returns False (nothing changed) when the plugin is off in this engine
+    (no layer attached). Raises :class:`~lynx_hf.LynxConfigError` for a bad value, where the engine's forward is
+    compiled without the op on a layer the new configuration would need it on, or where the cost gate's decisions of
+    several ranks cannot be agreed; :class:`~lynx_hf.UnsupportedModelError` for a policy a layer cannot remap."""
     cfg = plugin_config.parse(options, source="lynx_hf.vllm.configure")
     if cfg is None:
         raise LynxConfigError("lynx_hf.vllm.configure: empty configuration (the plugin cannot be switched off "
@@ -163,6 +164,7 @@ def configure(options) -> bool:
         # a frozen forward cannot take the op back into a layer it was traced without
         made = {layer.index: plans.make_layer_plan(layer, start.device, start.dtype, cfg.lynx)
                 for layer in STATE.layers}
+        plans.agree(cfg, made)  # every tensor-parallel rank takes rank 0's decisions (a collective)
         if start.frozen:
             needs = [layer.name for layer in STATE.layers
                      if layer.bypass and not plans.gated_off_everywhere(made[layer.index])]
@@ -181,5 +183,7 @@ def configure(options) -> bool:
             layer.plan = None  # made on first use
         else:
             plans.install_plan(layer, made[layer.index], cfg.lynx)
+    if made is not None:
+        plans.settle_bypass()  # from the agreed decisions (an eager engine only: a frozen one keeps its bypass)
     telemetry.reset()
     return True

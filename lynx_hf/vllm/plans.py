@@ -1,22 +1,28 @@
-"""Each MoE layer's plan, its cost gate and the bypass: the plugin's one door to the engine-independent core.
+"""Each MoE layer's plan, its stages and the bypass: the plugin's one door to the engine-independent core.
 
-Every call the plugin makes into ``lynx_hf.core`` (``make_plan`` with a ``MoELayer`` and the gate as its one stage,
-the plan's decode-step function ``plan.kernel`` on a ``StepInputs``, ``record_step``, ``host_reads_allowed``, the
-:class:`~lynx_hf.core.Step` values) and into the cost gate (``lynx_hf.gate``: ``LayerShape``, the buckets,
-``PlanGate`` decisions / observations / counters, found with ``lynx_hf.gate.of(plan)``) is in this module, so a
-change of the core's plan API is a change here. The plugin asks its gate itself (once per layer-step, in
-:func:`route`, which also times served steps and bypasses a layer the gate switches off) and then runs the plan's
-kernel, not ``plan.run``, whose gate stage would ask again.
+Every call the plugin makes into ``lynx_hf.core`` (``make_plan`` with a ``MoELayer`` and the plugin's stages,
+``RoutePlan.run`` on a ``StepInputs``, ``host_reads_allowed``, the :class:`~lynx_hf.core.Step` values) and into the
+cost gate (``lynx_hf.gate``: ``LayerShape``, the buckets, ``PlanGate`` decisions and counters, found with
+``lynx_hf.gate.of(plan)``) is in this module, so a change of the core's plan API is a change here. A step runs as in
+the HF path (``lynx_hf.block.BlockRouting.route``): :func:`route` calls ``plan.run``, and the plan's stages do the
+rest, outermost first:
+
+1. the cost gate (``gate="auto"``: :class:`lynx_hf.gate.PlanGate`): vLLM's routing where it is off at this call's
+   step size (decided on the host from the static T and the host's count of decode rows, ``Step.decode_rows``);
+   it counts its skips itself;
+2. :class:`PaddingRows`: rows vLLM's router marked as padding (expert id -1) are neither decode nor live below it
+   and come back with vLLM's -1 ids and weights;
+3. the plan's decode-step function (``lynx_hf.core``: the policy's remap, or the one-call CPU path), which records
+   the telemetry, the loaded-experts slots included (``BlockTelemetry.loaded``).
 
 - :func:`plan_for` makes a layer's plan on first use, or :func:`before_forward` makes every layer's plan before the
-  worker's first forward (a profiling / warm-up / capture run or a step), where the gate measures (``gate="auto"``:
-  every bucket, a few seconds per layer shape at most, shared by the layers of one shape).
+  worker's first forward (a profiling / warm-up / capture run or a step): the gate gets its decisions then (a table,
+  the per-user cache, or a measurement stored there: ``lynx_hf.gate.table``), and with several tensor-parallel ranks
+  every rank adopts rank 0's (:func:`lynx_hf.vllm.ranks.agree`).
 - A layer the gate keeps off at every step size this engine can run (:func:`gated_off_everywhere`) is *bypassed*:
   its router returns vLLM's routing without calling the op (:func:`lynx_hf.vllm.layers.attach`), so vLLM's compiled
-  mode, which traces the forward once in its first profiling / warm-up run, compiles vLLM's own routing there. A
-  compiled or captured forward (:func:`frozen`) keeps the bypass it was traced with.
-- :func:`route` runs a plan on one step (the gate's on / skip / observe, then the decode-step function and the
-  telemetry); the op body (:mod:`lynx_hf.vllm.op`) calls it.
+  mode, which traces the forward once in its first profiling / warm-up run, compiles vLLM's own routing there. The
+  bypass is decided once, from the agreed decisions; a compiled or captured forward (:func:`frozen`) keeps it.
 
 Neither path reads a device value on the host nor makes a data-dependent shape, except the host shortcuts on CPU
 tensors in eager mode (``host``: ``lynx_hf.core.host_reads_allowed``).
@@ -26,36 +32,37 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import ClassVar
 
-import numpy as np
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, MoELayer, RoutePlan, Step, StepInputs, host_reads_allowed, make_plan, record_step
+from ..core import MIXED, MoELayer, Routed, RoutePlan, Step, StepInputs, host_reads_allowed, make_plan
 from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
 from ..gate import of as gate_of
 from ..policies import get as get_policy
-from ..telemetry import BlockTelemetry, mode_of, union_size
-from ..telemetry import slots as _slots  # kernels.telemetry_slots, through the telemetry tier
+from ..telemetry import mode_of
+from . import ranks
 from .state import DECODE, PADDING, STATE, Layer, warn_once
 
 logger = logging.getLogger("lynx_hf.vllm")
 
 #: the plain decode step: every row of the call is a live decode token (no masks)
 DECODE_STEP = Step(_DECODE_KIND)
-_LOADED_SLOTS = [_slots.STEPS, _slots.BEFORE, _slots.AFTER]
 
-__all__ = ["DECODE_STEP", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan", "install_plan",
-           "step_buckets", "gated_off_everywhere", "set_bypass", "route", "skip_bypassed", "mark_calls", "count_replays",
-           "gate_summary",
-           "reset_layer", "remaps", "layer_shape", "before_forward", "frozen", "captured", "padding_rows",
+__all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan",
+           "install_plan", "step_key", "step_buckets", "gated_off_everywhere", "set_bypass", "settle_bypass",
+           "route", "step_inputs", "skip_bypassed", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
+           "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers"]
 
 
-def masked_step(kinds: torch.Tensor) -> Step:
+def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
     """The :class:`~lynx_hf.core.Step` of a call whose rows have these kinds (int8 ``[T]``, the step buffer's):
-    decode rows ``kinds == DECODE``, live rows ``kinds != PADDING``."""
-    return Step(MIXED, decode=kinds == DECODE, live=kinds != PADDING)
+    decode rows ``kinds == DECODE``, live rows ``kinds != PADDING``; ``decode_rows``: how many rows decode where the
+    host knows it (``STATE.step.num_decode``; ``None``: not known, e.g. while a CUDA graph is captured)."""
+    return Step(MIXED, decode=kinds == DECODE, live=kinds != PADDING, decode_rows=decode_rows)
 
 
 def remaps(cfg) -> bool:
@@ -68,40 +75,134 @@ def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, ex
     return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype)
 
 
+# --------------------------------------------------------------------------- padding rows: a stage of the plan
+
+
+def padding_rows(topk_ids: torch.Tensor, host: bool):
+    """``[T]`` bool, the rows vLLM's router marked as padding (expert id -1: ``FusedTopKRouter`` /
+    ``FusedTopKBiasRouter`` under ``VLLM_MOE_SKIP_PADDING=1``, every row of a CUDA-graph capture warm-up, DP dummy
+    runs, padded decode batches), or ``None`` where there are none: on the host (CPU eager) asked there, once (the
+    router classes that run on CPU never mark any); off the host always the mask (no host read)."""
+    if host and not bool((topk_ids < 0).any()):
+        return None
+    return (topk_ids < 0).any(dim=-1)
+
+
+def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tuple[Step, torch.Tensor]:
+    """``(step, ids)`` with the padding rows ``pad [T]`` neither decode nor live (they do not vote, seed, remap or
+    count; :func:`lynx_hf.core.remap` / :func:`~lynx_hf.core.record_step`) and their ids 0 (a valid index for every
+    index op of the remap, the union and the telemetry; nothing counts them). Sync-free."""
+    keep = ~pad
+    decode = keep if step.decode is None else step.decode & keep
+    live = keep if step.live is None else step.live & keep
+    ids = topk_ids.masked_fill(pad[:, None], 0)
+    return Step(step.kind, decode=decode, live=live, decode_rows=step.decode_rows), ids
+
+
+@dataclass(eq=False)
+class PaddingRows:
+    """The stage of a vLLM layer's plan (``lynx_hf.core.Stage``) that keeps vLLM's padding rows out of the step: rows
+    whose expert ids are -1 (:func:`padding_rows`) are neither decode nor live for the stages below it and the
+    decode-step function (the remap, the critical set's votes, the union, the telemetry: :func:`without_padding`),
+    and come back with vLLM's -1 ids and its weights. A call without padding rows passes through unchanged (on the
+    host, one read of the ids says so). Composed into every plan, below the cost gate."""
+
+    #: how ``RoutePlan.stage`` finds it
+    name: ClassVar[str] = "padding"
+
+    def bind(self, plan: RoutePlan, inner):
+        """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``)."""
+
+        def run(plan: RoutePlan, inputs: StepInputs) -> Routed:
+            pad = padding_rows(inputs.idx, inputs.host)
+            if pad is None:
+                return inner(plan, inputs)
+            step, ids = without_padding(inputs.step, inputs.idx, pad)
+            out = inner(plan, inputs._replace(step=step, idx=ids))
+            rows = pad[:, None]
+            return Routed(torch.where(rows, inputs.weights, out.weights.to(inputs.weights.dtype)),
+                          torch.where(rows, inputs.idx, out.idx.to(inputs.idx.dtype)), out.finite, out.gated_off)
+
+        return run
+
+
 # --------------------------------------------------------------------------- plans and the bypass
 
 
 def plan_for(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
-    """The layer's plan on ``device`` (made on first use, or before the first forward by :func:`before_forward`; the
-    cost gate measures then, on the worker's threads), the router logits having ``dtype``; ``cfg``: a LynxConfig."""
+    """The layer's plan on ``device`` (made before the first forward by :func:`before_forward`, else here on first
+    use: the cost gate gets its decisions then, on the worker's threads), the router logits having ``dtype``;
+    ``cfg``: a LynxConfig. Raises :class:`~lynx_hf.LynxConfigError` where a plan with a cost gate would have to be
+    made here, inside a forward, on several tensor-parallel ranks (its decisions could not be agreed)."""
     plan = layer.plan
     if plan is None or plan.device != device:
-        plan = install_plan(layer, make_layer_plan(layer, device, dtype, cfg), cfg)
+        plan = make_layer_plan(layer, device, dtype, cfg)
+        if gate_of(plan) is not None and STATE.tp_size > 1:
+            raise ranks.refusal(f"MoE layer {layer.name}'s plan would be made inside a forward on {device} (the plans "
+                                f"were made on {STATE.start.device}), where the ranks cannot agree", STATE.tp_size)
+        install_plan(layer, plan, cfg)
+        if not STATE.start.frozen:
+            set_bypass(layer, gated_off_everywhere(plan))
     return plan
 
 
+def step_key(layer: Layer) -> dict:
+    """What a vLLM layer's step runs besides its plan and shape, for the cost gate's decision key
+    (``lynx_hf.gate.key.make_key``, described by ``lynx_hf.gate.key.describe``): the router's rule (its class,
+    selection and weight rule: :class:`lynx_hf.vllm.routers.RouterRule`), the selection-scores function, the weight
+    rule, and the runner's experts class and quant method class (the experts kernel whose time the saving is)."""
+    runner = layer.runner() if layer.runner is not None else None
+    experts = getattr(runner, "routed_experts", None)
+    method = getattr(experts, "quant_method", None)
+    return {"router": layer.router_rule, "scores": layer.scores, "weight": layer.rule,
+            "experts": None if experts is None else type(experts),
+            "quant_method": None if method is None else type(method),
+            "expert_map": getattr(experts, "expert_map", None) is not None}
+
+
 def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
-    """A new plan of ``layer`` for ``cfg`` (a ``LynxConfig``) on ``device``; its cost gate measures now."""
+    """A new plan of ``layer`` for ``cfg`` (a ``LynxConfig``) on ``device``, the router logits having ``dtype``: the
+    cost gate (``gate="auto"``; it gets its decisions now) and :class:`PaddingRows` composed around the decode-step
+    function."""
     shape = layer.gate_shape or LayerShape(layer.num_experts, layer.top_k, None, None)
     shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
                        # the op's steps carry masks, except on CPU (eager: the op body always is) where an all-decode
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu")
-    # the cost gate (gate="auto") is the plan's one stage; the plugin asks it itself per step (route)
-    stages = (PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device)),) \
-        if cfg.gate == "auto" else ()
+    stages = [PaddingRows()]
+    if cfg.gate == "auto":
+        stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
+                                  step_key=step_key(layer), table=cfg.gate_table))
     return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device), stages=stages)
 
 
 def install_plan(layer: Layer, plan: RoutePlan, cfg) -> RoutePlan:
-    """``plan`` becomes the layer's; it sets the layer's ``bypass`` (:func:`gated_off_everywhere`) unless the
-    forward is frozen (``STATE.start.frozen``)."""
+    """``plan`` becomes the layer's (its telemetry in the mode ``cfg.telemetry`` asks for). The bypass is set
+    apart (:func:`settle_bypass`, :func:`set_bypass`), once the decisions are agreed."""
     layer.plan = plan
     if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
         layer.telemetry.mode = mode_of(cfg.telemetry)
-    if not STATE.start.frozen:
-        set_bypass(layer, gated_off_everywhere(plan))
     return plan
+
+
+def agree(cfg, plans: dict | None = None) -> int:
+    """Every layer's cost gate takes rank 0's decisions where this process has tensor-parallel peers
+    (:func:`lynx_hf.vllm.ranks.agree`; a collective: called at the same point on every rank). ``cfg``: the
+    :class:`~lynx_hf.vllm.config.PluginConfig` the plans were made for; ``plans``: layer index -> plan (``None``:
+    each layer's own). Returns the layers adopted (0: nothing to agree). Raises :class:`~lynx_hf.LynxConfigError`
+    where they cannot be agreed."""
+    entries = [(layer.name, layer.plan if plans is None else plans[layer.index]) for layer in STATE.layers]
+    return ranks.agree(entries, cfg, STATE.tp_size)
+
+
+def settle_bypass() -> None:
+    """Each layer's ``bypass`` from its plan (:func:`gated_off_everywhere`), unless the forward is frozen
+    (``STATE.start.frozen``: the bypass a compiled / captured forward was traced with stays)."""
+    if STATE.start.frozen:
+        return
+    for layer in STATE.layers:
+        if layer.plan is not None:
+            set_bypass(layer, gated_off_everywhere(layer.plan))
 
 
 def step_buckets() -> tuple:
@@ -113,14 +214,14 @@ def step_buckets() -> tuple:
 
 def gated_off_everywhere(plan: RoutePlan) -> bool:
     """Whether ``plan``'s cost gate (``LynxConfig.gate="auto"``) keeps vLLM's routing at every step size this engine
-    can run (:func:`step_buckets`), each bucket measured now if it was not. False without a gate (``gate="always"``,
-    a policy that never remaps), or where a bucket cannot be measured (the gate keeps the policy on there)."""
+    can run (:func:`step_buckets`), from its decisions. False without a gate (``gate="always"``, a policy that never
+    remaps), or where a bucket was not decided from the layer's sizes (the gate keeps the policy on there)."""
     gate = gate_of(plan)
     if gate is None:
         return False
     for b in step_buckets():
         decision = gate.decision(b)
-        if decision.on or decision.reason.startswith("not measured"):
+        if decision.on or decision.reason.startswith("not "):  # "not measured ...", "not decided yet"
             return False
     return True
 
@@ -130,19 +231,15 @@ def set_bypass(layer: Layer, bypass: bool) -> None:
     STATE.bypassed = tuple(one for one in STATE.layers if one.bypass)
 
 
-def skip_bypassed(num_tokens: int) -> None:
-    """A step of ``num_tokens`` tokens with decode tokens: each bypassed layer's gate counts it as a step it kept
-    vLLM's routing on, as the op body does for a step the gate skips."""
+def skip_bypassed(num_tokens: int, decode_rows: int | None = None) -> None:
+    """A step of ``num_tokens`` tokens of which ``decode_rows`` decode (> 0): each bypassed layer's gate counts it
+    as a step it kept vLLM's routing on (the step size seen, one step skipped), as the op body does for a step the
+    gate skips."""
     for layer in STATE.bypassed:
-        _count_without_op(layer, num_tokens)
-
-
-def _count_without_op(layer: Layer, num_tokens: int) -> None:
-    """A step with decode tokens in which ``layer``'s op body did not run (bypassed, or a CUDA-graph replay): its
-    gate counts it as the body would have, the step size seen (``PlanGate.on``) and a skip where the gate is off."""
-    gate = gate_of(layer.plan)
-    if gate is not None and not gate.on(num_tokens):
-        gate.skip(num_tokens)
+        gate = gate_of(layer.plan)
+        if gate is not None:
+            gate.on(num_tokens, decode_rows)
+            gate.skip(num_tokens)
 
 
 def mark_calls() -> None:
@@ -156,12 +253,27 @@ def count_replays(num_tokens: int) -> None:
     """After a forward of ``num_tokens`` tokens with decode tokens, in an engine whose forward is captured in CUDA
     graphs (``STATE.start.captured``): a layer whose op body did not run in it (:func:`mark_calls`; bypassed layers
     aside, :func:`skip_bypassed` counts those) was replayed, and a replay repeats what the body did at capture, the
-    gate's decision included (a host-side branch); its gate counts the step as the body would have: the step size
-    seen (``PlanGate.on``) and, where the gate is off there, one step skipped. The telemetry needs nothing here:
-    its device accumulators are added into by the replay itself."""
+    gate's decision included (a host-side branch on the static T; the decode rows are not known at capture); its
+    gate counts the step as the body would have: the step size seen (``PlanGate.on``) and, where the gate is off
+    there, one step skipped. The telemetry needs nothing here: its device accumulators are added into by the replay
+    itself."""
     for layer in STATE.layers:
         if not layer.bypass and layer.plan is not None and layer.calls == layer.step_calls:
-            _count_without_op(layer, num_tokens)
+            gate = gate_of(layer.plan)
+            if gate is not None and not gate.on(num_tokens):
+                gate.skip(num_tokens)
+
+
+def stage_summaries(layer: Layer) -> dict:
+    """What each stage of the layer's plan that counts reports (``Stage.summary``), by stage name; the cost gate's
+    entry is :func:`gate_summary`'s (always present)."""
+    out = {}
+    for stage in () if layer.plan is None else layer.plan.stages:
+        summary = getattr(stage, "summary", None)
+        if summary is not None and stage.name != PlanGate.name:
+            out[stage.name] = summary()
+    out[PlanGate.name] = gate_summary(layer)
+    return out
 
 
 def gate_summary(layer: Layer) -> dict:
@@ -177,20 +289,15 @@ def gate_summary(layer: Layer) -> dict:
 
 
 def reset_layer(layer: Layer) -> None:
-    """Zero the layer's telemetry, loaded-experts counts, skipped calls and its gate's counters. The device
-    accumulators are zeroed in place, never reallocated (captured CUDA graphs keep adding into their addresses)."""
+    """Zero the layer's telemetry (the loaded-experts slots included), skipped calls and its plan's stages' counters
+    (``Stage.reset``; the gate's decisions stay). The device accumulators are zeroed in place, never reallocated
+    (captured CUDA graphs keep adding into their addresses)."""
     layer.telemetry.reset()
-    loaded = layer.loaded
-    if loaded is not None:
-        if loaded.is_inference() and not torch.is_inference_mode_enabled():
-            with torch.inference_mode():
-                loaded.zero_()
-        else:
-            loaded.zero_()
     layer.skipped = 0
-    gate = gate_of(layer.plan)
-    if gate is not None:
-        gate.reset()
+    for stage in () if layer.plan is None else layer.plan.stages:
+        reset = getattr(stage, "reset", None)
+        if reset is not None:
+            reset()
 
 
 def _experts_fn(layer: Layer, device: torch.device):
@@ -246,109 +353,21 @@ def is_gathered(layer: Layer) -> bool:
 # --------------------------------------------------------------------------- one step
 
 
-def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights, topk_ids, host: bool):
-    """``(topk_weights, topk_ids)`` of one call of ``layer`` after its plan on ``step``: vLLM's own where the cost
-    gate is off at this call's size (counted as skipped), else the plan's decode-step function, with the telemetry
-    (``LynxConfig.telemetry``) and the experts the step's live tokens load. ``host``: CPU tensors in eager mode,
-    where the op body's wall time is the routing cost as served and the gate decides again from a few of them
-    (``PlanGate.observe``: it can only switch off)."""
-    num_tokens = router_logits.shape[0]
-    gate = gate_of(plan)
-    if gate is not None and not gate.on(num_tokens):  # static T: a host-side branch
-        gate.skip(num_tokens)
-        return topk_weights, topk_ids
-    if host and gate is not None and gate.observing(num_tokens):
-        start = time.perf_counter()
-        out = _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
-        gate.observe(num_tokens, (time.perf_counter() - start) * 1e3)
-        if not STATE.start.frozen and not gate.decision(num_tokens).on:  # decided again: off; off everywhere now?
-            set_bypass(layer, gated_off_everywhere(plan))
-        return out
-    return _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host)
-
-
-def padding_rows(topk_ids: torch.Tensor, host: bool):
-    """``[T]`` bool, the rows vLLM's router marked as padding (expert id -1: ``FusedTopKRouter`` /
-    ``FusedTopKBiasRouter`` under ``VLLM_MOE_SKIP_PADDING=1``, every row of a CUDA-graph capture warm-up, DP dummy
-    runs, padded decode batches), or ``None`` where there are none: on the host (CPU eager) asked there, once (the
-    router classes that run on CPU never mark any); off the host always the mask (no host read)."""
-    if host and not bool((topk_ids < 0).any()):
-        return None
-    return (topk_ids < 0).any(dim=-1)
-
-
-def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tuple[Step, torch.Tensor]:
-    """``(step, ids)`` with the padding rows ``pad [T]`` neither decode nor live (they do not vote, seed, remap or
-    count; :func:`lynx_hf.core.remap` / :func:`~lynx_hf.core.record_step`) and their ids 0 (a valid index for every
-    index op of the remap, the union and the telemetry; nothing counts them). Sync-free."""
-    keep = ~pad
-    decode = keep if step.decode is None else step.decode & keep
-    live = keep if step.live is None else step.live & keep
-    return Step(step.kind, decode=decode, live=live), topk_ids.masked_fill(pad[:, None], 0)
-
-
-def _routed(layer, plan, step, router_logits, topk_weights, topk_ids, host):
-    pad = padding_rows(topk_ids, host)
-    if pad is not None:  # padding rows come back as vLLM gave them (id -1, its weights)
-        step, ids = without_padding(step, topk_ids, pad)
-        new_weights, new_ids = _routed_rows(layer, plan, step, router_logits, topk_weights, ids, host)
-        return (torch.where(pad[:, None], topk_weights, new_weights.to(topk_weights.dtype)),
-                torch.where(pad[:, None], topk_ids, new_ids.to(topk_ids.dtype)))
-    return _routed_rows(layer, plan, step, router_logits, topk_weights, topk_ids, host)
-
-
-def _routed_rows(layer, plan, step, router_logits, topk_weights, topk_ids, host):
-    record = STATE.config.lynx.telemetry
-    if step is DECODE_STEP and host:
-        # every row a live decode row: the step function records the telemetry itself (the fused path in the same
-        # call), and the experts the kernel loads are the telemetry's own before / after of this step
-        telemetry = layer.telemetry if record else None
-        start = _decode_slots(telemetry) if telemetry is not None else None
-        out = plan.kernel(plan, _inputs(layer, step, router_logits, topk_weights, topk_ids, host, telemetry))
-        if telemetry is not None:
-            _add_loaded(layer, _decode_slots(telemetry) - start)
-        return out.weights, out.idx
-    out = plan.kernel(plan, _inputs(layer, step, router_logits, topk_weights, topk_ids, host, None))
-    if record:
-        _record(layer, step, topk_ids, topk_weights, out.idx, out.finite, host)
-    return out.weights, out.idx
-
-
-def _inputs(layer: Layer, step: Step, router_logits, topk_weights, topk_ids, host: bool, telemetry) -> StepInputs:
-    """The layer-step for the plan's kernel: ``layer.scores`` the router class's selection scores (``None``: the fp32
-    logits, which the weight rule then reuses)."""
+def step_inputs(layer: Layer, step: Step, router_logits, topk_weights, topk_ids, host: bool) -> StepInputs:
+    """The layer-step the plan runs (``lynx_hf.core.StepInputs``): ``router_logits [T, N]`` (the model dtype),
+    ``topk_weights [T, k]`` fp32 / ``topk_ids [T, k]`` int32 (vLLM's routing, logical ids; -1 on padding rows), the
+    layer's weight rule and selection scores (``None``: the fp32 logits), its telemetry (``None`` where
+    ``LynxConfig.telemetry`` is off); ``host``: CPU tensors in eager mode."""
+    telemetry = layer.telemetry if STATE.config.lynx.telemetry else None
     return StepInputs(step, router_logits, topk_weights, topk_ids, layer.rule, host, layer.scores, telemetry)
 
 
-def _decode_slots(telemetry: BlockTelemetry) -> np.ndarray:
-    """fp64 ``[3]``: the accumulated STEPS / BEFORE / AFTER slots of ``telemetry`` (host path: CPU accumulators)."""
-    acc = telemetry.acc
-    if acc is None:
-        return np.zeros(3)
-    return acc.detach().numpy()[_LOADED_SLOTS]  # fancy indexing: a copy
-
-
-def _add_loaded(layer: Layer, row: np.ndarray) -> None:
-    """Host path: add one all-decode step's loaded-experts row (``[3]``) to ``layer.loaded`` (CPU)."""
-    loaded = layer.loaded
-    if loaded is None or loaded.device.type != "cpu":
-        loaded = layer.loaded = torch.zeros(3, dtype=torch.float64)
-    loaded.detach().numpy()[:] += row  # in place through a view: no torch op (works on inference tensors too)
-
-
-@torch.no_grad()
-def _record(layer: Layer, step: Step, ids, weights, new_ids, finite, host: bool) -> None:
-    dev = ids.device
-    counted, live = record_step(layer.telemetry, layer.num_experts, step, ids, weights, new_ids, finite, host=host)
-    has_decode = counted.any().to(torch.float64)
-    row = torch.stack([has_decode,
-                       union_size(ids, layer.num_experts, live).to(torch.float64) * has_decode,
-                       union_size(new_ids, layer.num_experts, live).to(torch.float64) * has_decode])
-    if layer.loaded is None or layer.loaded.device != dev:
-        layer.loaded = torch.zeros(3, dtype=torch.float64, device=dev)
-    elif layer.loaded.is_inference() and not torch.is_inference_mode_enabled():
-        layer.loaded = layer.loaded.clone()  # created under vLLM's inference_mode, updated outside it
-    layer.loaded.add_(row)
+def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights, topk_ids, host: bool):
+    """``(topk_weights, topk_ids)`` of one call of ``layer`` after ``plan`` on ``step`` (``plan.run``: the cost gate,
+    the padding rows, then the decode-step function with the telemetry; :func:`step_inputs` describes the
+    arguments). vLLM's own tensors where nothing was remapped (the gate off at this size, ``decode_rows`` 0)."""
+    out = plan.run(step_inputs(layer, step, router_logits, topk_weights, topk_ids, host))
+    return out.weights, out.idx
 
 
 # --------------------------------------------------------------------------- before the first forward
@@ -380,9 +399,11 @@ def captured(model_runner, device: torch.device) -> bool:
 
 def before_forward(model_runner) -> None:
     """Before the first forward of this worker (hooked on the model runners' ``_dummy_run`` and ``execute_model``;
-    once): every layer's plan is made on the runner's device, its cost gate measured, and a layer the gate keeps off
-    at every step size this engine can run is bypassed (``Layer.bypass``). Then the forward counts as frozen where it
-    is compiled or captured (:func:`frozen`)."""
+    once): every layer's plan is made on the runner's device (its cost gate gets its decisions), the decisions are
+    agreed across the tensor-parallel ranks (:func:`agree`: rank 0's, on every rank), and a layer the gate keeps off
+    at every step size this engine can run is bypassed (``Layer.bypass``, :func:`settle_bypass`). Then the forward
+    counts as frozen where it is compiled or captured (:func:`frozen`). Raises :class:`~lynx_hf.LynxConfigError`
+    where the decisions of several ranks cannot be agreed (``gate="always"`` is the fix the message names)."""
     start = STATE.start
     if start.started:
         return
@@ -395,9 +416,11 @@ def before_forward(model_runner) -> None:
     start.device, start.dtype = device, dtype if isinstance(dtype, torch.dtype) else torch.float32
     t0 = time.perf_counter()
     for layer in STATE.layers:
-        plan_for(layer, start.device, start.dtype, cfg.lynx)
-    logger.debug("lynx_hf.vllm: %d plans made, cost gate decided in %.2f s", len(STATE.layers),
-                 time.perf_counter() - t0)
+        install_plan(layer, make_layer_plan(layer, start.device, start.dtype, cfg.lynx), cfg.lynx)
+    agreed = agree(cfg)
+    logger.debug("lynx_hf.vllm: %d plans made, cost gate decided in %.2f s (%d layers' decisions agreed with rank 0)",
+                 len(STATE.layers), time.perf_counter() - t0, agreed)
+    settle_bypass()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert timing's scratch weights: not reserved when vLLM profiles memory
     start.frozen = frozen(model_runner)

@@ -2,7 +2,7 @@
 :class:`ProcessState`, grouped by the job that writes each part:
 
 - the engine's configuration, read once (:func:`resolve_config`): ``config``, ``capacity`` (tokens per step),
-  ``spec_tokens``, ``rank``;
+  ``spec_tokens``, ``tp_size`` (tensor-parallel ranks, which agree on the cost gate's decisions), ``rank``;
 - the MoE layers hooked in this process (:class:`Layer`, one per vLLM ``MoERunner``; :mod:`lynx_hf.vllm.layers`)
   and the ones the cost gate bypasses (``bypassed``; :mod:`lynx_hf.vllm.plans`);
 - the step mask (:class:`StepBuffer`) and the step counters (:class:`StepCounts`; :mod:`lynx_hf.vllm.steps`);
@@ -49,10 +49,8 @@ class Layer:
     rule: WeightRule
     runner: object = None  # weakref.ref to the MoERunner (the model owns it)
     plan: RoutePlan | None = None
+    #: the layer's telemetry, the experts its steps load (``BlockTelemetry.loaded``) included
     telemetry: BlockTelemetry = field(default_factory=BlockTelemetry)
-    #: fp64 [3]: steps with decode tokens, experts the step's live tokens (prefill + decode) use, before / after the
-    #: remap (what the experts kernel loads); summed over steps
-    loaded: torch.Tensor | None = None
     gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (left alone)
     skipped: int = 0  # calls left untouched because the step's mask does not describe their rows
     scores: object = None  # selection scores (logits -> [T, N] fp32, -inf outside allowed groups); None: fp32 logits
@@ -120,6 +118,7 @@ class ProcessState:
     resolved: bool = False  # ``config`` was read from the engine's configuration
     capacity: int = 0  # tokens per step the mask holds (max_num_batched_tokens; 0: not known)
     spec_tokens: int = 0  # speculative tokens per request (verification counts as decode work)
+    tp_size: int = 1  # tensor-parallel ranks (> 1: the cost gate's decisions are agreed, lynx_hf.vllm.ranks)
     rank: int = 0
     layers: list[Layer] = field(default_factory=list)
     bypassed: tuple = ()  # the layers whose ``bypass`` is set (their gate counts the steps it skips)
@@ -143,7 +142,8 @@ def warn_once(key: str, message: str) -> None:
 def resolve_config(vllm_config) -> plugin_config.PluginConfig | None:
     """This process's configuration, read once from ``vllm_config`` (vLLM's ``VllmConfig``: its
     ``additional_config["lynx"]``, else ``LYNX_VLLM_CONFIG``; :func:`lynx_hf.vllm.config.resolve`), with the step
-    capacity (``max_num_batched_tokens``) and the speculative tokens per request; later calls return it as read."""
+    capacity (``max_num_batched_tokens``), the speculative tokens per request and the tensor-parallel size; later calls
+    return it as read."""
     if not STATE.resolved:
         additional = getattr(vllm_config, "additional_config", None)
         STATE.config = plugin_config.resolve(additional if isinstance(additional, dict) else None)
@@ -152,6 +152,8 @@ def resolve_config(vllm_config) -> plugin_config.PluginConfig | None:
         STATE.capacity = int(getattr(scheduler, "max_num_batched_tokens", 0) or 0)
         spec = getattr(vllm_config, "speculative_config", None)
         STATE.spec_tokens = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+        tp_size = getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", 1)
+        STATE.tp_size = tp_size if isinstance(tp_size, int) and tp_size > 1 else 1
         if STATE.config is not None:
             logger.info("lynx_hf.vllm: policy %s (%s)", STATE.config.lynx.policy, STATE.config.to_dict())
     return STATE.config

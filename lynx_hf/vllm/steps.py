@@ -157,7 +157,7 @@ def write_kinds(kinds, device) -> None:
     if step.num_decode:
         counts.decode_steps += 1
         counts.seen_decode += 1
-        plans.skip_bypassed(total)
+        plans.skip_bypassed(total, step.num_decode)
         if step.num_prefill:
             counts.mixed_steps += 1
 

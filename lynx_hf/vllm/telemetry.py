@@ -23,10 +23,12 @@ def snapshot() -> dict:
     ``top_k``, ``rule``, ``skipped_calls`` (calls whose rows the step mask does not describe, left
     untouched), ``gathered``, the keys of :meth:`lynx_hf.telemetry.BlockTelemetry.summary` (unique
     experts per decode step over the live decode tokens before / after, remapped fraction, routing
-    mass kept, decode tokens, prefill tokens in mixed steps, fallbacks), ``gate`` (the cost gate's decisions,
-    ``bypassed``) and ``loaded_experts_before`` / ``loaded_experts_after`` (distinct experts of all the step's live
-    tokens, prefill included: what the experts kernel reads, per step with decode tokens). ``summary``: the means
-    over layers (:meth:`lynx_hf.LynxStats.summary`, the keys ``lynx_hf.stats(model).summary()`` has in HF).
+    mass kept, decode tokens, prefill tokens in mixed steps, fallbacks), ``gate`` (the cost gate's decisions and
+    where they came from, ``source``: with several tensor-parallel ranks rank 0's; ``bypassed``), what any other stage
+    of the layer's plan reports (``Stage.summary``, under its name) and ``loaded_experts_before`` /
+    ``loaded_experts_after`` (distinct experts of all the step's live tokens, prefill included: what the experts
+    kernel reads, per step with decode tokens; ``BlockTelemetry.loaded``). ``summary``: the means over layers
+    (:meth:`lynx_hf.LynxStats.summary`, the keys ``lynx_hf.stats(model).summary()`` has in HF).
     """
     layers = []
     for layer in STATE.layers:
@@ -34,11 +36,9 @@ def snapshot() -> dict:
                  "rule": {"rule": layer.rule.kind, "renormalize": layer.rule.renormalize, "scale": layer.rule.scale},
                  "skipped_calls": layer.skipped, "gathered": bool(layer.gathered)}
         entry.update(layer.telemetry.summary())
-        entry["gate"] = plans.gate_summary(layer)
-        loaded = [0.0, 0.0, 0.0] if layer.loaded is None else layer.loaded.tolist()
-        steps = loaded[0]
-        entry["loaded_experts_before"] = loaded[1] / steps if steps else None
-        entry["loaded_experts_after"] = loaded[2] / steps if steps else None
+        entry.update(plans.stage_summaries(layer))
+        loaded = layer.telemetry.loaded()
+        entry["loaded_experts_before"], entry["loaded_experts_after"] = (None, None) if loaded is None else loaded
         layers.append(entry)
     cfg = STATE.config
     summary = LynxStats(cfg.lynx.policy if cfg else "off", layers,

@@ -42,9 +42,9 @@ def _spy(layer, monkeypatch):
 
         layer.plan = dataclasses.replace(plan, fused=counted)
 
-    def counted_masked(kinds):
+    def counted_masked(kinds, decode_rows=None):
         calls["masked"] += 1
-        return _MASKED_STEP(kinds)
+        return _MASKED_STEP(kinds, decode_rows)
 
     monkeypatch.setattr(plans, "masked_step", counted_masked)
     return calls

@@ -1,11 +1,16 @@
-"""The cost gate in the vLLM plugin (``LynxConfig.gate``, ``lynx_hf.gate``): the op asks the same ``PlanGate`` as the
-HF path; gated off it returns vLLM's routing unchanged and the snapshot says so per layer; a layer gated off at every
-step size the engine can run is bypassed (no op call, no op in the compiled graph) and a compiled engine refuses a
-configuration that would need the op back. No engine: the op is called on a fake layer (or a vLLM ``CPURouter`` hooked
-by ``lynx_hf.vllm.layers.attach``), the measurement replaced by fixed decisions (no timed assertion). vLLM
-environment only."""
+"""The cost gate in the vLLM plugin (``LynxConfig.gate``, ``lynx_hf.gate``): a stage of each layer's plan, which the op
+runs (``plan.run``) as the HF path does; its decisions are got once, when the plan is made, and never change while
+the engine serves (no served step decides again); gated off it returns vLLM's routing unchanged and the snapshot says
+so per layer; a mixed step is decided on its decode rows (the host's count, ``Step.decode_rows``); a step the host
+knows has no decode row returns at once on every path outside a CUDA-graph capture; a layer gated off at every step
+size the engine can run is bypassed (no op call, no op in the compiled graph) and a compiled engine refuses a
+configuration that would need the op back. No engine: the op is called on a fake layer (or a vLLM ``CPURouter``
+hooked by ``lynx_hf.vllm.layers.attach``), the measurement replaced by fixed decisions (``fixed_gate``, no timed
+assertion). vLLM environment only."""
 
+import json
 import time
+import types
 
 import pytest
 import torch
@@ -13,27 +18,21 @@ import torch
 pytest.importorskip("vllm")
 
 from lynx_hf import gate  # noqa: E402
-from lynx_hf.core import WeightRule  # noqa: E402
+from lynx_hf.core import RoutePlan, WeightRule  # noqa: E402
+from lynx_hf.kernels.routing_torch import strict_sync_free  # noqa: E402
 from lynx_hf.vllm import layers, op, plans, state, steps, telemetry  # noqa: E402
-from lynx_hf.vllm.state import STATE  # noqa: E402
-
-
-def _decide(on):
-    """A fake ``gate.measure``: on (saving 4 x 1 ms > 1.25 x cost 1 ms) at the buckets ``on`` says (a bool: all or
-    none; else a set of buckets), off elsewhere."""
-    def measure(plan, shape, num_tokens, telemetry=True, extra_expert_ms=0.0, expert_fn=None):
-        yes = on if isinstance(on, bool) else gate.bucket_of(num_tokens) in on
-        return gate.decide(1.0, 4.0 if yes else 0.0, 1.0)
-    return measure
+from lynx_hf.vllm.state import DECODE, PREFILL, STATE  # noqa: E402
+from plugin_steps import set_kinds  # noqa: E402
 
 
 @pytest.fixture
-def layer(monkeypatch, plugin_state):
+def layer(fixed_gate, plugin_state):
     """``layer(options, on)``: a fresh process state (capacity 16) with one fake layer (k 2 of 8) whose gate decides
-    as ``on`` says."""
+    as ``on`` says (``fixed_gate``; ``layer.measured``: the gates measured since); ``phase="decode"`` unless
+    ``options`` says otherwise."""
 
     def make(options, on):
-        monkeypatch.setattr(gate, "measure", _decide(on))
+        make.measured = fixed_gate(on)
         st = plugin_state({"phase": "decode", **options}, capacity=16)
         one = state.Layer(index=0, name="fake", top_k=2, num_experts=8, rule=WeightRule("softmax_all", True),
                           gathered=False, gate_shape=gate.LayerShape(8, 2, 32, 16))  # what attach reads of the runner
@@ -43,8 +42,8 @@ def layer(monkeypatch, plugin_state):
     return make
 
 
-def _routing(t=8, n=8, k=2):
-    logits = torch.randn(t, n, generator=torch.Generator().manual_seed(0)) * 3
+def _routing(t=8, n=8, k=2, seed=0):
+    logits = torch.randn(t, n, generator=torch.Generator().manual_seed(seed)) * 3
     vals, ids = torch.topk(logits, k, dim=-1)
     return logits, torch.softmax(vals, -1), ids.to(torch.int32)
 
@@ -75,24 +74,98 @@ def test_gate_on_equals_always(layer):
     assert telemetry.snapshot()["layers"][0]["gate"]["by_tokens"][8]["on"] is True
 
 
-def test_op_times_its_body_and_the_gate_switches_off_when_it_costs_more_than_measured(layer, monkeypatch):
-    """The patch-time decision is on at 8 tokens only (cost 1 ms, saving 4 x 1 ms). On CPU the op body's wall time is the served
-    cost: with a clock that advances 5 ms per reading, two served steps cost 5 ms each, 4 <= 1.25 x 5: off, and the
-    next step keeps vLLM's routing."""
-    monkeypatch.setattr(gate, "OBSERVE_STEPS", 2)
+def test_the_op_runs_the_plan_and_decisions_never_change_while_serving(layer, monkeypatch):
+    """One step protocol: the op runs ``plan.run`` (the gate, then the padding rows, then the decode-step function),
+    never the plan's kernel around it. The decisions are got once, when the plan is made (one measurement), and
+    served steps never decide again, however long they take (a clock advancing 5 ms per reading: the cost the
+    removed "observe served steps" rule switched a layer off on); the gate counts each step itself."""
     one = layer({"policy": "lynx", "mass_price": "None", "tau": "1000", "gate": "auto"}, on={8})
-    logits, weights, ids = _routing()
-    clock = iter(range(0, 10_000, 5))
+    runs = []
+    real_run = RoutePlan.run
+
+    def counted_run(self, inputs):
+        runs.append(inputs.step)
+        return real_run(self, inputs)
+
+    monkeypatch.setattr(RoutePlan, "run", counted_run)
+    clock = iter(range(0, 100_000, 5))
     monkeypatch.setattr(time, "perf_counter", lambda: next(clock) / 1e3)
-    for _ in range(2):
+    logits, weights, ids = _routing()
+    for _ in range(12):
         out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
-        assert not torch.equal(out[1], ids)  # on while observed
-    d = gate.of(one.plan).decision(8)
-    assert not d.on and d.cost_ms == 5.0 and "2 served steps" in d.reason
+        assert not torch.equal(out[1], ids)  # on at 8 tokens, every step
+    planned = gate.of(one.plan)
+    assert [stage.name for stage in one.plan.stages] == ["gate", "padding"]
+    assert len(runs) == 12 and planned.seen[8] == 12 and planned.skipped[8] == 0 and len(layer.measured) == 1
+    assert planned.decision(8).on and planned.decision(8).cost_ms == 1.0 and not one.bypass
+    assert not hasattr(planned, "observe") and not hasattr(gate, "OBSERVE_STEPS")
+
+
+def test_the_gate_decides_a_mixed_step_on_its_decode_rows(layer):
+    """A continuous-batching step of 16 rows of which the host counts 2 decode rows (14 prefill): the policy would
+    run over all 16 rows (the cost at 16 tokens) to save experts of 2 decode rows (the saving at 2, nothing here: the
+    gate is on at bucket 16 only), so it keeps vLLM's routing and counts one skip at 16 tokens. With 14 decode rows
+    (saving at bucket 16) the decode rows are remapped. Without the host's count (``Step.decode_rows``) the gate would
+    decide both at 16 tokens: on."""
+    one = layer({"policy": "lynx", "mass_price": "None", "tau": "1000", "gate": "auto", "phase": "auto"}, on={16})
+    logits, weights, ids = _routing(t=16, seed=3)
+    set_kinds([DECODE] * 2 + [PREFILL] * 14)
     out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+    steps.end_step()
     assert torch.equal(out[1], ids) and torch.equal(out[0], weights)
-    # that was the last step size it was on at (off at 1-4 and 16 from the start): an eager engine now bypasses the op
-    assert one.bypass and STATE.bypassed == (one,)
+    planned = gate.of(one.plan)
+    assert planned.skipped[16] == 1 and not planned.decision(16, decode_rows=2).on
+    set_kinds([DECODE] * 14 + [PREFILL] * 2)
+    out = torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+    steps.end_step()
+    assert not torch.equal(out[1][:14], ids[:14]) and torch.equal(out[1][14:], ids[14:])
+    assert planned.skipped[16] == 1 and planned.seen[16] == 2
+    assert telemetry.snapshot()["layers"][0]["decode_tokens"] == 14
+
+
+@pytest.mark.vllm_code
+def test_a_step_without_decode_rows_returns_at_once_outside_a_capture(plugin_state, monkeypatch):
+    """Where the host knows a call has no decode row (no step prepared: a dummy / profiling run; or a step of prefill
+    tokens only), the op returns vLLM's routing at once, on CPU and on a device alike, as long as the op body is not
+    being captured into a CUDA graph: no plan is made or run, vLLM's own tensors come back. Under a capture the body
+    describes the rows by the step buffer (the remap is recorded for every replay) without a decode-row count. A mixed
+    step on a device passes the host's count of decode rows on (``Step.decode_rows``). The device is a stand-in
+    (``torch.cuda.is_current_stream_capturing`` and the buffer faked): this CPU has none."""
+    st = plugin_state({"policy": "lynx", "gate": "always"}, capacity=16)
+    one = state.Layer(index=0, name="fake", top_k=2, num_experts=8, rule=WeightRule("softmax_all", True),
+                      gathered=False)
+    st.layers = [one]
+    logits, weights, ids = _routing(t=8)
+    # the accelerator path on CPU tensors (no host shortcut, strict sync-free): prefill only -> vLLM's tensors
+    set_kinds([PREFILL] * 8)
+    with strict_sync_free():
+        got = op.remap_layer(logits, weights, ids, 0)
+    steps.end_step()
+    assert got[0] is weights and got[1] is ids and one.plan is None
+    with strict_sync_free():  # no step prepared (a dummy run)
+        got = op.remap_layer(logits, weights, ids, 0)
+    assert got[0] is weights and got[1] is ids and one.plan is None
+
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    cpu_buffer = steps.buffer
+    monkeypatch.setattr(op, "buffer", lambda device, rows: cpu_buffer(torch.device("cpu"), rows))
+    on_device = types.SimpleNamespace(shape=(8, 8), device=torch.device("cuda"))  # what step_for reads of the logits
+    assert op.host_counts(torch.device("cuda"), False) and op.host_counts(torch.device("cpu"), False)
+    assert op.step_for(one, on_device, False) is None  # eager, no step prepared
+    set_kinds([PREFILL] * 8)
+    assert op.step_for(one, on_device, False) is None  # eager, no decode row
+    capturing["now"] = True
+    assert not op.host_counts(torch.device("cuda"), False)
+    captured = op.step_for(one, on_device, False)  # a capture: the remap is recorded against the buffer
+    assert captured is not None and captured.decode_rows is None and captured.decode is not None
+    steps.end_step()
+    set_kinds([DECODE] * 3 + [PREFILL] * 5)
+    capturing["now"] = False
+    mixed = op.step_for(one, on_device, False)
+    steps.end_step()
+    assert mixed.decode_rows == 3 and int(mixed.decode.sum()) == 3
+    assert not op.host_counts(torch.device("xpu"), False)  # a device whose capture cannot be asked about
 
 
 # ------------------------------------------------------------------ layers off at every step size: no op at all
@@ -184,10 +257,15 @@ def test_layer_off_at_every_step_size_is_traced_without_the_op(attached, monkeyp
 @pytest.mark.vllm_code
 def test_layer_on_at_some_step_size_keeps_the_op(attached):
     """On at one bucket the engine can run (8): not bypassed, the compiled graph calls the op once, and the policy
-    remaps a decode step of 8 tokens (``tau`` 1000: every decode token may move)."""
+    remaps a decode step of 8 tokens (``tau`` 1000: every decode token may move). The gate's decision key holds the
+    layer's step description (router class and rules, weight rule, experts' classes)."""
     router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
     plans.before_forward(_ModelRunner(mode=3))
     assert not one.bypass and STATE.bypassed == ()
+    # the decision key names what the step runs besides the plan: vLLM's router class and its rules (issue 43)
+    step = json.loads(gate.of(one.plan).key.parts)["step"]
+    assert step["router"]["router"] == "CPURouter" and step["weight"]["kind"] == "softmax_all"
+    assert set(step) == {"router", "scores", "weight", "experts", "quant_method", "expert_map"}
     logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
     targets = _graph_targets(lambda x: router._compute_routing(None, x, None), logits)
     assert sum("lynx_vllm.remap_routing" in t for t in targets) == 1

@@ -1,7 +1,8 @@
 """Padding rows (issue 36 item 1): vLLM's ``FusedTopKRouter`` / ``FusedTopKBiasRouter`` give a padding row expert id
 -1 under ``VLLM_MOE_SKIP_PADDING=1`` (vLLM's default): every row of a CUDA-graph capture warm-up, DP dummy runs, the
 padded tail of a decode batch. The plugin excludes them from every index op of the remap, the union, the critical
-set's votes and the telemetry (``lynx_hf.vllm.plans.padding_rows`` / ``without_padding``), on the numba (host), torch
+set's votes and the telemetry (``lynx_hf.vllm.plans.PaddingRows``, a stage of every layer's plan:
+``padding_rows`` / ``without_padding``), on the numba (host), torch
 (sync-free, the accelerator path) and Triton (interpreted) paths, and hands them back with vLLM's -1 ids and weights.
 
 Driven through the plugin's op (``lynx_hf.vllm.op``) on CPU, compared with a torch reference computed through the
@@ -50,8 +51,7 @@ def _run(one_layer, options, backend, host, kinds, logits, weights, ids):
                       rule=WeightRule("softmax_all", renormalize=True))
     step = plans.masked_step(torch.tensor(kinds, dtype=torch.int8))
     new_w, new_ids = op.remap_step(layer, step, logits, weights, ids, host)
-    loaded = None if layer.loaded is None else layer.loaded.tolist()
-    return new_w, new_ids, layer.telemetry.summary(), loaded
+    return new_w, new_ids, layer.telemetry.summary(), layer.telemetry.loaded()
 
 
 @pytest.mark.vllm_code
@@ -99,8 +99,7 @@ def test_all_padding_step_warm_up(one_layer, policy, path):
     weights = torch.zeros_like(weights)
     new_w, new_ids, tel, loaded = _run(one_layer, POLICIES[policy], backend, host, [DECODE] * 8, logits, weights, ids)
     assert torch.equal(new_ids, ids) and torch.equal(new_w, weights)
-    assert tel["decode_tokens"] == 0 and tel["decode_steps"] == 0
-    assert loaded is None or loaded[0] == 0
+    assert tel["decode_tokens"] == 0 and tel["decode_steps"] == 0 and loaded is None
 
 
 @pytest.mark.vllm_code
