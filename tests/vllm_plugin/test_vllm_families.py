@@ -316,8 +316,10 @@ def family_engine(tmp_path_factory):
         spec, out = work / "spec.json", work / "out.json"
         spec.write_text(json.dumps({"model": str(models[family]), "eager": True, "engine": ENGINE, "runs": runs,
                                     "lynx": {"policy": "none"}, "probe": True}))
+        # LYNX_HF_GATE=always: the subject is what the policy does to each family's routing; on these tiny random
+        # checkpoints the cost gate (the default) would rightly keep it off
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(cache_root),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LYNX_HF_GATE": "always"}
         env.pop("LYNX_VLLM_CONFIG", None)
         env.pop("TRITON_INTERPRET", None)
         proc = subprocess.run([sys.executable, str(here / "family_run.py"), str(spec), str(out)], env=env,

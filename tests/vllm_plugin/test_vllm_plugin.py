@@ -83,8 +83,10 @@ def engine(tmp_path_factory):
         out = work / "out.json"
         spec.write_text(json.dumps({"model": str(model), "eager": eager, "lynx": lynx, "engine": ENGINE,
                                     "runs": runs}))
+        # LYNX_HF_GATE=always: the subject is what the policy does on fixtures A / B, where the cost gate (the
+        # default; its engine-level test is test_vllm_engines.py's TP 2 engine) rightly keeps it off
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(cache_root),
-               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "LYNX_HF_GATE": "always"}
         env.pop("LYNX_VLLM_CONFIG", None)
         env.pop("TRITON_INTERPRET", None)  # set by tests/conftest.py for the kernel tests; vLLM must not see it
         proc = subprocess.run([sys.executable, str(Path(__file__).with_name("engine_run.py")), str(spec), str(out)],
