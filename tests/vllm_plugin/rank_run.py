@@ -33,6 +33,23 @@ class _MoERunner:
         self.router, self.layer_name = router, name
 
 
+def _vllm_config():
+    """A ``VllmConfig`` to join vLLM's distributed state under (it reads the parallel configuration). vLLM 0.34 refuses
+    to configure a CPU engine on x86 without triton-cpu (the ``vllm_code`` leg's GPU wheel here): the distributed
+    state needs no engine, so the config is built without the platform's engine check there."""
+    from vllm.config import VllmConfig
+
+    try:
+        return VllmConfig()
+    except RuntimeError as exc:
+        if "Triton" not in str(exc):
+            raise
+        from vllm.platforms import current_platform
+
+        type(current_platform).check_and_update_config = classmethod(lambda cls, vllm_config: None)
+        return VllmConfig()
+
+
 def _decision(on: bool):
     from lynx_hf import gate
 
@@ -41,7 +58,7 @@ def _decision(on: bool):
 
 def main(rank: int, port: int, out_path: str, on_buckets: str) -> None:
     import torch
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import set_current_vllm_config
     from vllm.distributed import parallel_state
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
@@ -60,7 +77,7 @@ def main(rank: int, port: int, out_path: str, on_buckets: str) -> None:
     gate_stage.measure_layer = measure_layer  # this rank's own decisions
     result = {"rank": rank, "measured_on": {}}
     os.environ["VLLM_DIST_IDENT"] = str(port)  # what vLLM's CPU worker sets before joining (its SHM communicator)
-    with set_current_vllm_config(VllmConfig()):
+    with set_current_vllm_config(_vllm_config()):
         parallel_state.init_distributed_environment(world_size=2, rank=rank, local_rank=rank, backend="gloo",
                                                     distributed_init_method=f"tcp://127.0.0.1:{port}")
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
