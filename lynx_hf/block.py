@@ -155,12 +155,14 @@ class BlockRouting:
             return None
         return None if own is None else (lambda h, i, w: own(experts, h, i, w))
 
-    def gate_key(self) -> tuple:
-        """What changes this block's decode cost besides its shape (the cost gate's cache key, ``lynx_hf.gate.measure``
-        ``cost_key``; ``docs/cases.md`` C41): the experts module's class, the experts implementation it runs (its
-        config's, e.g. ``grouped_mm`` or ``eager``), how its weights are stored (each tensor's class, dtype, device;
-        a quantized or wrapped tensor is another class) and whether they are read per expert from an offload
-        (``lynx_hf.offload``; with the resident cache's budget)."""
+    def step_key(self) -> dict:
+        """What this block's decode step runs besides its plan and shape, for the cost gate's key
+        (``lynx_hf.gate.key.make_key``; ``docs/cases.md`` C41): the family, its selection scores (function, and the
+        block's selection-bias rule or what the function reads of the router: grouping, method), the weight rule,
+        the experts module's class, the experts implementation it runs (its config's, e.g. ``grouped_mm`` or
+        ``eager``), how its weights are stored (each tensor's class, dtype, device; a quantized or wrapped tensor is
+        another class) and whether they are read per expert from an offload (``lynx_hf.offload``, with the resident
+        cache's budget)."""
         experts = self.experts
         impl = None
         if isinstance(experts, torch.nn.Module) and uses_interface(experts):
@@ -175,7 +177,12 @@ class BlockRouting:
         offloaded = None
         if self.offload is not None:
             offloaded = ("experts", self.model_state.config.expert_cache_bytes)
-        return (type(experts).__qualname__, impl, storage, offloaded)
+        rule_of = self.spec.selection_rule_of
+        selection = self.selection if self.selection is not None else \
+            (rule_of(self.router) if rule_of is not None else None)
+        return {"family": self.spec.family, "scores": self.spec.selection_scores, "selection": selection,
+                "weight": self.rule, "forward": self.spec.decode_forward,
+                "experts": (type(experts).__qualname__, impl, storage, offloaded)}
 
     def layer_shape(self) -> LayerShape:
         """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),
@@ -373,15 +380,16 @@ class BlockRouting:
 
 
 def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
-    """The cost gate of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``; ``lynx_hf.gate.stage``: ``None`` unless
+    """The cost gate of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``; ``lynx_hf.gate.for_config``: ``None`` unless
     ``config.gate == "auto"``): measured at the block's shape (:meth:`BlockRouting.layer_shape`), on the model's own
     experts implementation (:meth:`BlockRouting.expert_fn`), timing the router hook's whole work
     (:meth:`BlockRouting.gate_probe`), an offloaded expert's transfer added to the saving per avoided expert
     (:attr:`BlockRouting.extra_expert_ms`)."""
     if config.gate != "auto":
         return None
-    return gate.stage(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms, expert_fn=block.expert_fn(),
-                      route_fn=block.gate_probe, cost_key=block.gate_key())
+    return gate.for_config(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms,
+                           expert_fn=block.expert_fn(), route_fn=block.gate_probe, selection=block._scores_fn(),
+                           step_key=block.step_key())
 
 
 def _param_device(module) -> torch.device | None:

@@ -1,7 +1,8 @@
 """``lynx-hf`` command line (also ``python -m lynx_hf``).
 
 Subcommands: ``generate`` (patch + generate on a local checkpoint; default the committed fixture A, package data
-of ``lynx_hf.eval``), ``plot``, ``vllm-stats``; ``eval | sweep | bench | report`` run the installed
+of ``lynx_hf.eval``), ``tune`` (the cost gate's decision table of a checkpoint on this device), ``plot``,
+``vllm-stats``; ``eval | sweep | bench | report`` run the installed
 ``lynx_hf.eval`` modules (``python -m lynx_hf.eval.harness | sweep | bench | router_report``).
 Errors are one clear line on stderr and exit status 2.
 """
@@ -19,7 +20,8 @@ import lynx_hf  # its public functions, looked up when called (tests replace lyn
 from .config import RENAMED, LynxConfig, field_help, field_types
 from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval
 from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
-from .gate import off_line
+from .gate import STORE, DecisionTable, off_line
+from .gate import of as gate_of
 
 
 class CliError(Exception):
@@ -117,6 +119,55 @@ def cmd_generate(args) -> int:
         import json
 
         Path(args.stats_json).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_tune(args) -> int:
+    """Measure the cost gate's decisions (``gate="auto"``) for every MoE layer of a checkpoint on this device, once
+    per distinct key, and add them to the table ``--out`` (created, or merged into: other entries stay). The table is
+    what ``LynxConfig(gate_table=...)`` / ``--gate-table`` reads first; the per-user cache is refreshed too."""
+    import dataclasses
+    import time
+
+    import torch
+
+    cfg = dataclasses.replace(_config(args), gate="auto", gate_table=None)
+    out = Path(args.out)
+    try:
+        table = DecisionTable.load(out, missing_ok=True)
+    except ValueError as exc:
+        raise CliError(str(exc)) from exc
+    model, _ = _load(Path(args.model), args.dtype)
+    model.to(torch.device(args.device))
+    start = time.perf_counter()
+    with STORE.refreshing():
+        try:
+            lynx_hf.patch(model, cfg)
+        except lynx_hf.LynxError as exc:
+            raise CliError(str(exc)) from exc
+    seconds = time.perf_counter() - start
+    keys: dict = {}
+    for block in lynx_hf.patcher._state(model).blocks:
+        planned = gate_of(block.plan)
+        if planned is None or planned.key is None:
+            continue
+        entry = keys.setdefault(planned.key.digest(), [planned, 0])
+        entry[1] += 1
+    if not keys:
+        raise CliError(f"policy {cfg.policy!r} has no cost gate on this model (nothing remaps, or the layers' sizes "
+                       "are unknown): nothing to tune")
+    print(f"model: {args.model}  device: {args.device}  policy: {cfg.policy}  measured in {seconds:.1f} s")
+    for planned, layers in keys.values():
+        table.put(planned.key, planned.decisions, planned.source)
+        on = [b for b, d in sorted(planned.decisions.items()) if d.on]
+        shape = planned.shape
+        print(f"  {layers} layer(s) N {shape.num_experts} k {shape.top_k} H {shape.hidden} I {shape.intermediate} "
+              f"{str(shape.expert_dtype or shape.dtype).removeprefix('torch.')}: on at "
+              f"{', '.join(map(str, on)) if on else 'no step size'} tokens ({planned.key.device}, "
+              f"{planned.key.threads} threads)")
+    table.save(out)
+    print(f"wrote {out} ({len(table.entries)} entries); use it with --gate-table {out} or "
+          f"LynxConfig(gate_table={str(out)!r})")
     return 0
 
 
@@ -246,6 +297,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "lynx_config.json of `lynx-hf sweep --model`); the --<field> options below override its fields")
     _policy_args(g)
     g.set_defaults(func=cmd_generate)
+    t = sub.add_parser("tune", help="measure the cost gate's decisions of a checkpoint on this device and write them "
+                       "to a decision table (LynxConfig.gate_table)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
+    t.add_argument("--out", default="lynx_gate_table.json", help="decision table to write (merged into if it exists)")
+    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in (part of the decisions' key)")
+    t.add_argument("--device", default="cpu", help="device the model runs on (cpu, cuda, cuda:1, ...)")
+    t.add_argument("--config", default=None, metavar="FILE", help="LynxConfig JSON file; the --<field> options below "
+                   "override its fields (the gate is always 'auto' here)")
+    _policy_args(t)
+    t.set_defaults(func=cmd_tune)
     p = sub.add_parser("plot", aliases=["stats"], help="turn a saved stats JSON into a PNG bar chart")
     p.add_argument("stats_json", help="file written by `lynx-hf generate --stats-json`")
     p.add_argument("--out", default="lynx_stats.png", help="PNG to write")

@@ -125,11 +125,13 @@ class LynxConfig:
       remapping policy). ``0`` (default): no cache. An int ``>= 0``.
     - ``gate``: the cost gate (``lynx_hf.gate``; the paper's phase-aware optimizer, arXiv 2411.08982, extended from
       phase to cost): ``"auto"`` runs the policy on a decode step of T tokens only where the expected saving
-      (experts saved x one expert's measured time on this device) beats the measured routing cost, per layer shape
-      and T (measured at patch time, a host-side decision on the static T); ``"always"`` runs it on every decode
-      step (reproducible: accuracy work, tests). Default: the environment variable ``LYNX_HF_GATE`` if set (e.g.
-      ``LYNX_HF_GATE=always``), else ``"auto"``; ``lynx-hf eval`` / ``sweep`` and the lm-eval model use
-      ``"always"``.
+      (experts saved x one expert's time on this device) beats the routing cost, per layer and T, from decisions
+      keyed by what the step runs (a table, the per-user cache, else measured once per machine and stored; a
+      host-side lookup on the static T); ``"always"`` runs it on every decode step (reproducible: accuracy work).
+      Default: the environment variable ``LYNX_HF_GATE`` if set (e.g. ``LYNX_HF_GATE=always``), else ``"auto"``;
+      ``lynx-hf eval`` / ``sweep`` and the lm-eval model use ``"always"``.
+    - ``gate_table``: a decision table of the cost gate (``lynx_hf.gate.table``; written by ``lynx-hf tune``), a
+      path, read before the tables lynx_hf ships and the per-user cache; ``None`` (default): those alone.
 
     Raises :class:`LynxConfigError` for a bad value, a removed field (``mass_floor``) or ``phase="never"``.
     """
@@ -151,6 +153,7 @@ class LynxConfig:
     expert_path: str = "auto"
     telemetry: bool | str = True
     gate: str = field(default_factory=default_gate)
+    gate_table: str | None = None
     offload_path: str = "experts"
     expert_cache_bytes: int = 0
 
@@ -166,6 +169,11 @@ class LynxConfig:
             raise LynxConfigError(f"LynxConfig.gate must be one of {GATES}, got {self.gate!r} from the environment "
                                   f"variable {GATE_ENV} (unset it, or set it to 'auto' or 'always')")
         check_choice("gate", self.gate, GATES)
+        if self.gate_table is not None:
+            if isinstance(self.gate_table, os.PathLike):
+                object.__setattr__(self, "gate_table", os.fspath(self.gate_table))
+            if not isinstance(self.gate_table, str) or not self.gate_table:
+                raise LynxConfigError(f"LynxConfig.gate_table must be a path (str) or None, got {self.gate_table!r}")
         check_int("q_max", self.q_max, minimum=1)
         check_choice("offload_path", self.offload_path, OFFLOAD_PATHS)
         check_int("expert_cache_bytes", self.expert_cache_bytes, minimum=0)

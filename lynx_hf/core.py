@@ -56,12 +56,16 @@ class Step:
     (every token is a decode token, unless ``kind`` is prefill); for ``decode`` / ``verify`` it is a
     tensor only when the cache length lives on the device (``StaticCache`` outside ``generate``).
     ``live [T]`` bool or ``None`` (all rows live): tokens of finished rows and padding tokens are not
-    live (they neither vote nor count; decode ones are remapped into the critical set).
+    live (they neither vote nor count; decode ones are remapped into the critical set). ``decode_rows``: how many
+    tokens decode, where the host knows it without reading a device value (a continuous-batching scheduler's
+    requests), else ``None``: a step with 0 returns at once (:meth:`RoutePlan.run`) and the cost gate decides a mixed
+    step on its decode rows (``lynx_hf.gate.PlanGate.decision``).
     """
 
     kind: str
     decode: torch.Tensor | None = None
     live: torch.Tensor | None = None
+    decode_rows: int | None = None
 
 
 PREFILL_STEP = Step(PREFILL)
@@ -138,7 +142,8 @@ class Stage(Protocol):
     ``name``: how :meth:`RoutePlan.stage` finds it. ``bind(plan, inner)`` is called once, by :func:`make_plan`, with
     the plan (its stages not composed yet) and the runner below this stage (the stages after it in ``stages``, then
     :func:`decode_step`); it returns the runner that replaces ``inner`` (it calls ``inner`` or not), or ``None``: the
-    stage does nothing for this plan and is left out.
+    stage does nothing for this plan and is left out. A stage that counts gives ``summary() -> dict`` (plain JSON,
+    reported by ``lynx_hf.stats`` under its name) and ``reset()`` (``lynx_hf.reset_stats``).
     """
 
     name: str
@@ -187,7 +192,10 @@ class RoutePlan:
 
     def run(self, inputs: StepInputs) -> Routed:
         """One decode step of this layer (:class:`StepInputs` in, :class:`Routed` out): the stages, then
-        :func:`decode_step`. Sync-free off the host (no ``.item()``, no data-dependent shape)."""
+        :func:`decode_step`; at once the model's own routing (nothing recorded) where the host knows no token decodes
+        (``Step.decode_rows == 0``). Sync-free off the host (no ``.item()``, no data-dependent shape)."""
+        if inputs.step.decode_rows == 0:
+            return Routed(inputs.weights, inputs.idx)
         return (self.runner or decode_step)(self, inputs)
 
     def keeps(self, num_tokens: int) -> bool:

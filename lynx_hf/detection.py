@@ -189,7 +189,8 @@ def _continuous_batching(kwargs, num_tokens: int, device, q_max: int, requests=N
             decode.extend([decoding] * q)
         live = [True] * real + [False] * (num_tokens - real)
         decode.extend([False] * (num_tokens - real))
-        return Step(MIXED, decode=torch.tensor(decode, device=device), live=torch.tensor(live, device=device))
+        return Step(MIXED, decode=torch.tensor(decode, device=device), live=torch.tensor(live, device=device),
+                    decode_rows=sum(decode))
     cu_k = _cu_seq_lens_k(kwargs)
     if not isinstance(cu_k, torch.Tensor) or cu_k.shape != cu_q.shape:
         return None

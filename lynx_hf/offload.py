@@ -633,9 +633,10 @@ def _plan(block):
 def install(state) -> None:
     """Install :class:`OffloadedExperts` on every patched block of ``state`` (a ``lynx_hf.patcher.ModelState``) whose
     experts accelerate offloads, when ``state.config.offload_path == "experts"``; sets ``block.offload`` (``None``
-    elsewhere) and ``block.offload_reason``, and makes the plan of each block it installs on again (its
-    :class:`ResidentSeed` stage; with ``gate="auto"`` the cost gate weighs ``block.extra_expert_ms``, the measured
-    transfer of one expert). Idempotent: installed ones are removed first (cache and counters restart)."""
+    elsewhere), ``block.offload_reason`` and ``block.extra_expert_ms`` (with ``gate="auto"``: the transfer of one
+    expert, :meth:`OffloadedExperts.probe_ms`, timed only if the cost gate measures). Called before the blocks' plans
+    are made (``lynx_hf.patcher``), so each plan composes its :class:`ResidentSeed` stage once. Idempotent: installed
+    ones are removed first (cache and counters restart)."""
     remove(state)
     config = state.config
     for block in state.blocks:
@@ -647,10 +648,8 @@ def install(state) -> None:
         offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, config.expert_cache_bytes, num_experts)
         offloaded.attach()
         block.offload = offloaded
-        if config.gate == "auto":  # the cost gate weighs the transfer an avoided expert saves
-            block.extra_expert_ms = offloaded.probe_ms()
-        if block.plan is not None:
-            block.resolve(block.plan.device)
+        if config.gate == "auto":  # the cost gate weighs the transfer an avoided expert saves (timed if it measures)
+            block.extra_expert_ms = offloaded.probe_ms
 
 
 def remove(state) -> None:

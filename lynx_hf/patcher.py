@@ -298,6 +298,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
             stacklevel=2,
         )
     _check_backend(cfg, inner)
+    _check_gate_table(cfg)
     if state is not None:
         _reconfigure(state, cfg)
         return model
@@ -337,9 +338,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
             f"its decoder backbone) that runs the block, or force decode with LynxConfig(phase='decode')")
     state = ModelState(cfg, backbone, generating)
     for (name, module, spec), rule in zip(found, rules):
-        block = BlockRouting(state, spec, name or type(module).__name__, module, rule)
-        block.resolve()
-        state.blocks.append(block)
+        state.blocks.append(BlockRouting(state, spec, name or type(module).__name__, module, rule))
     for block in state.blocks:
         block.install()
     pending = [block for block in state.blocks if block.pending_reason]
@@ -354,8 +353,16 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
     offload.install(state)  # offloaded experts read per expert in decode
-    _note_gate(state)
+    _resolve(state)
     return model
+
+
+def _resolve(state: ModelState) -> None:
+    """Make every block's plan (its stages, the cost gate's decisions included: once per block, after offload is
+    attached), then say where the cost gate keeps the model's routing."""
+    for block in state.blocks:
+        block.resolve()
+    _note_gate(state)
 
 
 def _note_gate(state: ModelState) -> None:
@@ -364,7 +371,7 @@ def _note_gate(state: ModelState) -> None:
     generate`` does for its reference, does not repeat it)."""
     note = gate.patch_note([gate.of(b.plan) for b in state.blocks])
     if note and note != state.gate_note:
-        warnings.warn(note, UserWarning, stacklevel=3)
+        warnings.warn(note, UserWarning, stacklevel=4)  # _note_gate < _resolve < patch / _reconfigure
     if note:
         state.gate_note = note
 
@@ -384,10 +391,9 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
     state.tracker.reset_counts()
     for block in state.blocks:
         block.telemetry.reset()  # telemetry describes one config
-        block.resolve()
     _sync_experts_impl(state)
     offload.install(state)  # again: the cache budget or offload path may have changed
-    _note_gate(state)
+    _resolve(state)
 
 
 def _sync_experts_impl(state: ModelState) -> None:
@@ -410,6 +416,16 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
             resolve_backend(value if value != "model" else "torch", device)
         except RuntimeError as exc:
             raise LynxConfigError(f"LynxConfig.{name}={value!r}: {exc}") from exc
+
+
+def _check_gate_table(cfg: LynxConfig) -> None:
+    """A ``gate_table`` that is missing or not a decision table fails here, before anything changes."""
+    if cfg.gate_table is None:
+        return
+    try:
+        gate.DecisionTable.load(cfg.gate_table)
+    except (OSError, ValueError) as exc:
+        raise LynxConfigError(f"LynxConfig.gate_table={cfg.gate_table!r}: {exc}") from exc
 
 
 def unpatch(model: torch.nn.Module) -> torch.nn.Module:
@@ -463,31 +479,33 @@ def stats(model: torch.nn.Module) -> LynxStats:
     """Decode telemetry of a patched model (see :meth:`LynxStats.summary`). Raises :class:`NotPatchedError`."""
     state = _state(model)
     layers = [{"layer": b.name, "num_experts": b.num_experts, "top_k": b.top_k, **b.telemetry.summary(),
-               **offload.layer_summary(b),
-               "gate": _gate_summary(state.config, b.plan)} for b in state.blocks]
+               **offload.layer_summary(b), **_stage_summaries(state.config, b.plan)} for b in state.blocks]
     return LynxStats(policy=state.config.policy, layers=layers, detection=state.tracker.counts(),
                      telemetry=mode_of(state.config.telemetry))
 
 
 def reset_stats(model: torch.nn.Module) -> None:
     """Zero the telemetry and the decode-step detector's counts of a patched model (its no-decode warning may
-    fire again). Raises :class:`NotPatchedError`."""
+    fire again), and every plan stage's counters (``Stage.reset``). Raises :class:`NotPatchedError`."""
     state = _state(model)
     state.tracker.reset_counts()
     offload.reset(state)
     for block in state.blocks:
         block.telemetry.reset()
-        planned = gate.of(block.plan)
-        if planned is not None:
-            planned.reset()
+        for stage in () if block.plan is None else block.plan.stages:
+            reset = getattr(stage, "reset", None)
+            if reset is not None:
+                reset()
 
 
-def _gate_summary(config: LynxConfig, plan) -> dict:
-    """The cost gate of one block for :func:`stats` (``lynx_hf.gate.PlanGate.summary``); ``{"gate": "always"}`` when
-    the policy runs on every decode step (``gate="always"``, or a plan that never remaps)."""
-    planned = gate.of(plan)
-    if planned is None:
-        return {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
-                "steps_skipped": 0}
-    return planned.summary()
-
+def _stage_summaries(config: LynxConfig, plan) -> dict:
+    """``{stage.name: stage.summary()}`` of every stage of ``plan`` that reports (``Stage.summary``), with a
+    ``"gate"`` entry always: ``{"gate": "always"}`` where the policy runs on every decode step (``gate="always"``, or
+    a plan that never remaps)."""
+    out = {"gate": {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
+                    "steps_skipped": 0}}
+    for stage in () if plan is None else plan.stages:
+        summary = getattr(stage, "summary", None)
+        if summary is not None:
+            out[stage.name] = summary()
+    return out

@@ -62,6 +62,9 @@ class FamilySpec:
     router: str = "gate"
     experts: str = "experts"
     selection_scores: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] = fp32_logits
+    #: what :attr:`selection_scores` reads of the router besides the logits (its grouping, its method), as a value the
+    #: cost gate's key describes (``lynx_hf.gate.key``): two routers with equal values select with the same work
+    selection_rule_of: Callable[[torch.nn.Module], object] | None = None
     check: Callable | None = None
     decode_forward: Callable | None = None
 

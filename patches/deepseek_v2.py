@@ -65,5 +65,7 @@ SPEC = FamilySpec(
     block_classes=(("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe"),),
     weight_rule_of=lambda gate, block: WeightRule("softmax_all", scale=float(gate.routed_scaling_factor)),
     selection_scores=selection_scores,
+    selection_rule_of=lambda gate: {name: getattr(gate, name, None) for name in ("topk_method", "num_group",
+                                                                                 "topk_group")},
     check=_check,
 )

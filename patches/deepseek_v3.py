@@ -95,5 +95,6 @@ SPEC = FamilySpec(
     weight_rule_of=lambda gate, block: WeightRule("sigmoid", renormalize=bool(gate.norm_topk_prob),
                                                   scale=float(gate.routed_scaling_factor)),
     selection_scores=selection_scores,
+    selection_rule_of=selection_rule,
     check=_check,
 )

@@ -393,26 +393,29 @@ def test_config_fields_and_module_path(tmp_path, one_thread):
     assert accelerate_objects(model) == before
 
 
-def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thread, monkeypatch):
+def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thread, monkeypatch, fresh_gate_store):
     """gate="auto" on an offloaded model: each block's gate adds the probe's per-expert transfer time to the saving
-    of every avoided expert (lynx_hf.gate.decide's extra_expert_ms); unpatch drops it."""
+    of every avoided expert (lynx_hf.gate.decide's extra_expert_ms), timed when the gate measures (an empty decision
+    cache here); unpatch drops it."""
+    import lynx_hf.gate.stage
     from lynx_hf import gate
 
-    monkeypatch.setattr(gate, "BUCKETS", (1, 4))  # two measurements keep the test short
+    monkeypatch.setattr(lynx_hf.gate.stage, "TUNING", gate.Tuning(buckets=(1, 4)))  # two buckets keep it short
     model = offloaded("mixtral", "cpu_offload", tmp_path)
     lynx_hf.patch(model, policy="lynx", gate="auto")
     state = _state(model)
     ids, mask, _ = inputs()
     with torch.no_grad():  # the routers are offloaded too (meta at patch time): the plan resolves on the first call
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
-    for block in state.blocks:
-        assert block.offload is not None and block.extra_expert_ms > 0
-        assert block.plan.device.type == "cpu"
-        g = gate.of(block.plan)
-        assert g is not None and g.extra_expert_ms == block.extra_expert_ms
-        d = g.decision(4)
-        assert d.extra_expert_ms == block.extra_expert_ms
-        assert d.saving_ms == pytest.approx(d.experts_saved * (d.expert_ms + d.extra_expert_ms))
+    gates = [gate.of(block.plan) for block in state.blocks]
+    for block, g in zip(state.blocks, gates):
+        assert block.offload is not None and block.extra_expert_ms == block.offload.probe_ms  # timed if measured
+        assert block.plan.device.type == "cpu" and g is not None
+    # the layers share one key: the first measured (with its own transfer probe), the others read its decisions
+    assert gates[0].source.startswith("measured") and all(g.decisions == gates[0].decisions for g in gates)
+    d = gates[0].decision(4)
+    assert d.extra_expert_ms == state.blocks[0].offload.probe_ms() > 0
+    assert d.saving_ms == pytest.approx(d.experts_saved * (d.expert_ms + d.extra_expert_ms))
     lynx_hf.unpatch(model)
     assert all(b.extra_expert_ms == 0.0 and b.offload is None for b in state.blocks)
 

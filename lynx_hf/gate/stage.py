@@ -1,0 +1,245 @@
+"""The cost gate as a stage of a layer's plan (``lynx_hf.core.Stage``): one :class:`PlanGate` per layer and device.
+
+When composed into the plan (:meth:`PlanGate.bind`: patch time in HF, before the first forward in vLLM) it gets its
+decisions once, per bucket, from the decision store (``lynx_hf.gate.table``: a table, the per-user cache, or a
+measurement stored there), and never changes them afterwards except by :meth:`PlanGate.adopt` (the vLLM plugin:
+the decisions of rank 0 of the ranks that route the same rows). Per layer-step it asks :meth:`PlanGate.on`, a
+host-side lookup on the static T (and the host-known count of decode rows, ``Step.decode_rows``): no device read, no
+data-dependent shape, so CUDA graphs and ``torch.compile`` see a Python branch. Off, the step returns the model's
+own routing with ``Routed.gated_off`` set.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import ClassVar
+
+import torch
+
+from ..core import Routed, RoutePlan, Runner, StepInputs, keep_routing
+from .decision import TUNING, GateDecision, Tuning, always_on, bucket_of, decide
+from .key import GateKey, make_key
+from .measure import cannot_measure, measure_layer, rule_at, rule_layer
+from .table import STORE, DecisionStore
+
+#: :attr:`PlanGate.name`: how ``RoutePlan.stage`` finds the gate (:func:`of`)
+NAME = "gate"
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
+    (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
+    weights' ``expert_dtype`` and ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
+    measured on that path)."""
+
+    num_experts: int
+    top_k: int
+    hidden: int | None
+    intermediate: int | None
+    dtype: torch.dtype = torch.float32
+    expert_dtype: torch.dtype | None = None
+    mixed_steps: bool = False
+
+
+@dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
+class PlanGate:
+    """The gate of one plan (one MoE layer on one device).
+
+    Given by the engine: ``shape``; ``telemetry`` (``LynxConfig.telemetry``: the mode the cost is timed in);
+    ``extra_expert_ms`` (a further cost per expert read, e.g. an offloaded expert's transfer: ms, or a function
+    returning it, called only when the gate measures or uses its rule: :meth:`extra_ms`); ``expert_fn`` (the
+    layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])``, timed for the saving per
+    expert; ``None``: a batched-MLP model); ``route_fn`` (the engine's per-step routing path ``fn(run, inputs)``,
+    timed for the cost; ``None``: the step below the gate alone); ``selection`` (the layer's selection scores
+    ``fn(logits [T, N]) -> [T, N]`` fp32, ``-inf`` where its routing forbids an expert, so the synthetic routing
+    measured is one the model could produce; ``None``: the logits); ``step_key`` (the engine's description of what
+    else its step runs: selection and weight rule, experts implementation and storage; part of the key);
+    ``table`` (``LynxConfig.gate_table``: a user's decision table, or ``None``); ``tuning``; ``store``.
+
+    Set when bound: ``plan`` (a view of the plan whose runner is the step below the gate), ``key``
+    (``lynx_hf.gate.key.GateKey``), ``decisions`` (bucket -> :class:`GateDecision`) and ``source`` (where they came
+    from). Counters (eager steps only): ``seen`` (step size -> steps asked), ``skipped`` (step size -> decode steps the
+    gate kept the model's own routing on).
+    """
+
+    #: how ``RoutePlan.stage`` finds it (:func:`of`)
+    name: ClassVar[str] = NAME
+
+    shape: LayerShape
+    telemetry: bool | str = True
+    extra_expert_ms: object = 0.0
+    expert_fn: object = None
+    route_fn: object = None
+    selection: object = None
+    step_key: object = None
+    table: str | None = None
+    tuning: Tuning = TUNING
+    store: DecisionStore = field(default=STORE, repr=False)
+    plan: object = None
+    inner: object = None
+    key: GateKey | None = None
+    decisions: dict = field(default_factory=dict)
+    source: str = ""
+    seen: Counter = field(default_factory=Counter)
+    skipped: Counter = field(default_factory=Counter)
+    #: decisions derived on first use: above the largest bucket (by rule), mixed steps (T, decode rows)
+    _derived: dict = field(default_factory=dict, repr=False)
+    _lock: object = field(default_factory=threading.Lock, repr=False)
+
+    def extra_ms(self) -> float:
+        """:attr:`extra_expert_ms` in ms (called once where it is a function)."""
+        if callable(self.extra_expert_ms):
+            self.extra_expert_ms = float(self.extra_expert_ms())
+        return float(self.extra_expert_ms)
+
+    # -- composition ------------------------------------------------------------------------------------------
+    def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
+        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``): ``None`` for a plan that never remaps (no
+        gate); else the decisions are got now (:meth:`resolve`) and the returned runner asks the gate once per
+        layer-step: a step the plan keeps (one token) runs ``inner`` with ``gated_off`` from the bucket's decision;
+        off, the model's own routing (the same objects, nothing recorded, counted as skipped, ``gated_off``); on,
+        ``inner``."""
+        if plan.kernel is keep_routing:
+            return None
+        self.plan, self.inner = replace(plan, runner=inner), inner
+        self.resolve()
+        return self._run
+
+    def resolve(self) -> "PlanGate":
+        """Get every bucket's decision: without H and I, on everywhere (nothing to weigh); else from the store
+        (``DecisionStore.decisions``: a table or the cache, else measured now and stored), or, where no table has
+        the key and measuring is impossible now (``measure.cannot_measure``), by the closed-form rule (not stored).
+        Raises ``FileNotFoundError`` / ``ValueError`` for a missing or malformed user table."""
+        shape, tuning = self.shape, self.tuning
+        self._derived.clear()
+        if shape.hidden is None or shape.intermediate is None:
+            self.key = None
+            d = always_on("not measured: the layer's hidden / intermediate size is unknown")
+            self.decisions, self.source = {b: d for b in tuning.buckets}, "sizes unknown"
+            return self
+        self.key = make_key(self.plan, shape, self.step_key, self.telemetry, tuning)
+        found = self.store.lookup(self.key, self.table)
+        if found is None:
+            why = cannot_measure(self.plan.device)
+            if why is not None:
+                found = rule_layer(self, why, tuning), f"rule ({why})"
+            else:
+                found = self.store.decisions(
+                    self.key, lambda: measure_layer(self, self.store.expert_times, tuning), self.table)
+        self.decisions, self.source = dict(found[0]), found[1]
+        return self
+
+    def adopt(self, decisions: dict, source: str) -> None:
+        """Take ``decisions`` (bucket -> :class:`GateDecision`) from elsewhere: the vLLM plugin's agreement across the
+        ranks that route the same rows (rank 0's)."""
+        with self._lock:
+            self.decisions, self.source = dict(decisions), source
+            self._derived.clear()
+
+    def _run(self, plan: RoutePlan, inputs: StepInputs) -> Routed:
+        num_tokens = inputs.idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
+        if plan.keeps(num_tokens):  # a lone token keeps its routing; the bucket's figure says whose experts run
+            out = self.inner(plan, inputs)
+            return out if self.decision(num_tokens).on else out._replace(gated_off=True)
+        if not self.on(num_tokens, inputs.step.decode_rows):
+            self.skip(num_tokens)
+            return Routed(inputs.weights, inputs.idx, None, True)
+        return self.inner(plan, inputs)
+
+    # -- decisions --------------------------------------------------------------------------------------------
+    def decision(self, num_tokens: int, decode_rows: int | None = None) -> GateDecision:
+        """The :class:`GateDecision` of a step of ``num_tokens`` tokens of which ``decode_rows`` decode (``None``: all).
+
+        Up to the largest bucket: that bucket's decision. Above it: the closed-form rule at ``num_tokens``
+        (``decision.by_rule``; the layer's sizes known, else on). A mixed step (fewer decode rows than tokens): the
+        routing cost of its ``num_tokens`` bucket against the saving of its ``decode_rows`` bucket (:func:`decide`
+        with ``tuning.margin``): the policy runs over every row, and only the decode rows' experts are saved."""
+        if decode_rows is not None and decode_rows < num_tokens:
+            return self._mixed(num_tokens, max(int(decode_rows), 0))
+        top = self.tuning.buckets[-1]
+        if num_tokens <= top:
+            d = self.decisions.get(bucket_of(num_tokens, self.tuning.buckets))
+            return d if d is not None else always_on("not decided yet")
+        with self._lock:
+            d = self._derived.get(num_tokens)
+            if d is None:
+                d = always_on("not measured: the layer's hidden / intermediate size is unknown") \
+                    if self.shape.hidden is None or self.shape.intermediate is None or self.plan is None else \
+                    rule_at(self, num_tokens, f"above the largest measured step, {top} tokens", self.tuning)
+                self._derived[num_tokens] = d
+        return d
+
+    def _mixed(self, num_tokens: int, decode_rows: int) -> GateDecision:
+        key = (num_tokens, decode_rows)
+        with self._lock:
+            d = self._derived.get(key)
+        if d is not None:
+            return d
+        whole, rows = self.decision(num_tokens), self.decision(decode_rows) if decode_rows else None
+        if rows is None or not all(math.isfinite(x) for x in (whole.cost_ms, rows.experts_saved, rows.expert_ms)):
+            d = whole if rows is None or not math.isfinite(whole.cost_ms) else rows
+            if decode_rows == 0:
+                d = replace(d, on=False, reason="no decode rows")
+        else:
+            new = decide(whole.cost_ms, rows.experts_saved, rows.expert_ms, rows.extra_expert_ms,
+                         margin=self.tuning.margin)
+            d = replace(new, experts_before=rows.experts_before, experts_after=rows.experts_after,
+                        reason=f"{new.reason} (mixed step: cost at {num_tokens} tokens, saving at {decode_rows} "
+                               f"decode rows)")
+        with self._lock:
+            self._derived[key] = d
+        return d
+
+    def on(self, num_tokens: int, decode_rows: int | None = None) -> bool:
+        """Whether the policy runs on a decode step of ``num_tokens`` tokens (a static shape) of which ``decode_rows``
+        decode (``None``: all): a host-side lookup, no device read. Counts the step size (eager only)."""
+        d = self.decision(num_tokens, decode_rows)
+        if not torch.compiler.is_compiling():
+            self.seen[num_tokens] += 1
+        return d.on
+
+    def skip(self, num_tokens: int) -> None:
+        """Count one decode step the gate kept the model's routing on (eager only)."""
+        if not torch.compiler.is_compiling():
+            self.skipped[num_tokens] += 1
+
+    # -- report -----------------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Zero the counters (the decisions stay)."""
+        self.seen.clear()
+        self.skipped.clear()
+
+    def summary(self) -> dict:
+        """``{"gate": "auto", "source": where the decisions came from, "by_tokens": {T: {"on", "cost_ms",
+        "saving_ms", "experts_before", "experts_after", "expert_ms", "extra_expert_ms", "steps_skipped", "reason"}},
+        "steps_skipped": total}`` per step size seen (ms per layer-step; ``None`` where not measured, so the dict is
+        plain JSON)."""
+        by_tokens = {}
+        for t in sorted(self.seen):
+            d = self.decision(t).to_dict()
+            by_tokens[int(t)] = {k: d[k] for k in ("on", "cost_ms", "saving_ms", "experts_before", "experts_after",
+                                                  "expert_ms", "extra_expert_ms")}
+            by_tokens[int(t)].update(steps_skipped=int(self.skipped.get(t, 0)), reason=d["reason"])
+        return {"gate": "auto", "source": self.source, "by_tokens": by_tokens,
+                "steps_skipped": int(sum(self.skipped.values()))}
+
+
+def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
+               selection=None, step_key: object = None) -> PlanGate | None:
+    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): ``None``
+    unless ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` (the other arguments are its
+    fields) reading ``config.gate_table`` first. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
+    if config.gate != "auto":
+        return None
+    return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
+                    route_fn=route_fn, selection=selection, step_key=step_key, table=config.gate_table,
+                    tuning=TUNING)
+
+
+def of(plan: RoutePlan | None) -> PlanGate | None:
+    """The cost gate composed into ``plan`` (a ``lynx_hf.core.RoutePlan``), or ``None`` (no gate, or no plan)."""
+    return None if plan is None else plan.stage(NAME)
