@@ -7,9 +7,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# the cost gate (LynxConfig.gate, lynx_hf.gate) would make a test depend on this machine's timing: the suite runs the
-# policy on every decode step; tests/policies/test_gate.py exercises gate="auto" explicitly
-os.environ.setdefault("LYNX_HF_GATE", "always")
+# the cost gate's per-user decision cache (lynx_hf.gate.table): one folder per test session, shared by the xdist workers
+# (set here, before they start), so a test never reads a decision measured outside the session and each key is
+# measured once per session. The gate itself is the product default (gate="auto"): a test that needs the policy on
+# every decode step of a tiny model says so (gate="always", or the `policy_on_every_step` fixture with its reason)
+if "LYNX_HF_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["LYNX_HF_CACHE"] = tempfile.mkdtemp(prefix="lynx_hf_test_cache_")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -53,6 +58,30 @@ def poisoned_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(real_empty(*a, **k)))
     monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(real_empty_like(*a, **k)))
     yield
+
+
+@pytest.fixture(scope="module")
+def policy_on_every_step():
+    """``LYNX_HF_GATE=always`` for a module (``pytestmark = pytest.mark.usefixtures("policy_on_every_step")``; module
+    scope, so the module's own module-scoped fixtures see it too): every ``LynxConfig`` built without an explicit
+    ``gate`` runs the policy on every decode step. For tests whose subject is what the policy does (remap, telemetry,
+    equivalence) on a tiny model, where the cost gate (the default) rightly keeps the policy off at many step sizes;
+    a module that uses it says why in a comment beside its ``pytestmark``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("LYNX_HF_GATE", "always")
+        yield
+
+
+@pytest.fixture
+def fresh_gate_store(tmp_path, monkeypatch):
+    """An empty per-user decision cache (``LYNX_HF_CACHE``) for the test, and the process's decision store emptied
+    before and after (``lynx_hf.gate.STORE``): the cost gate measures. Yields the cache folder."""
+    from lynx_hf import gate
+
+    monkeypatch.setenv(gate.CACHE_ENV, str(tmp_path / "gate_cache"))
+    gate.STORE.reset()
+    yield tmp_path / "gate_cache"
+    gate.STORE.reset()
 
 
 @pytest.fixture

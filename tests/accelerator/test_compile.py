@@ -41,7 +41,7 @@ def test_generate_compiled_static_cache_equals_eager(policy):
     model = fam.build("qwen2_moe")
     ids, mask = fam.prompts(4, 5)
     gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
-    lynx_hf.patch(model, **policy)
+    lynx_hf.patch(model, **policy, gate="always")  # the subject: the compiled graph remaps on every decode step
     eager = model.generate(**gen)
     eager_stats = lynx_hf.stats(model).summary()
     lynx_hf.reset_stats(model)

@@ -16,6 +16,11 @@ from helpers.sync_detector import SyncDetector
 from lynx_hf import core
 from lynx_hf.kernels.routing_torch import strict_sync_free
 
+# policy_on_every_step (tests/conftest.py): the subject is the policy's device path (no host sync while it remaps); on
+# a tiny model the cost gate (the default) keeps it off at many step sizes. The default gate's own path is checked
+# sync-free in tests/policies/test_gate.py::test_gate_adds_no_host_sync
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
 POLICIES = {"lynx-default": dict(policy="lynx"), "lynx-paper": dict(policy="lynx", mass_price=None),
             "oea": dict(policy="oea", oea_k0=1)}
 BACKENDS = ["torch", "triton"] if os.environ.get("TRITON_INTERPRET") == "1" else ["torch"]

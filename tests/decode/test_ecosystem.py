@@ -9,6 +9,11 @@ from transformers import pipeline
 import lynx_hf
 from helpers import families as fam
 
+# policy_on_every_step (tests/conftest.py): pipelines, dtype casts and wrappers must keep remapping, which needs the
+# policy on every decode step of these tiny models
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "llama4"])
 def test_text_generation_pipeline_on_patched_model(family):

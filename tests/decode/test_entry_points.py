@@ -17,6 +17,12 @@ from helpers import families as fam
 from lynx_hf import detection
 from lynx_hf.errors import LynxNoDecodeWarning, UnsupportedModelError
 
+# policy_on_every_step (tests/conftest.py): each entry point must remap as the equivalent call does (C28-C31, C33),
+# which needs the policy on every decode step; the cost gate (the default) keeps it off at many step sizes of these
+# tiny models
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 NEW = 4
 
 

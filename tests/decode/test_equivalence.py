@@ -9,6 +9,11 @@ import transformers
 import lynx_hf
 from helpers import families as fam
 
+# policy_on_every_step (tests/conftest.py): the subject is what the policy's remap does against a torch reference on
+# tiny models, where the cost gate (the default) keeps it off at many step sizes; the default gate in decode:
+# test_default_gate.py
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
 POLICIES = ["lynx", "oea", "none"]
 
 

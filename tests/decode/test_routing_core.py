@@ -62,7 +62,7 @@ def test_telemetry_counts_only_live_decode_tokens():
     1 prefill token and 1 finished decode token counts exactly those (hand-counted)."""
     model = fam.build("qwen2_moe")
     ids, mask = fam.prompts(4, 6)
-    with lynx_hf.patched(model, policy="lynx"):
+    with lynx_hf.patched(model, policy="lynx", gate="always"):  # every decode step counted
         model(input_ids=ids, attention_mask=mask)  # plain forward: prefill
         model(input_ids=ids, attention_mask=mask, use_cache=True)  # prefill with a cache
         summary = lynx_hf.stats(model).summary()

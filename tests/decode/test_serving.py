@@ -29,6 +29,12 @@ from lynx_hf import detection as lstep
 from lynx_hf.config import LynxConfig
 from lynx_hf.eval import FIXTURES_DIR
 
+# policy_on_every_step (tests/conftest.py): each cache type / serving path is checked token by token against the
+# policy's remap; on tiny models and fixture A the cost gate (the default) keeps the policy off at many step sizes
+# (the default gate on these paths: test_decode_default_gate.py)
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
 FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"
 

@@ -9,6 +9,11 @@ import lynx_hf
 from helpers import families as fam
 from lynx_hf.block import BlockRouting
 
+# policy_on_every_step (tests/conftest.py): the subject is each family's remap against its weight rule on tiny models,
+# where the cost gate (the default) keeps the policy off at many step sizes;
+# test_the_default_gate_decodes_as_its_decisions_say runs the default gate on every family
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
 # the paper's rule without consensus: S = cover set (+ grow by score to k), forces remaps on tiny batches.
 # (mass_price=None is needed: with the default mass_price, tau is unused and this would be the default.)
 NO_CONSENSUS = dict(policy="lynx", mass_price=None, tau=1000.0)

@@ -13,6 +13,12 @@ from helpers import families as fam
 from lynx_hf.block import BlockRouting
 from lynx_hf.patches import deepseek_v3
 
+# policy_on_every_step (tests/conftest.py): each family's remap is checked against its rule; the cost gate (the
+# default) keeps the policy off at many step sizes of these tiny models (the default gate per family:
+# test_family_default_gate.py)
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 # the representative families run the same checks in decode/test_equivalence.py (Llama-4: k = 1, OEA k0 = 1 cannot cut)
 FAMILIES = [f for f in fam.PATCHABLE if f not in fam.REPRESENTATIVE]
 # the paper's rule without consensus: S = cover set (+ grow by score to k), forces remaps on tiny batches.

@@ -14,6 +14,11 @@ from helpers import families as fam
 from lab import family_matrix as fm
 from lynx_hf.block import BlockRouting
 
+# policy_on_every_step (tests/conftest.py): the subject is which experts the policy's remap may choose (C34): it must
+# run on every decode step of these tiny models, where the cost gate (the default) keeps it off; the default gate per
+# family: test_every_family.py::test_the_default_gate_decodes_as_its_decisions_say
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
 POLICIES = {
     "lynx-default": dict(policy="lynx"),
     "paper-rule": dict(policy="lynx", mass_price=None, tau=1000.0),

@@ -17,6 +17,11 @@ from lynx_hf.block import BlockRouting
 from lynx_hf.patches import deepseek_v3
 from lynx_hf.patches.generic import GenericSpec, _plain_mismatch, block_parts, probe_hidden
 
+# policy_on_every_step (tests/conftest.py): the policies must choose among the experts the model's selection-bias
+# routing allows, which needs them on every decode step of these tiny models
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 NO_CONSENSUS = dict(policy="lynx", mass_price=None, tau=1000.0)
 # family -> (where the bias lives, score function): one of each kind the generic spec must find
 BIASED = {

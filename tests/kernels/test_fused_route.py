@@ -25,6 +25,11 @@ from lynx_hf.kernels import routing_cpu as rc
 from lynx_hf.kernels import routing_torch as rt
 from lynx_hf.telemetry import BlockTelemetry
 
+# policy_on_every_step (tests/conftest.py): the one-call CPU decode step is compared with the step-by-step path while
+# generating, which needs the policy on every decode step of these tiny models
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 
 @st.composite
 def steps(draw):

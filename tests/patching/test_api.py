@@ -45,7 +45,7 @@ def test_stats_restart_when_the_config_changes():
     assert lynx_hf.stats(model).summary()["decode_steps"] == 3
     lynx_hf.patch(model, policy="none")  # same config: nothing restarts
     assert lynx_hf.stats(model).summary()["decode_steps"] == 3
-    lynx_hf.patch(model, policy="lynx")
+    lynx_hf.patch(model, policy="lynx", gate="always")  # every decode step counted (no cost gate on a tiny model)
     restarted = lynx_hf.stats(model).summary()
     assert restarted["policy"] == "lynx" and restarted["decode_steps"] == 0 and restarted["decode_tokens"] == 0
     assert restarted["unique_experts_before"] == restarted["unique_experts_after"] == 0.0
@@ -225,7 +225,7 @@ def test_C6_save_pretrained_round_trip_while_patched(family, tmp_path):
 
 def test_two_models_do_not_share_state():
     a, b = fam.build("mixtral", seed=0), fam.build("mixtral", seed=1)
-    lynx_hf.patch(a, policy="lynx")
+    lynx_hf.patch(a, policy="lynx", gate="always")  # every decode step counted (no cost gate on a tiny model)
     lynx_hf.patch(b, policy="none")
     ids, mask = fam.prompts(8, 5)
     a.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -236,7 +236,7 @@ def test_two_models_do_not_share_state():
 
 
 def test_deepcopy_of_patched_model_is_independent():
-    model = lynx_hf.patch(fam.build("mixtral"))
+    model = lynx_hf.patch(fam.build("mixtral"), gate="always")  # every decode step counted
     clone = copy.deepcopy(model)
     lynx_hf.unpatch(model)
     assert lynx_hf.is_patched(clone) and not lynx_hf.is_patched(model)
@@ -269,7 +269,7 @@ def test_exception_mid_generate_then_unpatch_leaves_model_exactly_as_before():
     hooks = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
     ids, mask = fam.prompts(4, 5)
     ref = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False)
-    lynx_hf.patch(model, policy="lynx")
+    lynx_hf.patch(model, policy="lynx", gate="always")  # every decode step counted (no cost gate on a tiny model)
     with pytest.raises(_Boom):
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                        logits_processor=LogitsProcessorList([RaiseAt()]))

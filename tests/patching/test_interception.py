@@ -12,6 +12,12 @@ import torch
 import lynx_hf
 from helpers import families as fam
 
+# policy_on_every_step (tests/conftest.py): the subject is that a rewritten block body still remaps in decode: the
+# policy must run on every decode step of these tiny models, where the cost gate (the default) keeps it off at many
+# step sizes
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 ROUTER_FAMILIES = [f for f in fam.PATCHABLE if f != "llama4"]  # llama4: the block forward is ours (below)
 
 

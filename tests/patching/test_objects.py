@@ -25,6 +25,11 @@ from helpers import families as fam
 from lynx_hf.patcher import _find_state
 from test_storage_matrix import KernelSpy, ReferenceRemap, _first, moe_blocks, record_blocks, rules_of, run
 
+# policy_on_every_step (tests/conftest.py): copies, pickles and saved models must keep remapping and counting decode
+# steps as the original does, which needs the policy on every decode step of these tiny models
+pytestmark = pytest.mark.usefixtures("policy_on_every_step")
+
+
 GEN = dict(max_new_tokens=3, do_sample=False, output_scores=True, return_dict_in_generate=True)
 
 

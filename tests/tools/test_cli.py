@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,7 +32,7 @@ def test_generate_prints_per_layer_table_and_writes_stats(checkpoint, tmp_path):
     path, prompts = checkpoint
     stats = tmp_path / "stats.json"
     res = run("generate", "--model", str(path), "--prompts", str(prompts), "--batch-size", "8",
-              "--max-new-tokens", "4", "--stats-json", str(stats))
+              "--max-new-tokens", "4", "--stats-json", str(stats), "--gate", "always")  # every decode step counted
     assert res.returncode == 0, res.stderr
     assert "experts before" in res.stdout and "model.layers.0.mlp" in res.stdout and "model.layers.2.mlp" in res.stdout
     assert "token agreement" in res.stdout
@@ -106,15 +107,18 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
 
 # a non-default value for every LynxConfig field, as a user types it (strings; None and booleans as words);
 # also lm-eval's model_args (tools/test_lm_eval.py)
+#: a decision table with no entry (``LynxConfig.gate_table`` must name a readable table at patch time)
+EMPTY_TABLE = Path(__file__).resolve().parents[1] / "helpers" / "empty_gate_table.json"
 NON_DEFAULT = {"policy": "oea", "phase": "decode", "alpha": "2.5", "beta": "3", "tau": "2.0",
                "mass_price": "None", "price_unit": "batch", "oea_k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
                "xshare_warmup": "2", "q_max": "2", "verify": "false", "routing_backend": "torch", "expert_path": "model",
                "telemetry": "false", "offload_path": "module", "expert_cache_bytes": "4096",
-               "gate": "auto"}  # the suite's default gate is "always" (tests/conftest.py)
+               "gate": "always", "gate_table": str(EMPTY_TABLE)}
 NON_DEFAULT_CONFIG = dict(policy="oea", phase="decode", alpha=2.5, beta=3, tau=2.0, mass_price=None,
                           price_unit="batch", oea_k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
                           verify=False, routing_backend="torch", expert_path="model", telemetry=False,
-                          offload_path="module", expert_cache_bytes=4096, gate="auto")
+                          offload_path="module", expert_cache_bytes=4096, gate="always",
+                          gate_table=str(EMPTY_TABLE))
 
 
 def test_every_option_reaches_the_config(checkpoint, monkeypatch):

@@ -151,7 +151,7 @@ def test_model_args_mass_price_none_runs_the_papers_rule(model_and_tok):
     default (mass price 0.5) run: the comparison can tell the two rules apart."""
     _, tok = model_and_tok
     lm = _lynx_lm("policy=lynx,mass_price=None")
-    assert lynx_hf.config_of(lm.model) == LynxConfig(mass_price=None)
+    assert lynx_hf.config_of(lm.model) == LynxConfig(mass_price=None, gate="always")  # the accuracy entry point's gate
     tok.padding_side = "left"
     batch = tok(ev.prompts_from_file(count=16), return_tensors="pt", padding=True)
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id, output_scores=True,
@@ -166,7 +166,7 @@ def test_model_args_mass_price_none_runs_the_papers_rule(model_and_tok):
     via_args, stats_args = run()
     lynx_hf.unpatch(lm.model)
     runs = {}
-    for name, cfg in (("paper", LynxConfig(mass_price=None)), ("default", LynxConfig())):
+    for name, cfg in (("paper", LynxConfig(mass_price=None, gate="always")), ("default", LynxConfig(gate="always"))):
         with lynx_hf.patched(lm.model, cfg):
             runs[name] = run()
     paper, stats_paper = runs["paper"]

@@ -5,6 +5,7 @@ Fixture sizes: 16 windows of 13 tokens, B = 8 and 16, the sqrt and OEA series (a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -203,7 +204,9 @@ def test_lm_eval_model_uses_the_config_file(swept):
     import lynx_hf.lm_eval  # noqa: F401  (registers "lynx")
 
     _, ckpt, _, out, _ = swept
-    cfg = LynxConfig.from_file(out / "lynx_config.json")
+    # the file is the configuration to deploy (the cost gate on: "auto"); the lm-eval model runs its accuracy work with
+    # the policy on every decode step unless model_args ask for gate=auto
+    cfg = dataclasses.replace(LynxConfig.from_file(out / "lynx_config.json"), gate="always")
     lm = get_model("lynx").create_from_arg_string(f"pretrained={ckpt},lynx_config={out / 'lynx_config.json'}",
                                                   {"batch_size": 4, "device": "cpu"})
     assert lm.lynx_config == cfg and lynx_hf.config_of(lm.model) == cfg
