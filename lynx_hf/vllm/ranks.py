@@ -23,6 +23,7 @@ import logging
 from ..errors import LynxConfigError
 from ..gate import GateDecision
 from ..gate import of as gate_of
+from ..policies import get as get_policy
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -43,8 +44,6 @@ def needs_agreement(cfg, tp_size: int) -> bool:
     rank."""
     if cfg is None or tp_size <= 1 or cfg.lynx.gate != "auto":
         return False
-    from ..policies import get as get_policy
-
     return get_policy(cfg.lynx.policy).remaps
 
 
