@@ -49,7 +49,8 @@ def shapes() -> dict:
     return {"fixture-a": fixture_shape(), **SHAPES}
 
 
-def table(names, batches, device, config: LynxConfig | None = None, log=print) -> list[dict]:
+def table(names, batches, device, config: LynxConfig | None = None, tuning: gate.Tuning = gate.TUNING,
+          log=print) -> list[dict]:
     """One row per (shape, B): the gate's :class:`lynx_hf.gate.GateDecision` fields plus ``shape``, ``B``,
     ``seconds`` (the measurement's wall time)."""
     config = config or LynxConfig(gate="auto")
@@ -57,11 +58,12 @@ def table(names, batches, device, config: LynxConfig | None = None, log=print) -
     known = shapes()
     for name in names:
         n, k, h, i, dtype = known[name]
-        plan = make_plan(config, MoELayer(n, k, device))
-        shape = gate.LayerShape(n, k, h, i, dtype, dtype)
+        plan = make_plan(config.__class__(**{**config.to_dict(), "gate": "always"}), MoELayer(n, k, device))
+        planned = gate.PlanGate(gate.LayerShape(n, k, h, i, dtype, dtype), telemetry=config.telemetry, plan=plan)
+        expert_times: dict = {}
         for b in batches:
             t0 = time.perf_counter()
-            d = gate.measure(plan, shape, b, telemetry=config.telemetry)
+            d = gate.measure_bucket(planned, b, expert_times, tuning)  # measured now (no table, no cache)
             row = {"shape": name, "N": n, "k": k, "H": h, "I": i, "dtype": str(dtype).removeprefix("torch."), "B": b,
                    **d.to_dict(), "seconds": time.perf_counter() - t0}
             rows.append(row)
@@ -76,7 +78,8 @@ def markdown(rows, device, argv, seconds: float) -> str:
           f"Device {device} ({torch.get_num_threads()} CPU threads), default policy (`LynxConfig()`), gate `auto`; per "
           "layer-step: routing cost = the decode-step routing work measured on synthetic router logits at the shape; "
           "saving = expected experts saved (the policy on synthetic logits of std "
-          f"{gate.LOGIT_STD}) x one expert's time in a fused experts path (bmm slope). On iff saving > cost. "
+          f"{gate.TUNING.logit_std}) x one expert's time in a fused experts path (bmm slope). On iff saving > "
+          f"{gate.TUNING.margin} x cost. Measured now, in this process (`lynx-hf tune` writes a checkpoint's table). "
           f"Total {seconds:.0f} s.", "",
           "| shape | N | k | H | I | dtype | B | gate | cost ms | saving ms | experts before | experts after | "
           "expert ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -100,14 +103,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.quick:
-        gate.TIME_BUDGET_S = 0.01
+    tuning = gate.Tuning(time_budget_s=0.01) if args.quick else gate.TUNING
     names = args.shapes or (["fixture-a"] if args.quick else list(shapes()))
     batches = args.batches or ([4, 16] if args.quick else list(BATCHES))
     device = torch.device(args.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        rows = table(names, batches, device)
+        rows = table(names, batches, device, tuning=tuning)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = "gate_table_quick.md" if args.quick else f"gate_table{'_' + device.type if device.type != 'cpu' else ''}.md"
