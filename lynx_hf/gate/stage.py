@@ -202,6 +202,16 @@ class PlanGate:
             self.seen[num_tokens] += 1
         return d.on
 
+    def count(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1) -> bool:
+        """Count ``steps`` decode steps of ``num_tokens`` tokens (``decode_rows`` decoding) that did not run through
+        the gate (a layer the engine bypasses, a CUDA-graph replay): seen, and skipped where the gate is off there.
+        Returns the decision's ``on``."""
+        on = self.decision(num_tokens, decode_rows).on
+        self.seen[num_tokens] += steps
+        if not on:
+            self.skipped[num_tokens] += steps
+        return on
+
     def skip(self, num_tokens: int) -> None:
         """Count one decode step the gate kept the model's routing on (eager only)."""
         if not torch.compiler.is_compiling():

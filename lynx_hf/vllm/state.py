@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,6 +83,7 @@ class StepBuffer:
     num_decode: int = 0
     num_prefill: int = 0
     active: bool = False                  # a step's kinds are written and its forward has not ended
+    dirty: bool = False                   # kinds were written since the buffer was last zeroed
 
 
 @dataclass
@@ -122,6 +124,11 @@ class ProcessState:
     rank: int = 0
     layers: list[Layer] = field(default_factory=list)
     bypassed: tuple = ()  # the layers whose ``bypass`` is set (their gate counts the steps it skips)
+    #: every layer is bypassed: no op reads the step buffer, so a step writes only its counts
+    all_bypassed: bool = False
+    #: (tokens, decode rows) -> steps the bypassed layers skipped since their gates last counted them
+    #: (:func:`lynx_hf.vllm.plans.skip_bypassed`: one dict update per step, not one gate call per layer)
+    pending_skips: Counter = field(default_factory=Counter)
     step: StepBuffer = field(default_factory=StepBuffer)
     counts: StepCounts = field(default_factory=StepCounts)
     start: Start = field(default_factory=Start)

@@ -135,17 +135,19 @@ def write_kinds(kinds, device) -> None:
     kinds = np.asarray(kinds, dtype=np.int8)
     step = STATE.step
     total = int(kinds.shape[0])
-    kind = buffer(torch.device(device), total)
-    if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
-        warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
-        return
-    staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
-    staging[:total] = kinds
-    if step.written > total:
-        staging[total:step.written] = PADDING  # the rest is PADDING already (zeroed, or never written)
-    step.written = total
-    if kind is not step.staging:
-        kind.copy_(step.staging, non_blocking=True)
+    if not STATE.all_bypassed:  # every layer bypassed: no op reads the buffer (it stays all padding)
+        kind = buffer(torch.device(device), total)
+        if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
+            warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
+            return
+        staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
+        staging[:total] = kinds
+        if step.written > total:
+            staging[total:step.written] = PADDING  # the rest is PADDING already (zeroed, or never written)
+        step.written = total
+        step.dirty = True
+        if kind is not step.staging:
+            kind.copy_(step.staging, non_blocking=True)
     step.num_tokens = total
     step.num_decode = int(np.count_nonzero(kinds == DECODE))
     step.num_prefill = total - step.num_decode
@@ -171,8 +173,9 @@ def end_step() -> None:
         plans.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
     step.active = False
     step.num_decode = step.num_prefill = step.num_tokens = 0
-    if step.kind is not None:
+    if step.kind is not None and step.dirty:
         step.kind.zero_()  # the next dummy run sees padding only
+        step.dirty = False
         if step.kind is step.staging:
             step.written = 0  # the host buffer is the zeroed one (CPU)
     cfg = STATE.config
