@@ -22,6 +22,11 @@ revision REV (checked out into eval/work): the gate before decisions were data (
 
     python -m lab.bench_gate                     # both models (run it alone: it times)
     python -m lab.bench_gate --models fixture-a --old 6de2659
+    python -m lab.bench_gate --ship              # measure the shipped table of this machine kind
+
+``--ship`` measures (in this process, at torch's default thread count) the decisions of fixture A as ``from_pretrained``
+loads it (bfloat16) and as ``lynx-hf generate`` does (float32), and of the Qwen2-57B layer (bfloat16), and writes them
+to ``lynx_hf/gate/tables/<this device kind>.json``: the table the package ships for this machine kind.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -142,9 +148,42 @@ def markdown(rows: list[dict], cmd: str) -> str:
              "| model | run | patch s | decisions from | on at |", "|---|---|---:|---|---|"]
     for r in rows:
         seconds = "" if r["seconds"] is None else f"{r['seconds']:.2f}"
-        lines.append(f"| {r['model']} | {r['run']} | {seconds} | {r['source']} | "
+        source = re.sub(r"/tmp/\S+/gate/", ".../gate/", str(r["source"]))
+        lines.append(f"| {r['model']} | {r['run']} | {seconds} | {source} | "
                      f"{', '.join(map(str, r['on']))} |")
     return "\n".join(lines) + "\n"
+
+
+def ship(log=print) -> Path:
+    """Measure the shipped table of this machine kind (the module docstring) and write it; returns its path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import lynx_hf
+    from lynx_hf import gate
+    from lynx_hf.eval import FIXTURES_DIR
+    from lynx_hf.eval.bench import SHAPES, build_tpot_model
+
+    models = {"fixture-a (bfloat16, from_pretrained's default)":
+              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny").eval(),
+              "fixture-a (float32, lynx-hf generate's default)":
+              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny", dtype=torch.float32).eval(),
+              "qwen2-57b-a14b layer (bfloat16)": lambda: build_tpot_model(SHAPES["qwen2-57b-a14b"][1], 1, 1024)}
+    table, path = gate.DecisionTable(), None
+    with gate.STORE.refreshing():
+        for name, build in models.items():
+            model = build()
+            lynx_hf.patch(model, lynx_hf.LynxConfig(gate="auto"))
+            planned = gate.of(lynx_hf.patcher._state(model).blocks[0].plan)
+            table.put(planned.key, planned.decisions, f"{name}: python -m lab.bench_gate --ship, "
+                                                      f"{planned.source.split(',')[0]}")
+            path = gate.SHIPPED_DIR / f"{gate.table.slug(planned.key.device)}.json"
+            log(f"{name}: {planned.key.device}, {planned.key.threads} threads, on at "
+                f"{[b for b, d in sorted(planned.decisions.items()) if d.on]} ({planned.source.split(',')[0]})")
+            lynx_hf.unpatch(model)
+    table.save(path)
+    log(f"wrote {path}")
+    return path
 
 
 def main(argv=None) -> int:
@@ -152,7 +191,11 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     parser.add_argument("--old", default=None, metavar="REV", help="also run the code at this git revision")
     parser.add_argument("--out", default=str(RESULTS_DIR / "bench_gate.md"))
+    parser.add_argument("--ship", action="store_true", help="measure the shipped decision table of this machine kind")
     args = parser.parse_args(argv)
+    if args.ship:
+        ship()
+        return 0
     rows = run(args.models, args.old)
     Path(args.out).write_text(markdown(rows, command("bench_gate", argv)))
     print(f"wrote {args.out}")
