@@ -402,10 +402,10 @@ MUTANTS: tuple[Mutant, ...] = (
          ENTRY + "test_C45_qwen3_vl_moe_wrapper_counts_only_live_rows"),
     ),
     Mutant(
-        "config_old_and_new_name_allowed",
-        "an old field name given with its replacement is not refused (the old value wins) (C40)",
-        (("lynx_hf/config.py", "        if old in names and both:", "        if False:"),),
-        ("tests/patching/test_config.py::test_C40_old_and_new_name_together_are_refused_on_every_entry_point",),
+        "config_unknown_name_passed",
+        "the entry points' name check passes a name that is no LynxConfig field (k0, backend, mass_floor) (C40)",
+        (("lynx_hf/config.py", "    unknown = sorted(set(values) - known)\n", "    unknown = []\n"),),
+        ("tests/patching/test_config.py::test_C40_names_renamed_before_any_release_are_unknown_fields_on_every_entry_point",),
     ),
     Mutant(
         "repatch_from_defaults",

@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from dataclasses import MISSING, fields
+from dataclasses import fields
 from pathlib import Path
 
 import lynx_hf  # its public functions, looked up when called (tests replace lynx_hf.patch)
 
-from .config import RENAMED, LynxConfig, field_help, field_types
+from .config import GATE_ENV, LynxConfig, field_help, field_types
 from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.eval
 from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
 from .gate import STORE, DecisionTable, off_line
@@ -31,27 +31,22 @@ class CliError(Exception):
 def _policy_args(parser: argparse.ArgumentParser) -> None:
     """One ``--field`` option per :class:`LynxConfig` field (derived from the dataclass: a new field is a
     new option; its help is the first sentence of the field's entry in the docstring, ``config.field_help``); values
-    are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false).
-    Renamed fields keep their old option as a deprecated alias (``--k0``, ``--backend``: a ``FutureWarning``
-    names the new option; ``lynx_hf.config.RENAMED``)."""
+    are parsed by :meth:`LynxConfig.from_options` (``None``, numbers, true/false; ``--gate`` left out: ``LYNX_HF_GATE``
+    where set, :meth:`LynxConfig.from_environment`)."""
     types = field_types()
     for f in fields(LynxConfig):
         base, optional = types[f.name]
         kind = base.__name__ + (" or None" if optional else "")
-        default = f.default_factory() if f.default is MISSING else f.default  # gate: from LYNX_HF_GATE
+        default = repr(f.default) + (f", or ${GATE_ENV} where set" if f.name == "gate" else "")
         metavar = "BOOL|counts" if f.name == "telemetry" else kind.upper().replace(" ", "_")
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, default=argparse.SUPPRESS, metavar=metavar,
-                            help=f"{field_help(f.name)} (LynxConfig.{f.name}; default {default!r})".replace("%", "%%"))
-    for old, new in RENAMED.items():
-        parser.add_argument(f"--{old.replace('_', '-')}", dest=f"deprecated_{old}", default=argparse.SUPPRESS,
-                            metavar="VALUE", help=f"deprecated: use {new}")
+                            help=f"{field_help(f.name)} (LynxConfig.{f.name}; default {default})".replace("%", "%%"))
 
 
 def _config(args):
     options = {f.name: getattr(args, f.name) for f in fields(LynxConfig) if getattr(args, f.name, None) is not None}
-    options.update({old: getattr(args, f"deprecated_{old}") for old in RENAMED
-                    if getattr(args, f"deprecated_{old}", None) is not None})  # mapped with a FutureWarning
-    base = LynxConfig.from_file(args.config) if getattr(args, "config", None) else None  # options override the file
+    # options override the file; fields neither names: LynxConfig.from_environment (gate from LYNX_HF_GATE)
+    base = LynxConfig.from_file(args.config) if getattr(args, "config", None) else None
     return LynxConfig.from_options(options, base=base)
 
 

@@ -1,19 +1,19 @@
 """LynxConfig: the user-facing knobs of the policy, validated at construction.
 
 Generic fields are checked here; each policy checks its own (``Policy.validate``, ``lynx_hf.policies``).
-Renamed fields are still accepted under their old name with a ``FutureWarning`` (:data:`RENAMED`); removed
-ones raise :class:`LynxConfigError` naming what replaces them (:data:`REMOVED`).
+A ``LynxConfig`` is a plain value: nothing in it reads the environment. The entry points that build one from a
+partial set of options (``lynx_hf.patch``, :meth:`LynxConfig.from_options` / :meth:`~LynxConfig.from_file`: the CLI,
+lm-eval's ``model_args``, the vLLM plugin) start from :meth:`LynxConfig.from_environment`, where ``LYNX_HF_GATE``
+sets ``gate``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 import typing
-import warnings
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from . import policies
@@ -27,35 +27,12 @@ OFFLOAD_PATHS = ("experts", "module")  # LynxConfig.offload_path (lynx_hf.offloa
 #: ``LynxConfig.gate`` values: ``"auto"`` (the cost gate, ``lynx_hf.gate``, decides per layer shape and step size),
 #: ``"always"`` (the policy runs on every decode step: reproducible, timing-independent)
 GATES = ("auto", "always")
-#: environment variable that sets the default of ``LynxConfig.gate`` (``always`` forces the policy on: tests,
-#: accuracy work); an explicit ``gate=`` wins
+#: environment variable read by the entry points that build a config from options (:meth:`LynxConfig.from_environment`):
+#: the ``gate`` of a config whose options do not name one (``always`` forces the policy on: tests, accuracy work)
 GATE_ENV = "LYNX_HF_GATE"
-
-
-def default_gate() -> str:
-    """The default of ``LynxConfig.gate``: the environment variable :data:`GATE_ENV` if set (e.g. ``always``), else
-    ``"auto"``. A bad value is reported by ``LynxConfig`` validation (``LynxConfigError``)."""
-    return os.environ.get(GATE_ENV, "").strip() or "auto"
-
-#: old name -> what it now is (accepted with a FutureWarning by ``LynxConfig(...)``, ``from_dict``,
-#: ``from_options`` (CLI, lm-eval ``model_args``, vLLM), ``from_file`` and ``lynx_hf.patch(model, **overrides)``)
-RENAMED = {
-    "k0": "oea_k0",
-    "backend": "routing_backend (and expert_path='triton' for backend='triton')",
-}
-#: old name -> the fields it sets: an old name given together with one of these, in one set of options (one call's
-#: keywords, one dict, one config file, one command line), is refused on every entry point (:func:`check_pairs`)
-RENAMED_FIELDS = {
-    "k0": ("oea_k0",),
-    "backend": ("routing_backend", "expert_path"),
-}
 #: the one key of a config file (:meth:`LynxConfig.to_file`) that is not a field: free-form notes on what made
 #: the file (``lynx-hf sweep`` records the sweep's numbers there); ignored by :meth:`LynxConfig.from_file`
 FILE_NOTE_KEY = "_about"
-#: removed name -> the replacement named in the error
-REMOVED = {
-    "mass_floor": "use mass_price (LYNX routing-mass growth; mass_price=None gives the paper's rule)",
-}
 
 
 @dataclass(frozen=True)
@@ -95,8 +72,7 @@ class LynxConfig:
       constant price on the mean mass per token) or ``"sqrt"`` (at least ``mass_price * sqrt(B)`` tokens'
       worth: between the two; an absolute price over-prunes small batches, a per-token one large ones,
       ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
-    - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time). Formerly
-      ``k0`` (still accepted, with a ``FutureWarning``).
+    - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``xshare_budget``: XShare (policy ``"xshare"``, arXiv 2602.07265, a baseline): experts per step, an int
       ``>= 1``, or ``None``: ``ceil(xshare_fraction * N)``.
     - ``xshare_fraction``: XShare: the budget as a fraction of N when ``xshare_budget`` is ``None``, in ``(0, 1]``.
@@ -111,8 +87,7 @@ class LynxConfig:
     - ``expert_path``: what computes the routed experts in decode: ``"auto"`` (for now the model's own
       experts implementation; transformers' ``grouped_mm`` on CUDA), ``"model"`` (the same, never a kernel of
       ours) or ``"triton"`` (the sparse Triton decode kernel, ``lynx_hf.kernels.moe``; CUDA, or the
-      interpreter). ``backend=X`` (deprecated) means ``routing_backend=X`` and ``expert_path="triton"`` iff
-      ``X == "triton"`` (else ``"auto"``).
+      interpreter).
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``): ``True`` (every key), ``"counts"``
       (the cheaper counting mode: decode steps, unique experts before / after and the token counts only;
       ``remapped_fraction`` and ``routing_mass_kept`` read ``None``, so the routing weights are never read) or
@@ -128,12 +103,14 @@ class LynxConfig:
       (experts saved x one expert's time on this device) beats the routing cost, per layer and T, from decisions
       keyed by what the step runs (a table, the per-user cache, else measured once per machine and stored; a
       host-side lookup on the static T); ``"always"`` runs it on every decode step (reproducible: accuracy work).
-      Default: the environment variable ``LYNX_HF_GATE`` if set (e.g. ``LYNX_HF_GATE=always``), else ``"auto"``;
+      Default ``"auto"``; where a config is built from options that do not name ``gate`` (``lynx_hf.patch(model)``,
+      ``patch(model, policy=...)``, a config file or dict, ``lynx-hf generate``, the vLLM plugin), the environment
+      variable ``LYNX_HF_GATE`` (e.g. ``LYNX_HF_GATE=always``) sets it (:meth:`LynxConfig.from_environment`);
       ``lynx-hf eval`` / ``sweep`` and the lm-eval model use ``"always"``.
     - ``gate_table``: a decision table of the cost gate (``lynx_hf.gate.table``; written by ``lynx-hf tune``), a
       path, read before the tables lynx_hf ships and the per-user cache; ``None`` (default): those alone.
 
-    Raises :class:`LynxConfigError` for a bad value, a removed field (``mass_floor``) or ``phase="never"``.
+    Raises :class:`LynxConfigError` for a bad value or ``phase="never"``.
     """
 
     policy: str = "lynx"
@@ -152,7 +129,7 @@ class LynxConfig:
     routing_backend: str = "auto"
     expert_path: str = "auto"
     telemetry: bool | str = True
-    gate: str = field(default_factory=default_gate)
+    gate: str = "auto"
     gate_table: str | None = None
     offload_path: str = "experts"
     expert_cache_bytes: int = 0
@@ -165,9 +142,6 @@ class LynxConfig:
         check_choice("phase", self.phase, PHASES)
         check_choice("routing_backend", self.routing_backend, ROUTING_BACKENDS)
         check_choice("expert_path", self.expert_path, EXPERT_PATHS)
-        if self.gate not in GATES and os.environ.get(GATE_ENV, "").strip() == self.gate:
-            raise LynxConfigError(f"LynxConfig.gate must be one of {GATES}, got {self.gate!r} from the environment "
-                                  f"variable {GATE_ENV} (unset it, or set it to 'auto' or 'always')")
         check_choice("gate", self.gate, GATES)
         if self.gate_table is not None:
             if isinstance(self.gate_table, os.PathLike):
@@ -189,11 +163,9 @@ class LynxConfig:
 
     @classmethod
     def from_dict(cls, values: dict, base: "LynxConfig | None" = None) -> "LynxConfig":
-        """A config from ``{field: value}``; ``base`` supplies the fields left out (default: the defaults). Renamed
-        fields (:data:`RENAMED`) are mapped with a ``FutureWarning``. Raises :class:`LynxConfigError` for an unknown
-        or removed field (naming the replacement), an old name given with its replacement (:func:`check_pairs`) or a
-        bad value."""
-        values = _translate(values)
+        """A config from ``{field: value}``; ``base`` supplies the fields left out (default: the defaults; the
+        environment is not read). Raises :class:`LynxConfigError` for an unknown field or a bad value."""
+        _check_names(values)
         if base is not None:
             values = {**base.to_dict(), **values}
         return cls(**values)
@@ -203,12 +175,27 @@ class LynxConfig:
         """A config from command-line style options: every value may be a string (``"0.5"``, ``"None"``,
         ``"true"``) or already typed; strings are parsed by the field's type (:func:`parse_option`).
         The one parsing path of the CLI (``lynx-hf``), the lm-eval ``lynx`` model's ``model_args`` and the
-        vLLM plugin. ``base`` supplies the other fields (default ``LynxConfig()``). Renamed options
-        (``k0``, ``backend``) are mapped with a ``FutureWarning``. Raises :class:`LynxConfigError`.
+        vLLM plugin. ``base`` supplies the other fields (default :meth:`from_environment`: the defaults, ``gate``
+        from ``LYNX_HF_GATE`` where set). Raises :class:`LynxConfigError`.
         """
-        values = _translate(values, stacklevel=4)
+        _check_names(values)
         parsed = {name: parse_option(name, value) for name, value in values.items()}
-        return cls(**{**(base or cls()).to_dict(), **parsed})
+        return cls(**{**(base or cls.from_environment()).to_dict(), **parsed})
+
+    @classmethod
+    def from_environment(cls) -> "LynxConfig":
+        """The defaults, with ``gate`` from the environment variable :data:`GATE_ENV` (``LYNX_HF_GATE``) where it is
+        set: the base of every entry point that builds a config from options not naming ``gate`` (``lynx_hf.patch``
+        without a ``LynxConfig``, :meth:`from_options`, :meth:`from_file`: ``lynx-hf``, lm-eval's ``model_args``, the
+        vLLM plugin). ``LynxConfig()`` itself never reads the environment. Raises :class:`LynxConfigError` naming the
+        variable for a value other than ``auto`` / ``always``."""
+        value = os.environ.get(GATE_ENV, "").strip()
+        if not value:
+            return cls()
+        if value not in GATES:
+            raise LynxConfigError(f"LynxConfig.gate must be one of {GATES}, got {value!r} from the environment "
+                                  f"variable {GATE_ENV} (unset it, or set it to 'auto' or 'always')")
+        return cls(gate=value)
 
     @classmethod
     def from_file(cls, path: str | os.PathLike, base: "LynxConfig | None" = None) -> "LynxConfig":
@@ -252,87 +239,12 @@ class LynxConfig:
         return path
 
 
-def _deprecated_read(old: str, new: str) -> property:
-    def read(self):
-        warnings.warn(f"LynxConfig.{old} is deprecated: read LynxConfig.{new}", FutureWarning, stacklevel=2)
-        return getattr(self, new)
-
-    return property(read, doc=f"Deprecated: :attr:`{new}`.")
-
-
-_UNSET = object()
-
-
-def _accept_old_names(init):
-    """``LynxConfig.__init__`` that also takes the renamed keywords (mapped, ``FutureWarning``) and the removed
-    ones (``LynxConfigError`` naming the replacement)."""
-    @functools.wraps(init)
-    def __init__(self, *args, k0=_UNSET, backend=_UNSET, mass_floor=_UNSET, **kwargs):
-        if mass_floor is not _UNSET:
-            raise _removed("mass_floor")
-        given = {old: value for old, value in (("k0", k0), ("backend", backend)) if value is not _UNSET}
-        check_pairs({**kwargs, **given})
-        for old, value in given.items():
-            kwargs.update(_renamed(old, value, stacklevel=3))
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-LynxConfig.__init__ = _accept_old_names(LynxConfig.__init__)
-# reading a renamed field warns and gives the new one
-LynxConfig.k0 = _deprecated_read("k0", "oea_k0")
-LynxConfig.backend = _deprecated_read("backend", "routing_backend")
-
-
-def _removed(name: str) -> LynxConfigError:
-    return LynxConfigError(f"LynxConfig.{name} was removed: {REMOVED[name]}")
-
-
-def _renamed(old: str, value, stacklevel: int = 3) -> dict:
-    """The fields that ``old=value`` now sets (a ``FutureWarning`` names them)."""
-    if old == "k0":
-        new = {"oea_k0": value}
-    else:  # backend: the routing ops, and the sparse expert kernel iff "triton" (what backend="triton" enabled)
-        new = {"routing_backend": value, "expert_path": "triton" if value == "triton" else "auto"}
-    warnings.warn(f"LynxConfig.{old} is deprecated: use {', '.join(f'{k}={v!r}' for k, v in new.items())}",
-                  FutureWarning, stacklevel=stacklevel)
-    return new
-
-
-def check_pairs(values) -> None:
-    """The one rule for a renamed field on every entry point: an old name (:data:`RENAMED`) given together with a
-    field it now sets (:data:`RENAMED_FIELDS`: ``k0`` with ``oea_k0``, ``backend`` with ``routing_backend`` or
-    ``expert_path``) in one set of options (``values``: the names given, a dict or any iterable of names) raises
-    :class:`LynxConfigError` naming both, whatever the values (equal ones too): which one was meant cannot be told.
-    ``LynxConfig(...)``, :meth:`LynxConfig.from_dict`, :meth:`~LynxConfig.from_options`, :meth:`~LynxConfig.from_file`,
-    ``lynx_hf.patch(model, **overrides)`` / ``patch(model, "file.json")`` and the CLI all apply it."""
-    names = set(values)
-    for old, new in RENAMED_FIELDS.items():
-        both = [name for name in new if name in names]
-        if old in names and both:
-            raise LynxConfigError(
-                f"LynxConfig: {old} (deprecated) and {', '.join(both)} given together; {old} is the old name of "
-                f"{RENAMED[old]}: pass only {' / '.join(both)}")
-
-
-def _translate(values: dict, stacklevel: int = 4) -> dict:
-    """``values`` with renamed fields mapped to the current ones (``FutureWarning``); raises
-    :class:`LynxConfigError` for removed fields, ``phase="never"``, unknown names and an old name given with its
-    replacement (:func:`check_pairs`)."""
+def _check_names(values) -> None:
+    """Raise :class:`LynxConfigError` for a name that is no field (listing the fields)."""
     known = {f.name for f in fields(LynxConfig)}
-    for name in values:
-        if name in REMOVED:
-            raise _removed(name)
-    unknown = sorted(set(values) - known - set(RENAMED))
+    unknown = sorted(set(values) - known)
     if unknown:
         raise LynxConfigError(f"unknown LynxConfig field(s) {unknown}; known: {sorted(known)}")
-    check_pairs(values)
-    out = {name: value for name, value in values.items() if name in known}
-    for name, value in values.items():
-        if name in RENAMED:
-            out.update(_renamed(name, value, stacklevel=stacklevel))
-    return out
 
 
 _NONE_WORDS = ("none", "null")
@@ -388,10 +300,7 @@ def fields_markdown() -> str:
     docs = field_docs()
     rows = ["| field | default | meaning |", "|---|---|---|"]
     for f in fields(LynxConfig):
-        if f.default is MISSING:  # gate: its default comes from the environment
-            default = f'`"auto"` (env `{GATE_ENV}`)'
-        else:
-            default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
+        default = f'`"{f.default}"`' if isinstance(f.default, str) else f"`{f.default!r}`"
         meaning = _markdown(docs[f.name]).replace("|", "\\|")
         rows.append(f"| `{f.name}` | {default} | {meaning} |")
     return "\n".join(rows) + "\n"

@@ -28,12 +28,11 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .config import RENAMED, LynxConfig
+from .config import LynxConfig
 from .errors import LynxConfigError
 from .patcher import patch
 
-# HFLM has a ``backend`` argument of its own: the deprecated LynxConfig.backend is spelled ``lynx_backend``
-_LYNX_ARGS = (*(f.name for f in fields(LynxConfig)), *(name for name in RENAMED if name != "backend"))
+_LYNX_ARGS = tuple(f.name for f in fields(LynxConfig))
 
 
 @register_model("lynx")
@@ -46,12 +45,10 @@ class LynxLM(HFLM):
     raises for an unsupported model.
     """
 
-    def __init__(self, pretrained, *, lynx_config=None, lynx_backend: str | None = None, **kwargs) -> None:
+    def __init__(self, pretrained, *, lynx_config=None, **kwargs) -> None:
         options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
         if "policy" in options and options["policy"] is None:  # lm-eval's model_args parser reads "none" as None
             options["policy"] = "none"
-        if lynx_backend is not None:
-            options["backend"] = lynx_backend  # deprecated: FutureWarning from from_options
         # accuracy must not depend on this machine's timing: the policy runs on every decode step unless the
         # model_args ask for the cost gate (gate=auto); this overrides a config file's gate too
         options.setdefault("gate", "always")

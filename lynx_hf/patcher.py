@@ -215,22 +215,22 @@ def _merged_generation_config(model, args, kwargs):
 def _as_config(config, overrides, current: LynxConfig | None = None) -> LynxConfig:
     """The config ``patch(model, config, **overrides)`` asks for. ``current``: the config of the model when it is
     already patched; a partial configuration (``config`` ``None`` or a dict, and the keyword ``overrides``) applies
-    on top of it (``docs/cases.md`` C43), a complete one (a :class:`LynxConfig`, a config file) replaces it. Each set
-    of options is translated on its own (an old field name given with its replacement in one of them is refused,
-    ``lynx_hf.config.check_pairs``), so an override wins over the config's value under either name."""
+    on top of it (``docs/cases.md`` C43), a complete one (a :class:`LynxConfig`, a config file) replaces it. A model
+    not yet patched starts from :meth:`LynxConfig.from_environment` (``gate`` from ``LYNX_HF_GATE`` where set) for
+    the fields a partial configuration or a file does not name; a :class:`LynxConfig` is taken as it is."""
     if config is None:
         base = current
     elif isinstance(config, (str, os.PathLike)):  # a config file (LynxConfig.to_file, lynx-hf sweep's lynx_config.json)
         base = LynxConfig.from_file(config)
-    elif isinstance(config, dict):
-        base = LynxConfig.from_dict(config, base=current)  # unknown names -> LynxConfigError listing the fields
+    elif isinstance(config, dict):  # unknown names -> LynxConfigError listing the fields
+        base = LynxConfig.from_dict(config, base=current or LynxConfig.from_environment())
     elif isinstance(config, LynxConfig):
         base = config
     else:
         raise LynxConfigError(f"config must be a LynxConfig, a dict, a config file path or None, got "
                               f"{type(config).__name__}")
     if overrides or base is None:
-        return LynxConfig.from_dict(overrides, base=base)
+        return LynxConfig.from_dict(overrides, base=base or LynxConfig.from_environment())
     return base
 
 
@@ -260,8 +260,9 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
           **overrides) -> torch.nn.Module:
     """Patch every supported MoE block of ``model`` in place and return ``model``.
 
-    ``config``: a :class:`LynxConfig` (default ``LynxConfig()``: policy ``"lynx"``), a dict of its
-    fields, the path (``str`` / ``PathLike``) of a JSON config file (:meth:`LynxConfig.from_file`, e.g. the
+    ``config``: a :class:`LynxConfig` (taken as it is), or a partial configuration (default: ``LynxConfig()``,
+    policy ``"lynx"``, with ``gate`` from the environment variable ``LYNX_HF_GATE`` where set and not named,
+    :meth:`LynxConfig.from_environment`): a dict of its fields, the path (``str`` / ``PathLike``) of a JSON config file (:meth:`LynxConfig.from_file`, e.g. the
     ``lynx_config.json`` that ``lynx-hf sweep`` writes), or ``None``; keyword ``overrides`` set single fields
     on top of it (``patch(m, policy="oea")``, ``patch(m, "lynx_config.json", telemetry=False)``).
     ``model`` may be a transformers model or any module holding one (a PEFT ``PeftModel``, a
@@ -282,9 +283,7 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     block's routing settings are inconsistent or refuse the policy (``docs/cases.md`` C10, C26),
     :class:`LynxConfigError` for a bad config (a config file: also when it is not JSON or has an unknown
     field; ``FileNotFoundError`` when it is missing) or a routing backend / expert path that cannot run on the
-    model's device. Deprecated field names in ``overrides`` (``k0``, ``backend``) are mapped with a
-    ``FutureWarning`` (``lynx_hf.config.RENAMED``); given together with their replacement (in the overrides, the
-    dict or the file) they raise :class:`LynxConfigError` naming both (``lynx_hf.config.check_pairs``).
+    model's device.
     """
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")

@@ -63,8 +63,10 @@ def poisoned_empty(monkeypatch):
 @pytest.fixture(scope="module")
 def policy_on_every_step():
     """``LYNX_HF_GATE=always`` for a module (``pytestmark = pytest.mark.usefixtures("policy_on_every_step")``; module
-    scope, so the module's own module-scoped fixtures see it too): every ``LynxConfig`` built without an explicit
-    ``gate`` runs the policy on every decode step. For tests whose subject is what the policy does (remap, telemetry,
+    scope, so the module's own module-scoped fixtures see it too): every config an entry point builds from options
+    that do not name ``gate`` (``patch(model)``, ``patch(model, policy=...)``, ``patched``, a dict or a config file,
+    ``lynx-hf generate``, the vLLM plugin: ``LynxConfig.from_environment``) runs the policy on every decode step; a
+    ``LynxConfig`` value is taken as it is (its default gate is ``"auto"``: pass ``gate="always"``). For tests whose subject is what the policy does (remap, telemetry,
     equivalence) on a tiny model, where the cost gate (the default) rightly keeps the policy off at many step sizes;
     a module that uses it says why in a comment beside its ``pytestmark``."""
     with pytest.MonkeyPatch.context() as mp:

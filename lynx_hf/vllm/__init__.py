@@ -16,7 +16,7 @@ recomputed in fp32 with the router's own rule. Telemetry and run-time switching:
 
     from lynx_hf import vllm as lynx_vllm
     lynx_vllm.stats(llm)[0]["summary"]     # rank 0: unique experts per MoE layer per decode step
-    lynx_vllm.configure(llm, {"policy": "oea", "k0": 1})   # same engine, another policy
+    lynx_vllm.configure(llm, {"policy": "oea", "oea_k0": 1})   # same engine, another policy
 
 Importing this module never imports vLLM; a missing vLLM makes :func:`register` a no-op.
 

@@ -68,7 +68,7 @@ def test_unpatch_restores_exactly(family, config):
     if config is NO_CONSENSUS:
         lynx_hf.patch(model, **config)
     else:
-        lynx_hf.patch(model, lynx_hf.LynxConfig(**config))
+        lynx_hf.patch(model, lynx_hf.LynxConfig(**config, gate="always"))  # a value: LYNX_HF_GATE is not read
     assert lynx_hf.is_patched(model)
     assert list(model.state_dict().keys()) == keys  # C6: keys identical while patched
     model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)

@@ -4,6 +4,7 @@ bit-identical to policy none; a gate that is on changes nothing against ``gate="
 measuring touches no global state. No timed assertion: where an outcome is asserted the measurement is replaced by
 fixed decisions (``fixed_gate``) or a decision table."""
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -183,14 +184,36 @@ def test_off_line():
 
 
 # -- LynxConfig.gate / gate_table ---------------------------------------------------------------------------------
-def test_config_gate_default_from_environment(monkeypatch):
+def test_config_gate_default_from_environment(monkeypatch, tmp_path):
+    """The default of LynxConfig.gate is a plain value ("auto"); LYNX_HF_GATE is read by the entry points that build a
+    config from options not naming ``gate`` (LynxConfig.from_environment): patch without a LynxConfig, from_options
+    (the CLI, lm-eval's model_args, the vLLM plugin), from_file. A LynxConfig value and an explicit gate win; a bad
+    value is refused naming the variable, by those entry points only."""
     monkeypatch.delenv(gate.ENV, raising=False)
-    assert lynx_hf.LynxConfig().gate == "auto"
+    assert lynx_hf.LynxConfig().gate == "auto" and lynx_hf.LynxConfig.from_environment() == lynx_hf.LynxConfig()
     monkeypatch.setenv(gate.ENV, "always")
-    assert lynx_hf.LynxConfig().gate == "always" and lynx_hf.LynxConfig(gate="auto").gate == "auto"  # explicit wins
+    assert lynx_hf.LynxConfig().gate == "auto"  # a plain value: constructing a config reads no environment
+    assert dataclasses.replace(lynx_hf.LynxConfig(), policy="oea").gate == "auto"
+    assert lynx_hf.LynxConfig.from_environment() == lynx_hf.LynxConfig(gate="always")
+    assert lynx_hf.LynxConfig.from_options({"policy": "oea"}).gate == "always"
+    assert lynx_hf.LynxConfig.from_options({"gate": "auto"}).gate == "auto"  # explicit wins
+    (tmp_path / "c.json").write_text('{"policy": "oea"}')
+    assert lynx_hf.LynxConfig.from_file(tmp_path / "c.json").gate == "always"
+    assert lynx_hf.LynxConfig.from_dict({"policy": "oea"}).gate == "auto"  # from_dict: the defaults, no environment
+    model = fam.build("qwen2_moe")
+    for config, overrides, want in ((None, {}, "always"), (None, {"policy": "oea"}, "always"),
+                                    ({"policy": "oea"}, {}, "always"), (None, {"gate": "auto"}, "auto"),
+                                    (lynx_hf.LynxConfig(), {}, "auto"), (tmp_path / "c.json", {}, "always")):
+        lynx_hf.patch(model, config, **overrides)
+        assert lynx_hf.config_of(model).gate == want, (config, overrides)
+        lynx_hf.unpatch(model)
     monkeypatch.setenv(gate.ENV, "sometimes")
-    with pytest.raises(lynx_hf.LynxConfigError, match="gate"):
-        lynx_hf.LynxConfig()
+    lynx_hf.LynxConfig()  # nothing reads it here
+    for make in (lynx_hf.LynxConfig.from_environment, lambda: lynx_hf.LynxConfig.from_options({}),
+                 lambda: lynx_hf.patch(model)):
+        with pytest.raises(lynx_hf.LynxConfigError, match=f"gate.*{gate.ENV}"):
+            make()
+    assert not lynx_hf.is_patched(model)
     with pytest.raises(lynx_hf.LynxConfigError, match="gate"):
         lynx_hf.LynxConfig(gate="never", policy="lynx")
 
