@@ -38,7 +38,10 @@ State: eager forwards publish the step in a ``contextvars.ContextVar`` (per thre
 threads generating on one model keep separate state, ``docs/cases.md`` C18). Code that ``torch.compile`` traces
 reads a plain attribute instead (a ContextVar cannot be traced), which the pre-hook sets both when it is traced
 itself (whole-model compilation) and when it runs eagerly around compiled regions (accelerate's
-``compile_regions`` compiles the decoder layers, not the backbone, ``docs/cases.md`` C29).
+``compile_regions`` compiles the decoder layers, not the backbone, ``docs/cases.md`` C29). A compiled forward of
+``generate`` (transformers compiles static-cache decode on accelerators by default) classifies by rule 2 all the
+same: what ``generate`` knows (prompt length, stop tokens, finished rows) reaches the graph as data, tensors on the
+generation's KV cache (:class:`GenerationData`, :func:`compiled_step`).
 
 Self-check (``docs/cases.md`` C33): the pre-hook counts, on the host from what it already knows (shapes, the
 cache object, the classification; never a device value), the forwards it classified, the decode ones, and the
@@ -91,6 +94,80 @@ class Generation:
     #: ``...ForConditionalGeneration`` passes its text backbone ``inputs_embeds``): the stop tokens a row fed are read
     #: from them (:meth:`StepTracker._ids_hook`); ``None``: read the backbone's own input
     ids: torch.Tensor | None = None
+    #: the :class:`GenerationData` of each cache this generation's forwards carried (activated by the eager pre-hook,
+    #: deactivated when ``generate`` returns): what a compiled forward of this generation reads
+    data: list = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.data is None:
+            self.data = []
+
+
+#: the attribute of a KV cache object that holds its :class:`GenerationData`
+DATA_ATTR = "_lynx_generation"
+
+
+class GenerationData:
+    """What the patched ``generate`` knows of its forwards, as **data** a compiled forward reads: transformers compiles
+    the decode forward of a static-cache ``generate`` (``GenerationMixin.get_compiled_call``: ``torch.compile`` of the
+    model's ``__call__``, the backbone's pre-hook included; ``_valid_auto_compile_criteria``: by default on CUDA / XPU /
+    NPU / TPU), and a compiled graph cannot read a ``ContextVar``. It lives on the generation's KV cache object (the
+    one object every forward of the generation is handed: attribute :data:`DATA_ATTR`), so two generations on two
+    caches never share it; the eager pre-hook creates it on the first forward that carries the cache inside
+    ``generate`` and re-arms it in place at each later ``generate`` on the same cache.
+
+    ``prompt_length``: 0-d int64 tensor on the model's device (``Generation.prompt_length``: a forward whose cache
+    already holds that many tokens decodes); ``eos [E]`` int64 (the stop tokens; ``-1`` where there are none: no row
+    finishes); ``finished [B]`` bool: rows that fed a stop token (as ``generate``'s ``unfinished_sequences``), updated
+    in place by every decode forward, eager or compiled (the compiled graph mutates it, as it mutates
+    ``StaticCache``'s ``cumulative_length``); the three are marked static addresses
+    (``torch._dynamo.mark_static_address``) so CUDA graphs (``mode="reduce-overhead"``, ``CompileConfig``'s default)
+    replay against them. ``verify`` (bool): the generation verifies candidates (``Generation.verify``). ``active``
+    (bool): inside the ``generate`` that armed it (a cache returned by ``generate`` and decoded further by hand is
+    classified by rule 3 of the module docstring again); a compiled graph is specialized on it (a guard), never on a
+    tensor's value. ``owner``: the :class:`StepTracker` that armed it.
+    """
+
+    def __init__(self, owner, prompt_length: torch.Tensor, eos: torch.Tensor, finished: torch.Tensor,
+                 verify: bool, stops: bool) -> None:
+        self.owner = owner
+        self.prompt_length = prompt_length
+        self.eos = eos
+        self.finished = finished
+        self.verify = verify
+        self.stops = stops  # some stop token finishes a row (else the step has no live mask, as in eager)
+        self.active = True
+
+
+def _arm(tracker, generation: Generation, cache, x: torch.Tensor) -> None:
+    """Attach (or re-arm in place) the :class:`GenerationData` of ``generation`` on ``cache``, from the eager pre-hook
+    of one of its forwards (``x``: that forward's query, ``[B, q]`` ids or ``[B, q, H]`` embeddings). No device read."""
+    if x.dim() < 2 or cache is None:
+        return
+    data = getattr(cache, DATA_ATTR, None)
+    if isinstance(data, GenerationData) and data.active and data in generation.data:
+        return  # armed by this generation already
+    batch, device = int(x.shape[0]), x.device
+    eos = list(generation.eos_ids) or [-1]
+    if isinstance(data, GenerationData) and data.finished.shape == (batch,) and data.finished.device == device \
+            and data.eos.shape == (len(eos),):
+        data.prompt_length.fill_(generation.prompt_length)
+        data.eos.copy_(torch.tensor(eos, dtype=torch.int64), non_blocking=True)
+        data.finished.zero_()
+        data.owner, data.verify, data.stops, data.active = tracker, generation.verify, bool(generation.eos_ids), True
+    else:
+        data = GenerationData(tracker, torch.tensor(generation.prompt_length, dtype=torch.int64, device=device),
+                              torch.tensor(eos, dtype=torch.int64, device=device),
+                              torch.zeros(batch, dtype=torch.bool, device=device), generation.verify,
+                              bool(generation.eos_ids))
+        for tensor in (data.prompt_length, data.eos, data.finished):
+            torch._dynamo.mark_static_address(tensor)
+        try:
+            setattr(cache, DATA_ATTR, data)
+        except (AttributeError, TypeError):  # a cache object without attributes (a legacy tuple): eager only
+            return
+    generation.data.append(data)
+    generation.finished = data.finished
 
 
 _GENERATION: contextvars.ContextVar = contextvars.ContextVar("lynx_generation", default=None)
@@ -261,6 +338,43 @@ def detect_step(args, kwargs, config, generation: Generation | None, requests=No
     return Step(DECODE) if length > 0 else PREFILL_STEP
 
 
+def compiled_step(args, kwargs, config, tracker) -> Step:
+    """The :class:`Step` of a backbone forward while ``torch.compile`` traces it (no ``ContextVar``, no host read):
+    :func:`detect_step`'s rule 3, except inside a ``generate`` whose eager pre-hook armed the forward's cache with its
+    :class:`GenerationData` (:func:`_arm`); there the rule of ``generate`` (rule 2) on that data, in the graph:
+
+    - one query token per row: decode where the cache (its length a 0-d device tensor: ``StaticCache``) already holds
+      ``prompt_length`` tokens (``decode [B]``, the same value on every row); rows whose input is a stop token are
+      finished from then on: ``finished |= isin(input_ids[:, 0], eos) & decode`` in place, ``live = ~finished``;
+    - more query tokens: a verification step where the generation verifies (``decode [T]`` as above), else prefill
+      (a chunk of the prompt: ``prefill_chunk_size`` compiles the chunks too);
+
+    so a compiled decode step classifies exactly as the eager one (``docs/decode-step.md``). ``tracker``: the
+    :class:`StepTracker` whose pre-hook is traced."""
+    cache = next((kwargs[name] for name in _CACHE_KWARGS if kwargs.get(name) is not None), None)
+    data = getattr(cache, DATA_ATTR, None) if cache is not None else None
+    if not (isinstance(data, GenerationData) and data.active and data.owner is tracker) \
+            or config.phase != "auto" or isinstance(kwargs.get("cu_seq_lens_q"), torch.Tensor) \
+            or kwargs.get("use_cache") is False:
+        return detect_step(args, kwargs, config, None)
+    x = _query(args, kwargs)
+    length = cache_length(cache)
+    if x is None or length is None or x.dim() < 2:
+        return detect_step(args, kwargs, config, None)
+    batch, q_len = int(x.shape[0]), int(x.shape[1])
+    decoding = data.prompt_length <= length  # 0-d bool on the device
+    if q_len > 1:
+        if not (data.verify and config.verify):
+            return PREFILL_STEP
+        return Step(VERIFY, decode=decoding.expand(batch * q_len))
+    decode = decoding.expand(batch)
+    if not data.stops or x.dtype.is_floating_point or data.finished.shape[0] != batch:
+        return Step(DECODE, decode=decode)
+    fed = torch.isin(x[:, 0], data.eos) & decode
+    data.finished.logical_or_(fed)
+    return Step(DECODE, decode=decode, live=~data.finished)
+
+
 def _live_rows(generation: Generation, x: torch.Tensor) -> torch.Tensor | None:
     """Rows that have not finished: a row finishes when its input is a stop token (the token it generated
     last), and stays finished (it then decodes pad tokens), as ``generate``'s ``unfinished_sequences``.
@@ -273,6 +387,8 @@ def _live_rows(generation: Generation, x: torch.Tensor) -> torch.Tensor | None:
     finished = generation.finished
     if finished is None or finished.shape != fed_eos.shape or finished.device != fed_eos.device:
         finished = fed_eos
+    elif any(finished is data.finished for data in generation.data):
+        finished.logical_or_(fed_eos)  # the cache's GenerationData: what a compiled forward of this generation reads
     else:
         finished = finished | fed_eos
     generation.finished = finished
@@ -368,12 +484,15 @@ class StepTracker:
 
     def _pre_hook(self, module, args, kwargs):
         if torch.compiler.is_compiling():
-            self._traced = detect_step(args, kwargs, self.model_state.config, None)
+            self._traced = compiled_step(args, kwargs, self.model_state.config, self)
             return None
         x = _query(args, kwargs)
         requests = self._requests(kwargs, x.device) if x is not None else None
         generation = self._generation()
         fed = generation.fed if generation is not None else 0
+        if generation is not None and x is not None:
+            _arm(self, generation, next((kwargs[name] for name in _CACHE_KWARGS if kwargs.get(name) is not None),
+                                        None), x)
         step = detect_step(args, kwargs, self.model_state.config, generation, requests)
         self._var.set(_Frame(step, self._var.get()))
         self._traced = step  # compiled regions inside this eager backbone (accelerate's compile_regions) read it
@@ -510,4 +629,6 @@ class _Scope:
 
     def __exit__(self, *exc):
         _GENERATION.reset(self._token)
+        for data in self.generation.data:
+            data.active = False
         return False

@@ -4,12 +4,16 @@ decode path (``generate(cache_implementation="static", compile_config=CompileCon
 runs patched and gives the tokens eager LYNX gives. On CPU, transformers compiles only when asked to
 compile on all devices (``CompileConfig._compile_all_devices``)."""
 
+import contextlib
+
 import pytest
 import torch
 from transformers import CompileConfig, StaticCache
 
 import lynx_hf
+import lynx_hf.detection
 from helpers import families as fam
+from lynx_hf.kernels.routing_torch import strict_sync_free
 
 
 def _decode_inputs(model):
@@ -35,24 +39,74 @@ def test_patched_decode_forward_has_no_graph_break(family):
     assert explanation.graph_count == 1
 
 
+#: stop tokens of the 8 prompts below whose LYNX continuations hit them at different steps (rows finish after 1, 2, 3,
+#: 5 and 7 new tokens; 3 rows never do), checked in the test
+EOS = [23, 73, 4]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", [dict(policy="lynx"), dict(policy="oea", oea_k0=1)], ids=["lynx", "oea"])
-def test_generate_compiled_static_cache_equals_eager(policy):
+@pytest.mark.parametrize("case", [
+    dict(policy="lynx", fullgraph=True, strict=False),  # CPU: the eager step as one op (lynx_hf.compiled_cpu)
+    dict(policy="oea", oea_k0=1, fullgraph=False, strict=False),
+    dict(policy="lynx", fullgraph=True, strict=True),  # the accelerator path: the sync-free step traced into the graph
+], ids=["lynx-fullgraph", "oea", "lynx-fullgraph-sync-free"])
+def test_generate_compiled_static_cache_equals_eager(case):
+    """transformers compiles a static-cache ``generate``'s decode forward on an accelerator by default; the finished
+    rows (fed a stop token) reach the compiled graph as data (``lynx_hf.detection.GenerationData``), so compiled and
+    eager LYNX agree token for token and count for count with rows finishing at different steps, over more decode
+    steps than rows. (Before: the traced pre-hook had no generation information and every finished row voted: on
+    these inputs compiled LYNX counted 64 decode tokens and 0 finished-row tokens where eager counts 23 and 41.)"""
+    case = dict(case)
+    fullgraph, strict = case.pop("fullgraph"), case.pop("strict")
     model = fam.build("qwen2_moe")
-    ids, mask = fam.prompts(4, 5)
-    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, cache_implementation="static")
-    lynx_hf.patch(model, **policy, gate="always")  # the subject: the compiled graph remaps on every decode step
-    eager = model.generate(**gen)
-    eager_stats = lynx_hf.stats(model).summary()
-    lynx_hf.reset_stats(model)
-    config = CompileConfig(fullgraph=True)
-    config._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless asked
-    torch._dynamo.reset()
-    compiled = model.generate(**gen, compile_config=config)
+    ids, mask = fam.prompts(8, 5)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, cache_implementation="static",
+               eos_token_id=EOS, pad_token_id=0)
+    lynx_hf.patch(model, **case, gate="always")  # the subject: the compiled graph remaps on every decode step
+    with strict_sync_free() if strict else contextlib.nullcontext():
+        eager = model.generate(**gen)
+        eager_stats = lynx_hf.stats(model).summary()
+        lynx_hf.reset_stats(model)
+        config = CompileConfig(fullgraph=fullgraph)
+        config._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless asked
+        torch._dynamo.reset()
+        compiled = model.generate(**gen, compile_config=config)
     stats = lynx_hf.stats(model).summary()
     assert model._compiled_call is not None  # the compiled path really ran
     lynx_hf.unpatch(model)
+    new = eager[:, ids.shape[1]:]
+    finished_at = {int(torch.isin(row, torch.tensor(EOS)).nonzero()[0]) for row in new if torch.isin(row, torch.tensor(
+        EOS)).any()}
+    assert len(finished_at) >= 3 and new.shape[1] > new.shape[0], "rows must finish at different steps"
+    assert eager_stats["finished_row_tokens"] > 0 and eager_stats["decode_steps"] == new.shape[1] - 1
     assert torch.equal(compiled, eager)
-    assert stats["decode_steps"] == eager_stats["decode_steps"] == 3
-    assert stats["unique_experts_after"] == eager_stats["unique_experts_after"]
+    for key in ("decode_steps", "decode_tokens", "finished_row_tokens", "unique_experts_before",
+                "unique_experts_after"):
+        assert stats[key] == eager_stats[key], key
     assert stats["unique_experts_after"] < stats["unique_experts_before"]  # the compiled graph remaps
+
+
+@pytest.mark.slow
+def test_compiled_generate_data_is_rearmed_and_released():
+    """The compiled graph serves a second ``generate`` with other stop tokens (the data are values, read each call: no
+    stale finished row), and the cache ``generate`` returns no longer carries active generation data."""
+    model = fam.build("qwen2_moe")
+    ids, mask = fam.prompts(8, 5)
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, cache_implementation="static",
+               pad_token_id=0)
+    runs = {}
+    torch._dynamo.reset()
+    for eos in ([23, 73, 4], [87, 53]):
+        for compiled in (False, True):
+            lynx_hf.reset_stats(model)
+            out = model.generate(**gen, eos_token_id=eos, compile_config=config if compiled else None,
+                                 return_dict_in_generate=True)
+            runs[tuple(eos), compiled] = out.sequences, lynx_hf.stats(model).summary()["finished_row_tokens"]
+        assert torch.equal(runs[tuple(eos), True][0], runs[tuple(eos), False][0])
+        assert runs[tuple(eos), True][1] == runs[tuple(eos), False][1] > 0
+    data = getattr(fam.cache_of(out), lynx_hf.detection.DATA_ATTR)
+    assert not data.active  # released when generate returned
+    lynx_hf.unpatch(model)
