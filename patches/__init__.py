@@ -63,7 +63,8 @@ def why_unsupported(module: torch.nn.Module) -> str:
         inner = sorted({n.split(".")[0] for n, _ in experts.named_parameters()})
         num = getattr(experts, "num_experts", None)
         return (f"{where}: experts {type(experts).__name__} hold {inner}, num_experts={num!r}; the generic family "
-                f"spec needs 3-d gate_up_proj (or up_proj) and down_proj and an int num_experts")
+                f"spec needs 3-d gate_up_proj (or up_proj) and down_proj, or packed experts with forward(hidden_states, "
+                f"top_k_index, top_k_weights), and an int num_experts")
     if block_parts(module)[0] is None:
         return (f"{where}: no `gate` / `router` child (children: {sorted(children)}); the generic family spec needs "
                 f"the router as one of those children")

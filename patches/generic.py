@@ -65,6 +65,7 @@ over every MoE family transformers ships, test_selection_bias.py).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from dataclasses import dataclass
 from typing import Callable
@@ -176,15 +177,35 @@ def block_parts(module: torch.nn.Module):
 
 
 def _is_standard_experts(experts) -> bool:
-    """Stacked experts called as ``experts(hidden, top_k_index, top_k_weights)``: 3-d ``gate_up_proj`` (gated) or
-    ``up_proj`` (not gated: NemotronH, built with ``use_experts_implementation(has_gate=False)``) beside a 3-d
-    ``down_proj``, and an int ``num_experts``. Built by ``use_experts_implementation`` (``has_gate`` /
-    ``is_transposed`` set) or with a forward of their own (Beam, Step-3.7): either way the block calls them with
-    the routing the router hook returns."""
+    """Experts called as ``experts(hidden, top_k_index, top_k_weights)`` with an int ``num_experts``: stacked 3-d
+    ``gate_up_proj`` (gated) or ``up_proj`` (not gated: NemotronH, built with
+    ``use_experts_implementation(has_gate=False)``) beside a 3-d ``down_proj``, built by ``use_experts_implementation``
+    (``has_gate`` / ``is_transposed`` set) or with a forward of their own (Beam, Step-3.7); or packed / quantized
+    experts (:func:`_is_packed_experts`). Either way the block calls them with the routing the router hook returns."""
+    if not isinstance(getattr(experts, "num_experts", None), int):
+        return False
     up = _up_weight(experts)
     down = getattr(experts, "down_proj", None)
-    return (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3
-            and isinstance(getattr(experts, "num_experts", None), int))
+    if isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor) and up.dim() == 3 and down.dim() == 3:
+        return True
+    return _is_packed_experts(experts)
+
+
+#: the experts interface's parameters (transformers 5: ``use_experts_implementation``): how packed experts are known
+_EXPERTS_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+
+
+def _is_packed_experts(experts) -> bool:
+    """Experts whose weights are packed or quantized (int4 in PyTorch's tinygemm layout, ``lab/int4_experts.py``;
+    buffers of scales and zero points; no 3-d float ``gate_up_proj`` / ``down_proj``): known by the experts
+    interface's signature, ``forward(hidden_states, top_k_index, top_k_weights)``. Their sizes are never read from
+    the weights: the hidden size comes from the config, the router or the experts' ``hidden_dim``
+    (:func:`_hidden_dim`), N from ``num_experts``, k from the router's output on the probe."""
+    try:
+        params = list(inspect.signature(experts.forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return tuple(params[:3]) == _EXPERTS_ARGS
 
 
 def _up_weight(experts):
@@ -197,8 +218,10 @@ def _up_weight(experts):
 
 
 def _hidden_dim(block, router, experts) -> int | None:
-    """The hidden size the router reads: the config's ``hidden_size``, else a 2-d router weight's input size,
-    else the expert layout (``gate_up_proj [N, 2I, H]``, or ``[N, H, 2I]`` when ``is_transposed``: GPT-OSS)."""
+    """The hidden size the router reads: the config's ``hidden_size``, else a 2-d router weight's input size, else
+    the experts' own ``hidden_dim`` / ``hidden_size``, else the expert layout (``gate_up_proj [N, 2I, H]``, or
+    ``[N, H, 2I]`` when ``is_transposed``: GPT-OSS); ``None`` when none says (packed experts in a block without
+    any of the others)."""
     for owner in (getattr(experts, "config", None), getattr(block, "config", None)):
         value = getattr(owner, "hidden_size", None)
         if isinstance(value, int) and value > 0:
@@ -206,8 +229,19 @@ def _hidden_dim(block, router, experts) -> int | None:
     weight = getattr(router, "weight", None)
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         return int(weight.shape[-1])
+    for name in ("hidden_dim", "hidden_size"):
+        value = getattr(experts, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
     gate_up = _up_weight(experts)
+    if gate_up is None or gate_up.dim() != 3:
+        return None
     return int(gate_up.shape[-2] if getattr(experts, "is_transposed", False) else gate_up.shape[-1])
+
+
+def _on_meta(experts) -> bool:
+    """Whether the experts' weights (plain or packed: any parameter or buffer) are not materialized here."""
+    return any(t.device.type == "meta" for t in itertools.chain(experts.parameters(), experts.buffers()))
 
 
 def _stated(block, router, experts, names):
@@ -353,7 +387,7 @@ class GenericSpec(FamilySpec):
         who = f"{name} ({type(block).__name__}, router {type(router).__name__})"
         weight = next(router.parameters(), None)
         ambiguous = None
-        if weight is None or weight.device.type == "meta" or _up_weight(experts).device.type == "meta":
+        if weight is None or weight.device.type == "meta" or _on_meta(experts):
             rule = None  # not materialized here: verify on the first decode call
         else:
             hidden_dim = _hidden_dim(block, router, experts)

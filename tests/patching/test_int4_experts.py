@@ -42,12 +42,17 @@ def _mixtral():
 
 
 # the families whose blocks call experts(hidden, ids, weights) in the fused gated layout (Llama-4's block calls
-# experts(x) on dense scores: not this module's signature); each tiny model with expert sizes the kernel takes
+# experts(x) on dense scores: not this module's signature); each tiny model with expert sizes the kernel takes.
+# GraniteMoE is a generic-spec family: its probe learns the layer's sizes from the config, the router and the hidden
+# states, never from the packed weights (patches/generic.py); on a release whose GraniteMoE router returns another
+# layout (transformers 5.19) the generic spec refuses the block whatever its experts hold
 FAMILIES = {
     "qwen2_moe": _qwen2_moe,
     "mixtral": _mixtral,
     "deepseek_v2": lambda: fam.deepseek_v2(moe_intermediate_size=32),
+    "granitemoe": lambda: fam.granitemoe(intermediate_size=32),
 }
+GENERIC_ON_THIS_RELEASE = {"granitemoe": fam.FAMILIES["granitemoe"].kind == "generic"}
 
 
 def dense_model(family: str):
@@ -62,6 +67,8 @@ def dense_model(family: str):
 
 
 def int4_model(family: str):
+    if not GENERIC_ON_THIS_RELEASE.get(family, True):
+        pytest.skip(f"{family}: the generic spec refuses this release's router layout (helpers.families)")
     model = dense_model(family)
     assert quantize_experts(model, GROUP) == len(moe_blocks(model))
     return model
