@@ -11,6 +11,14 @@ Sections (run in this order; each is skipped with a printed note when the time b
    step (capture warm-up) untouched; then one layer-step captured in a CUDA graph (``torch.cuda.graph``) and replayed
    on new routing and step masks: equal to eager, the telemetry reset in place between replays (same addresses,
    counting from zero), an all-padding replay a no-op.
+0b. ``compiled`` — transformers' default on a GPU (issue 44): ``model.generate(..., cache_implementation="static")``
+   compiles the decode forward (``CompileConfig()``'s defaults: inductor, ``mode="reduce-overhead"``, CUDA graphs) and
+   LYNX must classify it as eager does. A 2-layer Qwen2-MoE (hidden 1024, N 64, k 8, fp32, random weights), 16 rows
+   and 20 new tokens, stop tokens picked from LYNX's own continuation so that rows finish at different steps: the
+   unpatched compiled tokens equal eager (the control: if not, inductor's arithmetic alone moves tokens), and
+   compiled LYNX (the default ``CompileConfig``, then ``fullgraph=True``) equals eager LYNX in tokens, decode tokens,
+   finished-row tokens and unique experts; inductor's CUDA-graph skips are printed (the finished-row data are
+   static addresses: none should come from lynx_hf).
 1. ``kernels`` — every Triton kernel vs its torch reference at the real shapes of Qwen2-57B-A14B,
    DeepSeek-V2-Lite, Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V3, decode batches B = 1, 16, 64:
    routing kernels (LYNX critical set, paper rule and the default policy's cover, the routing-mass
@@ -649,6 +657,122 @@ def section_graphs(args, dev, budget, models) -> None:
         lynx_hf.unpatch(model)
 
 
+# ------------------------------------------------------------------------------------------- section 0b
+def _compiled_config(dry: bool):
+    """The model of section ``compiled``: a 2-layer Qwen2-MoE, small enough to compile in well under a minute."""
+    from transformers import Qwen2MoeConfig
+
+    if dry:
+        return next(iter(model_configs(True).values()))
+    return Qwen2MoeConfig(hidden_size=1024, moe_intermediate_size=512, num_experts=64, num_experts_per_tok=8,
+                          shared_expert_intermediate_size=1024, norm_topk_prob=False, num_hidden_layers=2,
+                          vocab_size=4096, num_attention_heads=16, num_key_value_heads=4, intermediate_size=2048,
+                          max_position_embeddings=512)
+
+
+def _stop_tokens(new: torch.Tensor, pad: int) -> list[int]:
+    """Stop tokens that finish rows of ``new`` ``[B, steps]`` (a run without stopping) at different steps: the token of
+    row ``r`` at step ``1 + r % (steps - 2)`` for every fourth row, distinct, never ``pad``."""
+    batch, steps = new.shape
+    picked: list[int] = []
+    for row in range(0, batch, 4):
+        token = int(new[row, 1 + row % max(1, steps - 2)])
+        if token != pad and token not in picked:
+            picked.append(token)
+    return picked
+
+
+def _finish_steps(new: torch.Tensor, eos: list[int]) -> list[int]:
+    hit = torch.isin(new, torch.tensor(eos, device=new.device))
+    return sorted({int(row.nonzero()[0]) for row in hit if bool(row.any())})
+
+
+def section_compiled(args, dev, budget) -> None:
+    from transformers import CompileConfig
+
+    import lynx_hf
+
+    S = "compiled"
+    if not budget.allows(200 if not args.dry_run else 20, "compiled static-cache generate, rows finishing early", S):
+        return
+    config = _compiled_config(args.dry_run)
+    print("\n== compiled static-cache generate with rows finishing early (transformers' GPU default) ==", flush=True)
+    model = build_model(config, dev, torch.float32)
+    batch, new_tokens = (6, 8) if args.dry_run else (16, 20)
+    ids, mask = prompts(batch, 8, config.vocab_size, dev)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+               cache_implementation="static")
+
+    def compile_config(**kw):
+        if not args.dry_run:
+            return CompileConfig(**kw)  # what generate uses on CUDA: inductor, reduce-overhead (kw: fullgraph)
+        cc = CompileConfig(backend="eager", mode=None, **kw)
+        cc._compile_all_devices = True  # CPU: transformers compiles only when asked to
+        return cc
+
+    def run(compiled_kw=None, **kw):
+        torch._dynamo.reset()
+        if compiled_kw is not None and not args.dry_run:
+            from torch._dynamo.utils import counters
+
+            counters.clear()
+        # eager: disable_compile (on CUDA a static-cache generate compiles unless told not to)
+        extra = dict(disable_compile=True) if compiled_kw is None else \
+            dict(compile_config=compile_config(**compiled_kw))
+        with torch.inference_mode():
+            out = model.generate(**gen, **kw, **extra)
+        skips = {}
+        if compiled_kw is not None and not args.dry_run:
+            from torch._dynamo.utils import counters
+
+            skips = {k: v for k, v in counters.get("inductor", {}).items() if "cudagraph" in k}
+        return out, skips
+
+    try:
+        if not args.dry_run:
+            plain, _ = run(eos_token_id=None)
+            plain_c, skips = run({}, eos_token_id=None)
+            record(S, "control: unpatched compiled == eager tokens", torch.equal(plain, plain_c),
+                   f"cudagraph counters {skips or '{}'}")
+        lynx_hf.patch(model, policy="lynx", routing_backend="torch" if args.dry_run else "auto", gate="always")
+        free, _ = run(eos_token_id=None)
+        eos = _stop_tokens(free[:, ids.shape[1]:], 0)
+        lynx_hf.reset_stats(model)
+        eager, _ = run(eos_token_id=eos)
+        eager_stats = lynx_hf.stats(model).summary()
+        steps = _finish_steps(eager[:, ids.shape[1]:], eos)
+        record(S, "rows finish at different steps (precondition)", len(steps) >= 2
+               and eager_stats["finished_row_tokens"] > 0,
+               f"stop tokens {eos}; rows finish after {steps} new tokens; eager finished-row tokens "
+               f"{eager_stats['finished_row_tokens']}")
+        keys = ("decode_steps", "decode_tokens", "finished_row_tokens", "unique_experts_before", "unique_experts_after")
+        for label, kw in (("default CompileConfig", {}), ("fullgraph=True", dict(fullgraph=True))):
+            lynx_hf.reset_stats(model)
+            t0 = time.perf_counter()
+            out, skips = run(kw, eos_token_id=eos)
+            seconds = time.perf_counter() - t0
+            stats = lynx_hf.stats(model).summary()
+            ran = getattr(model, "_compiled_call", None) is not None
+            differ = [key for key in keys if stats.get(key) != eager_stats.get(key)]
+            detail = (f"compiled path ran: {ran}, {seconds:.0f} s; " +
+                      ", ".join(f"{key} {stats.get(key)} (eager {eager_stats.get(key)})" for key in keys))
+            if not torch.equal(out, eager):
+                diff = (out != eager).nonzero()
+                detail += f"; first differing (row, position) {diff[0].tolist()}"
+            if skips:
+                detail += f"; cudagraph counters {skips}"
+            record(S, f"compiled LYNX ({label}) == eager LYNX with finished rows",
+                   ran and torch.equal(out, eager) and not differ, detail)
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "compiled static-cache generate", False, f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+    finally:
+        if lynx_hf.is_patched(model):
+            lynx_hf.unpatch(model)
+        model = None
+        free_memory(dev)
+
+
 # ------------------------------------------------------------------------------------------- section 5
 def section_gate(args, dev, budget) -> None:
     """The cost gate's decisions (``LynxConfig.gate="auto"``) per shape x B on this device (``lab.gate_table``):
@@ -947,7 +1071,7 @@ def section_slo(args, dev) -> None:
     free_memory(dev)
 
 
-SECTIONS = ("vllm", "kernels", "sync", "tpot", "graphs", "gate", "int4", "slo")
+SECTIONS = ("vllm", "compiled", "kernels", "sync", "tpot", "graphs", "gate", "int4", "slo")
 
 
 def main(argv=None) -> int:
@@ -983,6 +1107,7 @@ def main(argv=None) -> int:
     budget = Budget(args.budget)
     models: dict = {}
     runners = {"vllm": lambda: section_vllm(args, dev, budget),
+               "compiled": lambda: section_compiled(args, dev, budget),
                "kernels": lambda: section_kernels(args, dev, budget),
                "sync": lambda: section_sync(args, dev, budget, models),
                "tpot": lambda: section_tpot(args, dev, budget, models),

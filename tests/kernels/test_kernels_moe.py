@@ -304,7 +304,7 @@ def test_gpu_check_dry_run(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "gpu_check summary" in out
-    for section in ("kernels", "sync", "tpot", "graphs"):
+    for section in ("compiled", "kernels", "sync", "tpot", "graphs"):
         assert any(row[0] == section and row[2] in ("ok", "info") for row in mod.SUMMARY), section
     assert not any(row[2] in ("FAIL", "skipped") for row in mod.SUMMARY), out
 
