@@ -4,7 +4,9 @@ layer shape.
 
     python -m lynx_hf.eval.slo transformers          # HF continuous batching (model.generate_batch): measure + table
     python -m lynx_hf.eval.slo table RUN.json ...    # the table and plot from measured curves (this script's JSON or
-                                                     # lab.serve_bench's: the vLLM engine, run in .venv-vllm)
+                                                     # lab.serve_bench's: the vLLM engine, run in .venv-vllm); two
+                                                     # runs of one engine and model are two curves, each labeled
+                                                     # with its file name (merge_runs), never merged
 
 A serving user runs the batch (concurrent requests) with the most throughput whose decode-step latency meets the SLO
 (the largest such batch only where tokens/s rise with the batch: measured curves dip); fewer distinct experts per step
@@ -62,6 +64,43 @@ def points_of(run: dict) -> list[dict]:
              "tpot_ms": r["tpot_ms"], "tok_s": r["decode_tok_s"], "unique_before": r.get("unique_before"),
              "unique_after": r.get("unique_after"), "gate_off": r.get("gate_off", False)}
             for r in run["rows"]]
+
+
+def merge_runs(runs: list[dict], labels: list[str] | None = None) -> list[dict]:
+    """The points of several run files, for one table. Where two files hold a point of the same engine, model, variant
+    and concurrency C (two runs of one engine and model: another day, another machine, another config), their curves
+    are never merged into one: each of those files' points keeps its own curve, the model named ``"<model> [<label>]"``
+    (``labels``: one per run, default ``run 1``, ``run 2``, ...; the table command uses the file names), so its SLO
+    rows are its own. Files whose points do not collide (variants measured in separate runs) still make one curve.
+    Raises ``ValueError`` for a run file that holds two points of one (engine, model, variant, C)."""
+    labels = labels or [f"run {i + 1}" for i in range(len(runs))]
+    if len(labels) != len(runs) or len(set(labels)) != len(labels):
+        raise ValueError(f"one distinct label per run file, got {labels} for {len(runs)} runs")
+    per_run = [points_of(run) for run in runs]
+    owners: dict[tuple, list[int]] = {}
+    for i, points in enumerate(per_run):
+        seen = set()
+        for point in points:
+            key = (point["engine"], point["model"], point["variant"], point["concurrency"])
+            if key in seen:
+                raise ValueError(f"{labels[i]}: two points of {key[0]} / {key[1]} / {key[2]} at C={key[3]}; a run file "
+                                 f"holds one point per engine, model, variant and concurrency")
+            seen.add(key)
+        for curve in {(p["engine"], p["model"]) for p in points}:
+            owners.setdefault(curve, []).append(i)
+    clashing = set()
+    for curve, files in owners.items():
+        keys = [{(p["variant"], p["concurrency"]) for p in per_run[i] if (p["engine"], p["model"]) == curve}
+                for i in files]
+        if any(a & b for j, a in enumerate(keys) for b in keys[j + 1:]):
+            clashing.add(curve)
+    out = []
+    for i, points in enumerate(per_run):
+        for point in points:
+            if (point["engine"], point["model"]) in clashing:
+                point = {**point, "model": f"{point['model']} [{labels[i]}]"}
+            out.append(point)
+    return out
 
 
 def best_under(points: list[dict], slo_ms: float) -> dict | None:
@@ -142,7 +181,10 @@ def slo_markdown(rows: list[dict]) -> str:
            "|---" * (4 + len(variants) + len(variants) - 1) + "|"]
     keys = list(dict.fromkeys((r["engine"], r["model"], r["slo"]) for r in rows))
     for key in keys:
-        cells = {r["variant"]: r for r in rows if (r["engine"], r["model"], r["slo"]) == key}
+        mine = [r for r in rows if (r["engine"], r["model"], r["slo"]) == key]
+        cells = {r["variant"]: r for r in mine}
+        if len(cells) != len(mine):  # one row per variant: never keep one of two same-named rows
+            raise ValueError(f"{' / '.join(key)}: several rows of one variant (label the runs: merge_runs)")
         first = next(iter(cells.values()))
         tput = [("—" if cells[v]["tok_s"] is None else f"{cells[v]['tok_s']:.1f} ({cells[v]['concurrency']})")
                 if v in cells else "" for v in variants]
@@ -182,10 +224,11 @@ def plot(points: list[dict], rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write_table(runs: list[dict], out: Path, stem: str, cmd: str, multiples=MULTIPLES, at=AT) -> str:
+def write_table(runs: list[dict], out: Path, stem: str, cmd: str, multiples=MULTIPLES, at=AT,
+                labels: list[str] | None = None) -> str:
     """Write ``<stem>.md`` / ``.json`` / ``.png`` (the SLO table, the curves, the plot) to ``out``; returns the
-    markdown."""
-    points = [p for run in runs for p in points_of(run)]
+    markdown. Runs of one engine and model whose points collide are labeled apart (:func:`merge_runs`)."""
+    points = merge_runs(runs, labels)
     rows = slo_rows(points, multiples, at)
     sources = "; ".join(f"`{run.get('command', '?')}`" for run in runs)
     fits = {}
@@ -323,9 +366,12 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"{args.name}_run.json").write_text(json.dumps(run, indent=1))
         runs = [run, *[json.loads(p.read_text()) for p in args.also]]
+        files = [Path(f"{args.name}_run.json"), *args.also]
     else:
         runs = [json.loads(p.read_text()) for p in args.runs]
-    print(write_table(runs, args.out, args.name, args.cmd, args.multiples, args.at), flush=True)
+        files = list(args.runs)
+    labels = [str(f) for f in files] if len({f.name for f in files}) < len(files) else [f.name for f in files]
+    print(write_table(runs, args.out, args.name, args.cmd, args.multiples, args.at, labels), flush=True)
     return 0
 
 

@@ -88,6 +88,41 @@ def test_serve_bench_rows_are_read_as_vllm_points():
     assert (p["engine"], p["tok_s"], p["unique_after"]) == ("vllm", 1600.0, 12.0)
 
 
+def test_two_runs_of_one_engine_and_model_are_labeled_apart_not_merged(tmp_path):
+    """Issue 46: two run files of the same engine and model (here :data:`CURVES` and a second run, twice as fast) are
+    two curves, labeled with their file names, each with its own SLO rows; before, their points were merged into one
+    curve (each SLO's best taken from either run) and the markdown kept one of two same-named rows. Files whose points
+    do not collide (variants measured in separate runs) still make one curve."""
+    fast = [{**p, "tpot_ms": p["tpot_ms"] / 2, "tok_s": p["tok_s"] * 2} for p in CURVES]
+    first, second = tmp_path / "day1.json", tmp_path / "day2.json"
+    first.write_text(json.dumps({"command": "one", "points": CURVES}))
+    second.write_text(json.dumps({"command": "two", "points": fast}))
+    out = tmp_path / "out"
+    assert slo.main(["table", str(first), str(second), "--multiples", "2", "--at", "2", "--out", str(out)]) == 0
+    table = json.loads((out / "slo.json").read_text())
+    assert {p["model"] for p in table["points"]} == {"m [day1.json]", "m [day2.json]"}
+    rows = {(r["model"], r["slo"], r["variant"]): r for r in table["rows"]}
+    # each run's SLOs come from its own unpatched curve: 2 x 10 ms and 2 x 5 ms; each best point is its own run's
+    assert rows[("m [day1.json]", "2 x TPOT(unpatched, C=1)", "lynx")]["slo_ms"] == 20.0
+    assert rows[("m [day2.json]", "2 x TPOT(unpatched, C=1)", "lynx")]["slo_ms"] == 10.0
+    assert rows[("m [day1.json]", "2 x TPOT(unpatched, C=1)", "lynx")]["tok_s"] == 250.0
+    assert rows[("m [day2.json]", "2 x TPOT(unpatched, C=1)", "lynx")]["tok_s"] == 500.0
+    md = (out / "slo.md").read_text()
+    slo_lines = [line for line in md.splitlines() if "x TPOT(unpatched" in line or "| TPOT(unpatched" in line]
+    assert len(slo_lines) == 4  # 2 SLOs x 2 runs, none dropped
+    # variants measured in separate runs of one engine and model: one curve, as before
+    split = slo.merge_runs([{"points": CURVES[:3]}, {"points": CURVES[3:]}])
+    assert {p["model"] for p in split} == {"m"} and len(split) == len(CURVES)
+
+
+def test_duplicate_points_in_one_run_and_same_named_rows_are_refused():
+    with pytest.raises(ValueError, match="two points of e / m / lynx at C=2"):
+        slo.merge_runs([{"points": CURVES + [CURVES[4]]}])
+    rows = slo.slo_rows(CURVES, multiples=(2.0,), at=())
+    with pytest.raises(ValueError, match="several rows of one variant"):
+        slo.slo_markdown(rows + [rows[-1]])
+
+
 @pytest.mark.slow
 def test_transformers_engine_smoke_run_writes_the_table(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1")
