@@ -13,6 +13,7 @@ whose block forward is replaced (HF computes its experts densely); it calls :met
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
@@ -297,7 +298,7 @@ class BlockRouting:
         if isinstance(logits, torch.Tensor) and logits.dim() >= 1 and \
                 logits.shape[0] < getattr(self.spec, "probe_tokens", 1):
             return False
-        if self.watch and self._fingerprint() == self.watched:
+        if self.watch and not self._watched_changed(output):
             return False  # ambiguous, and nothing it depends on changed since: no new evidence
         try:
             verified = self.spec.deferred_rule(self.block, self.name, output)
@@ -318,17 +319,43 @@ class BlockRouting:
         self.rule_status = RULE_VERIFIED
         return True
 
-    def _fingerprint(self) -> tuple:
-        """Identity and version counter of each watched tensor (:attr:`watch`): host-side integers, no device read;
-        ``load_state_dict`` (an in-place copy) bumps the version, ``assign=True`` replaces the tensor."""
+    def _fingerprint(self, values: bool = True) -> tuple:
+        """What the deferral of this block depends on (:attr:`watch`), per watched tensor: its identity, version counter
+        and storage address (host-side integers, no device read: ``load_state_dict`` bumps the version, ``assign=True``
+        replaces the tensor, ``buf.data = w`` its storage) and, with ``values``, a digest of its bytes (one host read of
+        the tensor, a few KB: a write through ``.data`` -- ``buf.data.copy_(w)``, as several loaders do -- changes
+        neither identity, version nor address, ``docs/cases.md`` C42). ``((id, version, data_ptr, digest or None) or
+        None, ...)``; ``None`` for a tensor that is gone (an inference tensor has no version counter: version -1)."""
         out = []
         for module, path in self.watch:
             try:
                 tensor = live_tensor(module, path)
-                out.append((id(tensor), tensor._version))
-            except (AttributeError, RuntimeError):  # gone, or an inference tensor (no version counter)
+            except AttributeError:  # gone
                 out.append(None)
+                continue
+            try:
+                version = tensor._version
+            except RuntimeError:  # an inference tensor (no version counter)
+                version = -1
+            out.append((id(tensor), version, tensor.data_ptr(), _digest(tensor) if values else None))
         return tuple(out)
+
+    def _watched_changed(self, output) -> bool:
+        """Whether a watched tensor changed since the deferral was last decided (:attr:`watched`). The identity /
+        version / address part is compared on every call; the values are read only where a host read costs no
+        device sync in a decode step: a prefill call (every ``generate`` starts with one), or CPU tensors in eager
+        mode; never while ``torch.compile`` traces."""
+        cheap = self._fingerprint(values=False)
+        watched = self.watched or ()
+        if len(cheap) != len(watched) or any(
+                (now is None) != (then is None) or (now is not None and now[:3] != then[:3])
+                for now, then in zip(cheap, watched)):
+            return True
+        if torch.compiler.is_compiling():
+            return False
+        logits = output[0] if isinstance(output, (tuple, list)) and output else None
+        reads = self.step.kind == PREFILL or (isinstance(logits, torch.Tensor) and host_reads_allowed(logits))
+        return reads and self._fingerprint() != self.watched
 
     def _note_unrouted(self, output) -> None:
         """A decode call the router hook does not route (the rule not verified): the experts implementation still asks
@@ -377,6 +404,14 @@ class BlockRouting:
             bias = self.selection.bias(self.router, self.block, logits.shape[-1])
             return self.selection.selection_scores(logits, bias)
         return self.spec.selection_scores(self.router, logits)
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """A digest of ``tensor``'s bytes (its dtype and shape included): one host read (a selection bias: a few KB)."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    raw = flat.view(torch.uint8) if flat.element_size() > 0 and flat.numel() else flat
+    return hashlib.blake2b(raw.cpu().numpy().tobytes() + f"{tensor.dtype}{tuple(tensor.shape)}".encode(),
+                           digest_size=16).hexdigest()
 
 
 def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:

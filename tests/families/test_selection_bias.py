@@ -12,6 +12,7 @@ import torch
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
 import lynx_hf
+from helpers import families as fam
 from lab import family_matrix as fm
 from lynx_hf.block import BlockRouting
 from lynx_hf.patches import deepseek_v3
@@ -204,14 +205,17 @@ def test_bias_changed_after_patching_is_read_live(monkeypatch):
                            scores.topk(idx.shape[-1], dim=-1).values)
 
 
-@pytest.mark.parametrize("assign", [False, True], ids=["copy", "assign"])
-def test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loaded(assign):
+@pytest.mark.parametrize("load", ["copy", "assign", "data_copy", "data_assign"])
+def test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loaded(load):
     """CASES C42: Kolibri-1 selects on ``logits + bias``; built from its config the bias is all zero, so sigmoid +
     bias, softmax + bias and logits + bias reproduce its ids equally on the probe. The spec must not pick one (it took
     the first, sigmoid: after ``load_state_dict`` brought the real bias, OEA with k0 = k -- a remap that keeps every
     token's own top-k -- moved decode tokens off the model's experts). Now the block keeps the model's own routing
     (a warning says why), is verified again on its first large router call after the bias changed, and then
-    remaps with the router's rule: OEA k0 = k gives the unpatched tokens."""
+    remaps with the router's rule: OEA k0 = k gives the unpatched tokens. The bias may come by ``load_state_dict``
+    (an in-place copy, or ``assign=True``) or be written through ``.data`` as several loaders do (``buf.data.copy_(w)``,
+    ``buf.data = w``: neither identity nor version counter changes; before issue 44 the block stayed deferred for good,
+    with no warning)."""
     if "kolibri1" not in CONFIG_MAPPING_NAMES:
         pytest.skip("transformers ships no Kolibri-1")
     model = _model("kolibri1")
@@ -230,7 +234,15 @@ def test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loade
     model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)  # nothing changed yet
     status_before_load = [b.rule_status for b in blocks]
     steps_before_load = lynx_hf.stats(model).summary()["decode_steps"]
-    model.load_state_dict(checkpoint, assign=assign)
+    if load in ("copy", "assign"):
+        model.load_state_dict(checkpoint, assign=load == "assign")
+    else:
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                if load == "data_copy":
+                    buf.data.copy_(checkpoint[name])
+                else:
+                    buf.data = checkpoint[name].clone()
     got = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     steps = lynx_hf.stats(model).summary()["decode_steps"]
     lynx_hf.unpatch(model)
@@ -239,3 +251,38 @@ def test_C42_an_ambiguous_probe_defers_and_verifies_again_when_the_bias_is_loade
     assert all(b.rule_status == "verified" and b.selection.score == "logits" for b in blocks)
     assert status == status_before_load == ["pending"] * len(blocks) and steps_before_load == 0
     assert any(re.search(r"3 selection rules reproduce .* constant, 0 everywhere", str(w.message)) for w in record)
+
+
+def test_C42_a_deferred_block_reads_the_bias_values_only_where_no_device_sync_is_due(monkeypatch):
+    """The value check of a deferred block's bias (``BlockRouting._watched_changed``) reads the tensor on the host:
+    in a prefill call, or on CPU tensors in eager mode; in a decode step on the accelerator path (``strict_sync_free``:
+    what a GPU runs) it compares identity, version and address only, so a decode step issues no host read for it."""
+    if "kolibri1" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("transformers ships no Kolibri-1")
+    from transformers import DynamicCache
+
+    from lynx_hf import block as block_mod
+    from lynx_hf.kernels.routing_torch import strict_sync_free
+
+    model = _model("kolibri1")
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lynx_hf.patch(model, policy="lynx", gate="always")
+    assert all(b.rule_status == "pending" for b in _blocks(model))
+    reads = []
+    real = block_mod._digest
+    monkeypatch.setattr(block_mod, "_digest", lambda t: reads.append(t.shape) or real(t))
+    ids = torch.randint(3, 100, (8, 4), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, **fam.cache_kw(model, DynamicCache(config=model.config)), use_cache=True)
+        prefill_reads = len(reads)
+        with strict_sync_free():
+            model(input_ids=out.logits[:, -1:].argmax(-1), **fam.cache_kw(model, fam.cache_of(out)), use_cache=True)
+    deferred = len(_blocks(model))
+    lynx_hf.unpatch(model)
+    assert prefill_reads == deferred > 0  # the prefill: one read per deferred block
+    assert len(reads) == prefill_reads  # the accelerator path: no host read of the bias in a decode step
