@@ -1,23 +1,41 @@
-"""Never silent: the two checks every worker runs (``WorkerWrapperBase``, which every executor uses: in-process,
+"""Never silent: the checks every worker runs (``WorkerWrapperBase``, which every executor uses: in-process,
 multiprocess, external launcher, the server's engine core). Imports no vLLM at import time.
 
+- Before the first forward (:func:`start_forward`, the model runners' first ``_dummy_run`` / ``execute_model``: the
+  profiling run precedes ``initialize_from_config``): the drafter's MoE layers are told apart (:func:`mark_drafters`),
+  every layer whose rows the step mask does not describe (all-gathered, sequence-parallel by its own configuration) or
+  whose vLLM attributes cannot say so is refused under a remapping policy (:func:`check_layers`), the plans are made
+  (:func:`lynx_hf.vllm.plans.before_forward`), and a plan a captured forward cannot run is refused
+  (:func:`check_captured`).
 - At engine start (:func:`check_start`, before ``initialize_from_config``, after the model is loaded): a configured
-  plugin whose worker runs a model runner it does not hook, or in which no MoE layer was hooked, stops the start.
+  plugin whose worker runs a model runner it does not hook, or in which no MoE layer was hooked, stops the start; so
+  does a configuration that routes decode outside the hooked routers (:func:`refused_decode_paths`, also checked in the
+  driver).
 - Liveness (:func:`after_worker_step`, after each ``execute_model``): the scheduler output alone (the same for every
   runner) says whether a step schedules a decode query (:func:`decode_scheduled`); when :data:`LIVENESS_STEPS`
   consecutive such steps bring no decode token from the hooked input preparation, the step raises
   :class:`~lynx_hf.LynxHookError`, which stops the engine. ``phase="decode"`` (every row decode, no mask) is exempt.
+  Per layer (:func:`check_layer_calls`, and :func:`check_warmup` after each ``_dummy_run``: profiling, capture
+  warm-ups and captures): in a forward where any layer's op ran, every layer that is not bypassed must have run.
 """
 
 from __future__ import annotations
 
-from ..errors import LynxHookError, UnsupportedModelError
+import logging
+
+import torch
+
+from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
 from . import compat, plans, ranks
 from .runners import HOOKED_RUNNERS, UNHOOKED, hooked_names
-from .state import STATE, resolve_config, warn_once
+from .state import STATE, resolve_config, target_layers, warn_once
 
-__all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "decode_scheduled", "after_worker_step", "check_start",
-           "refused_parallelism", "check_parallelism", "unhooked_moe", "check_gathered", "check_layer_calls"]
+logger = logging.getLogger("lynx_hf.vllm")
+
+__all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "DECODE_PATH_OPTIONS", "decode_scheduled", "after_worker_step",
+           "check_start", "refused_parallelism", "refused_decode_paths", "check_parallelism", "unhooked_moe",
+           "check_gathered", "check_sequence_parallel", "check_layers", "check_captured", "check_layer_calls",
+           "check_warmup", "op_calls", "mark_drafters", "drafter_modules", "start_forward"]
 
 #: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
 LIVENESS_STEPS = 4
@@ -56,6 +74,29 @@ def refused_parallelism(vllm_config) -> list[str]:
     return out
 
 
+#: engine options that run decode steps through a specialized executor computing its own top-k (never the router the
+#: plugin hooks): ``additional_config["decode_backend"] = "latency_specialized"`` (vLLM 0.33 / 0.34: DeepSeek-V4.1,
+#: Kimi-K3 (NVIDIA and AMD), Muse-Spark, Mistral-Large-4 on AMD: ``vllm/models/*/specialized_decode``) and
+#: ``kernel_config.monokernel`` (Mistral-Large-4 on AMD, the same executor)
+DECODE_PATH_OPTIONS = ('additional_config["decode_backend"]', "kernel_config.monokernel")
+
+
+def refused_decode_paths(vllm_config) -> list[str]:
+    """The options of ``vllm_config`` (a ``VllmConfig``) that route decode outside the hooked MoE routers
+    (:data:`DECODE_PATH_OPTIONS`), each named with its value; ``decode_backend`` ``"auto"`` (vLLM's own decode) and an
+    absent key pass. A model that does not read the option would ignore it; it is refused all the same: the plugin
+    cannot tell which models read it, and a missed one would run without the policy, silently."""
+    out = []
+    extra = getattr(vllm_config, "additional_config", None)
+    backend = extra.get("decode_backend", "auto") if isinstance(extra, dict) else "auto"
+    if backend not in (None, "auto"):
+        out.append(f'additional_config["decode_backend"] = {backend!r} (a specialized decode executor that computes '
+                   "its own top-k outside vLLM's MoE router)")
+    if getattr(getattr(vllm_config, "kernel_config", None), "monokernel", False):
+        out.append("kernel_config.monokernel (--monokernel: the specialized decode executor, its own top-k)")
+    return out
+
+
 def check_parallelism(vllm_config, cfg) -> None:
     """Engine start (the driver's ``EngineArgs.create_engine_config``, before any engine process, and every worker's
     start): a configured plugin (``cfg`` not ``None``) refuses :func:`refused_parallelism`'s configurations with
@@ -69,6 +110,12 @@ def check_parallelism(vllm_config, cfg) -> None:
         raise UnsupportedModelError(
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) on an engine the plugin cannot follow: "
             f"{'; '.join(refused)}. Start it without these, or without the plugin's configuration.")
+    paths = refused_decode_paths(vllm_config)
+    if paths:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) on an engine whose decode steps would not reach "
+            f"the routers the plugin hooks: {'; '.join(paths)}. The policy would never act on decode. Start it with "
+            "vLLM's own decode (decode_backend 'auto', no monokernel), or without the plugin's configuration.")
     ranks.check(vllm_config, cfg)
 
 
@@ -97,6 +144,110 @@ def check_gathered(remaps: bool, names: list[str]) -> None:
             "all-gather dispatch, prefill context parallel without all2all); this rank's step mask does not describe "
             "those rows, so a remapping policy cannot act there. Use an all2all backend (routing before dispatch), "
             "or policy 'none'.")
+
+
+def check_sequence_parallel(remaps: bool, names: list[str]) -> None:
+    """A policy that remaps (``remaps``) refuses MoE layers that are sequence-parallel by their own configuration
+    (``names``; ``moe_config.is_sequence_parallel``, :func:`lynx_hf.vllm.plans.inspect_rows`): each rank's router sees
+    its own slice of the step's rows, while the op reads the step mask from row 0, so every rank after the first would
+    remap with another rank's mask. Raises :class:`~lynx_hf.UnsupportedModelError`."""
+    if remaps and names:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layers {', '.join(names[:3])}{', ...' if len(names) > 3 else ''} are sequence-parallel "
+            "by their model's own configuration (moe_config.is_sequence_parallel; e.g. Kimi-K3 under expert parallel "
+            "with the moonep / pplx / flashinfer_nvlink_two_sided all2all backends): each rank's router sees a slice "
+            "of the step's rows that does not start at row 0, which the plugin's step mask does not describe. Use "
+            "another all2all backend (no sequence-parallel MoE), or policy 'none' (those layers keep vLLM's routing).")
+
+
+def drafter_modules(model_runner) -> list:
+    """The drafter models of ``model_runner`` (Model Runner V2: ``get_draft_model()``, its speculator's ``model``;
+    V1: its ``drafter``'s ``model``), as ``torch.nn.Module`` s (none without speculative decoding)."""
+    found = []
+    getter = getattr(model_runner, "get_draft_model", None)
+    candidates = []
+    if callable(getter):
+        try:
+            candidates.append(getter())
+        except Exception:  # noqa: BLE001 - a runner whose speculator is not built: the others are asked
+            pass
+    for owner in ("speculator", "drafter"):
+        candidates.append(getattr(getattr(model_runner, owner, None), "model", None))
+    for module in candidates:
+        if isinstance(module, torch.nn.Module) and all(module is not seen for seen in found):
+            found.append(module)
+    return found
+
+
+def mark_drafters(model_runner) -> list[str]:
+    """Tell the drafter's MoE layers apart (``Layer.drafter``) before the first forward: a hooked layer whose
+    ``MoERunner`` is a module of a drafter model (:func:`drafter_modules`), or, in an engine with speculative decoding
+    (``speculative_config``), one that is not a module of the model the runner serves (``get_model()``). V2 runs the
+    drafter in ``sample_tokens``, after ``execute_model`` returned and the step mask was cleared (MTP / EAGLE, vLLM 0.32
+    to 0.34; V1 likewise after its forward): its layers see no step of their own, so they keep vLLM's routing (their
+    router calls the op no more), count their own calls and are reported apart (a warning now, ``drafter_layers`` in
+    the stats), never as the target's. Returns their names."""
+    drafts = {id(m) for model in drafter_modules(model_runner) for m in model.modules()}
+    target = _model_of(model_runner)
+    served = None if target is None else {id(m) for m in target.modules()}
+    speculative = STATE.spec_tokens > 0 or bool(drafts)
+    names = []
+    for layer in STATE.layers:
+        runner = layer.runner() if layer.runner is not None else None
+        if runner is None:
+            continue
+        inside = served is not None and id(runner) in served
+        if (id(runner) in drafts and not inside) or (speculative and served is not None and not inside):
+            layer.drafter = True
+            names.append(layer.name)
+    if names:
+        logger.warning("lynx_hf.vllm: %d MoE layers belong to the drafter (%s%s); they run after the step with rows of "
+                       "their own and keep vLLM's routing (stats: drafter_layers); the %d layers of the served model "
+                       "are remapped", len(names), ", ".join(names[:3]), ", ..." if len(names) > 3 else "",
+                       len(target_layers()))
+    return names
+
+
+def check_layers(cfg) -> None:
+    """Before the first forward, every target layer's rows (:func:`lynx_hf.vllm.plans.inspect_rows`; a vLLM attribute
+    it needs and the runner lacks raises :class:`~lynx_hf.UnsupportedModelError`): a remapping policy refuses layers
+    that route an all-gathered batch (:func:`check_gathered`) or are sequence-parallel by their own configuration
+    (:func:`check_sequence_parallel`). ``cfg``: the :class:`~lynx_hf.vllm.config.PluginConfig`."""
+    remaps = plans.remaps(cfg)
+    check_gathered(remaps, plans.gathered_layers())
+    check_sequence_parallel(remaps, plans.sequence_parallel_layers())
+
+
+def check_captured(cfg) -> None:
+    """After the plans are made, before the first forward: in an engine whose forward is captured in device graphs
+    (``STATE.start.captured``) a plan that remaps with the torch routing ops is refused
+    (:class:`~lynx_hf.LynxConfigError`, naming ``routing_backend``): its decode step creates tensors from Python
+    scalars on the device, a host-to-device copy inside the step that a CUDA-graph capture fails on with a CUDA
+    error. (The Triton routing ops, ``routing_backend="auto"`` on CUDA, fill those on the device.)"""
+    if cfg is None or not STATE.start.captured:
+        return
+    names = plans.torch_backend_layers()
+    if names:
+        raise LynxConfigError(
+            f"lynx_hf.vllm: routing_backend={cfg.lynx.routing_backend!r} runs the torch routing ops on MoE layers "
+            f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, and this engine captures its forward in "
+            f"device graphs ({STATE.start.device}, cudagraph_mode not NONE): the torch ops copy Python scalars "
+            "host-to-device inside the step, which a graph capture refuses. Use routing_backend='auto' (the Triton "
+            "routing ops on CUDA), or start the engine with enforce_eager=True.")
+
+
+def start_forward(model_runner) -> None:
+    """Before this worker's first forward (hooked on the model runners' ``_dummy_run`` and ``execute_model``; once):
+    :func:`mark_drafters`, :func:`check_layers`, the plans (:func:`lynx_hf.vllm.plans.before_forward`), then
+    :func:`check_captured`. Raises what those raise."""
+    if STATE.start.started:
+        return
+    cfg = STATE.config
+    if cfg is not None and STATE.layers:
+        mark_drafters(model_runner)
+        check_layers(cfg)
+    plans.before_forward(model_runner)
+    check_captured(cfg)
 
 
 def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:
@@ -147,28 +298,67 @@ def after_worker_step(worker, scheduler_output, seen_before: int) -> None:
             "run without acting; stopping (vLLM version / model runner not supported by lynx_hf.vllm).")
 
 
+def op_calls() -> dict:
+    """Each target layer's op call count now (``Layer.calls``), by index: :func:`check_warmup` compares it."""
+    return {layer.index: layer.calls for layer in target_layers()}
+
+
+def _missing(layers: list, ran) -> list:
+    """The layers of ``layers`` (target, not bypassed) that did not run where ``ran`` (layer -> bool) says any did."""
+    if not any(ran(layer) for layer in layers):
+        return []
+    return [layer for layer in layers if not ran(layer)]
+
+
 def check_layer_calls() -> None:
-    """After a worker step with decode tokens: every hooked layer's op must have been called (its router reached the
-    plugin), except bypassed layers (the cost gate keeps vLLM's routing, no op) and under CUDA-graph replays (no op
-    body runs; ``STATE.start.captured``). :data:`LIVENESS_STEPS` consecutive such steps without a call of a layer ->
-    :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes through the hooked router)."""
-    if STATE.start.captured:
-        return
+    """After a worker step with decode tokens: every hooked layer that is not bypassed (the cost gate keeps vLLM's
+    routing, no op) must have been called (its router reached the plugin). On an engine whose forward is captured
+    in device graphs (``STATE.start.captured``) a step in which no layer's op ran is a replay (no op body runs) and is
+    not counted; a step in which some ran (an eager step: a size above the largest graph, a mixed step, a capture) is,
+    so a layer routed around the hooked router stops a captured engine as it stops an eager one. The drafter's layers
+    run in another forward (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps
+    without a call of a layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes
+    through the hooked router)."""
+    layers = [layer for layer in target_layers() if not layer.bypass]
+    replay = STATE.start.captured and not any(layer.calls != layer.seen_calls for layer in layers)
     missed = []
-    for layer in STATE.layers:
-        if layer.bypass or layer.calls != layer.seen_calls:
+    for layer in layers:
+        if replay:
+            pass  # a replayed step: nothing to learn
+        elif layer.calls != layer.seen_calls:
             layer.misses = 0
         else:
             layer.misses += 1
             if layer.misses >= LIVENESS_STEPS:
                 missed.append(layer.name)
         layer.seen_calls = layer.calls
+    for layer in target_layers():
+        if layer.bypass:
+            layer.misses, layer.seen_calls = 0, layer.calls
     if missed:
         raise LynxHookError(
-            f"lynx_hf.vllm: {len(missed)} of {len(STATE.layers)} hooked MoE layers were not routed through the "
+            f"lynx_hf.vllm: {len(missed)} of {len(target_layers())} hooked MoE layers were not routed through the "
             f"plugin in {LIVENESS_STEPS} consecutive decode steps ({', '.join(missed[:4])}"
             f"{', ...' if len(missed) > 4 else ''}): their forward no longer calls the router the plugin hooked; "
             "stopping rather than running those layers without the policy.")
+
+
+def check_warmup(before: dict) -> None:
+    """After one of the model runner's ``_dummy_run`` s (profiling, a capture warm-up, a capture; ``before``: the
+    :func:`op_calls` before it): where any target layer's op ran in it, every one that is not bypassed must have run
+    too, else :class:`~lynx_hf.LynxHookError` at once, naming them (a layer routed outside the hooked router, found at
+    engine start; a dummy run with no op call at all, a replay, says nothing)."""
+    if STATE.config is None or STATE.config.lynx.phase == "decode":
+        return
+    layers = [layer for layer in target_layers() if not layer.bypass and layer.index in before]
+    missed = _missing(layers, lambda layer: layer.calls != before[layer.index])
+    if missed:
+        names = [layer.name for layer in missed]
+        raise LynxHookError(
+            f"lynx_hf.vllm: in a warm-up run of the model {len(names)} of {len(layers)} hooked MoE layers were not "
+            "routed through the plugin "
+            f"while the others were ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
+            "not call the router the plugin hooked, so they would run without the policy; stopping at engine start.")
 
 
 def check_start(worker) -> None:
@@ -197,6 +387,8 @@ def check_start(worker) -> None:
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but no MoE layer of this model was hooked "
             "(no vLLM MoERunner was built: a dense model, or MoE layers outside vLLM's fused-MoE)")
     check_parallelism(getattr(worker, "vllm_config", None), cfg)
+    if not STATE.start.started:
+        mark_drafters(runner)  # (where no forward ran before the start check; else start_forward did)
     model = _model_of(runner)
     unhooked = [] if model is None else unhooked_moe(model)
     if unhooked:
@@ -204,7 +396,7 @@ def check_start(worker) -> None:
             f"lynx_hf.vllm: configured (policy {cfg.lynx.policy!r}) but MoE layers of this model route outside the "
             f"router the plugin hooks, so they would stay untouched: {', '.join(unhooked[:4])}"
             f"{', ...' if len(unhooked) > 4 else ''} ({len(unhooked)} of them)")
-    check_gathered(plans.remaps(cfg), plans.gathered_layers())
+    check_layers(cfg)
     if getattr(runner, "pcp_manager", None) is not None:
         raise UnsupportedModelError("lynx_hf.vllm: prefill context parallel on Model Runner V2 partitions each "
                                     "step's tokens across ranks; the plugin's step mask does not describe them")

@@ -7,8 +7,11 @@ hooked method                                           what the plugin does the
 ======================================================  =====================================================
 ``MoERunner.__init__`` (every MoE layer)                after: hook its router (:func:`lynx_hf.vllm.layers.attach`)
 input preparation of each runner in ``RUNNER_HOOKS``    the step mask (:mod:`lynx_hf.vllm.steps`): V1 before, V2 after
-that runner's ``_dummy_run``                            before the first forward: plans and cost gate
-                                                        (:func:`lynx_hf.vllm.plans.before_forward`)
+that runner's ``_dummy_run``                            before the first forward: drafter layers, per-layer
+                                                        refusals, plans and cost gate
+                                                        (:func:`lynx_hf.vllm.checks.start_forward`); after each:
+                                                        every layer ran where any did
+                                                        (:func:`lynx_hf.vllm.checks.check_warmup`)
 that runner's ``execute_model``                         the same; after the forward the mask is cleared
 ``WorkerWrapperBase.init_worker``                       before: a new engine's state and configuration
                                                         (:func:`lynx_hf.vllm.state.new_engine`)
@@ -33,7 +36,7 @@ import sys
 import threading
 import warnings
 
-from . import checks, compat, layers, plans, steps, telemetry
+from . import checks, compat, layers, steps, telemetry
 from . import config as plugin_config
 from .runners import HOOKED_RUNNERS, resolve_runners
 from .state import STATE, new_engine
@@ -67,13 +70,16 @@ def _prepare_v2(original, self, *args, **kwargs):
 
 def _dummy_run(original, self, *args, **kwargs):
     if not STATE.start.started:
-        plans.before_forward(self)
-    return original(self, *args, **kwargs)
+        checks.start_forward(self)
+    before = checks.op_calls()
+    out = original(self, *args, **kwargs)
+    checks.check_warmup(before)  # profiling, capture warm-ups, captures: every layer ran where any did
+    return out
 
 
 def _runner_execute(original, self, *args, **kwargs):
     if not STATE.start.started:
-        plans.before_forward(self)
+        checks.start_forward(self)
     STATE.step.active = False
     try:
         return original(self, *args, **kwargs)

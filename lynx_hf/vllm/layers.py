@@ -19,7 +19,7 @@ from ..errors import LynxConfigError, UnsupportedModelError
 from . import checks, plans, routers, telemetry
 from . import config as plugin_config
 from .op import remap_routing
-from .state import STATE, Layer, resolve_config
+from .state import STATE, Layer, resolve_config, target_layers
 
 __all__ = ["attach", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
            "HOST_FIELDS"]
@@ -91,6 +91,9 @@ def attach(runner) -> None:
         topk_weights, topk_ids = original(hidden_states, router_logits, indices_type, input_ids=input_ids)
         if layer.bypass:  # a Python branch: read on every eager call, once where the forward is traced / captured
             return topk_weights, topk_ids
+        if layer.drafter:  # the drafter's forward (after the step, rows of its own): vLLM's routing, its calls counted
+            layer.calls += 1
+            return topk_weights, topk_ids
         return remap_routing(router_logits, topk_weights, topk_ids, index)
 
     _compute_routing.__wrapped__ = original
@@ -142,13 +145,13 @@ def configure(options) -> bool:
                               "at run time; use policy 'none')")
     if STATE.config is None or not STATE.layers:
         return False
-    for layer in STATE.layers:
+    for layer in target_layers():
         runner = layer.runner() if layer.runner is not None else None
         if runner is not None and monolithic(runner) and cfg.lynx.policy != "none":
             raise UnsupportedModelError(f"lynx_hf.vllm: MoE layer {layer.name} bypasses its router")
         if layer.router_rule is not None:
             routers.check_groups(layer.router_rule, plans.remaps(cfg), layer.name)
-    checks.check_gathered(plans.remaps(cfg), plans.gathered_layers())
+    checks.check_layers(cfg)
     start = STATE.start
     if start.captured:
         changed = graph_changes(STATE.config, cfg)
@@ -163,10 +166,10 @@ def configure(options) -> bool:
     if start.started and start.device is not None:
         # a frozen forward cannot take the op back into a layer it was traced without
         made = {layer.index: plans.make_layer_plan(layer, start.device, start.dtype, cfg.lynx)
-                for layer in STATE.layers}
+                for layer in target_layers()}
         plans.agree(cfg, made)  # every tensor-parallel rank takes rank 0's decisions (a collective)
         if start.frozen:
-            needs = [layer.name for layer in STATE.layers
+            needs = [layer.name for layer in target_layers()
                      if layer.bypass and not plans.gated_off_everywhere(made[layer.index])]
             if needs:
                 raise LynxConfigError(
@@ -178,7 +181,7 @@ def configure(options) -> bool:
                     "Start the engine with gate='always' (or LYNX_HF_GATE=always) or enforce_eager=True to switch "
                     "configurations at run time.")
     STATE.config = cfg
-    for layer in STATE.layers:
+    for layer in target_layers():
         if made is None:
             layer.plan = None  # made on first use
         else:

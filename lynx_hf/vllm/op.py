@@ -86,6 +86,11 @@ def remap_step(layer: Layer, step, router_logits, topk_weights, topk_ids, host: 
         raise UnsupportedModelError(
             f"lynx_hf.vllm: MoE layer {layer.name}: router logits of width {router_logits.shape[-1]}, but the layer "
             f"was attached with {layer.num_experts} logical experts; the policy must see the logical experts only")
+    if topk_ids.shape[-1] != layer.top_k:  # e.g. ROCm AITER's fused shared experts: k + s columns, ids >= N
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {layer.name}: its router returned {topk_ids.shape[-1]} expert columns for "
+            f"top_k={layer.top_k} (shared experts fused into the routing, ids beyond the {layer.num_experts} routed "
+            "experts); the policy can remap only the routed experts' k columns")
     plan = plans.plan_for(layer, router_logits.device, router_logits.dtype, STATE.config.lynx)
     return plans.route(layer, plan, step, router_logits, topk_weights, topk_ids, host)
 
@@ -112,7 +117,7 @@ def step_for(layer: Layer, router_logits: torch.Tensor, host: bool):
     step's tokens or more than the buffer holds (the mask does not describe them; counted in ``layer.skipped``).
     ``host``: CPU tensors in eager mode."""
     cfg = STATE.config
-    if cfg is None or plans.is_gathered(layer):
+    if cfg is None or plans.unmasked(layer):  # the rows are not this step's from row 0: gathered, sequence-parallel
         return None
     rows = router_logits.shape[0]
     if cfg.lynx.phase == "decode":  # forced: every row is a decode row (decode emulation)

@@ -38,13 +38,14 @@ from typing import ClassVar
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, MoELayer, Routed, RoutePlan, Step, StepInputs, host_reads_allowed, make_plan
+from ..core import MIXED, MoELayer, Routed, RoutePlan, Step, StepInputs, host_reads_allowed, keep_routing, make_plan
+from ..errors import UnsupportedModelError
 from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
 from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import mode_of
 from . import ranks
-from .state import DECODE, PADDING, STATE, Layer, warn_once
+from .state import DECODE, PADDING, STATE, Layer, target_layers, warn_once
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -55,7 +56,8 @@ __all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "p
            "install_plan", "step_key", "step_buckets", "gated_off_everywhere", "set_bypass", "settle_bypass",
            "route", "step_inputs", "skip_bypassed", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
            "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
-           "without_padding", "is_gathered", "gathered_layers"]
+           "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
+           "ROW_ATTRIBUTES", "torch_backend_layers"]
 
 
 def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
@@ -191,7 +193,7 @@ def agree(cfg, plans: dict | None = None) -> int:
     :class:`~lynx_hf.vllm.config.PluginConfig` the plans were made for; ``plans``: layer index -> plan (``None``:
     each layer's own). Returns the layers adopted (0: nothing to agree). Raises :class:`~lynx_hf.LynxConfigError`
     where they cannot be agreed."""
-    entries = [(layer.name, layer.plan if plans is None else plans[layer.index]) for layer in STATE.layers]
+    entries = [(layer.name, layer.plan if plans is None else plans[layer.index]) for layer in target_layers()]
     return ranks.agree(entries, cfg, STATE.tp_size)
 
 
@@ -200,7 +202,7 @@ def settle_bypass() -> None:
     (``STATE.start.frozen``: the bypass a compiled / captured forward was traced with stays)."""
     if STATE.start.frozen:
         return
-    for layer in STATE.layers:
+    for layer in target_layers():
         if layer.plan is not None:
             set_bypass(layer, gated_off_everywhere(layer.plan))
 
@@ -229,8 +231,10 @@ def gated_off_everywhere(plan: RoutePlan) -> bool:
 def set_bypass(layer: Layer, bypass: bool) -> None:
     flush_skips()  # the steps skipped so far belong to the layers bypassed so far
     layer.bypass = bool(bypass)
-    STATE.bypassed = tuple(one for one in STATE.layers if one.bypass)
-    STATE.all_bypassed = bool(STATE.layers) and len(STATE.bypassed) == len(STATE.layers)
+    targets = target_layers()
+    STATE.bypassed = tuple(one for one in targets if one.bypass)
+    # no op reads the step buffer (the drafter's layers never call the op)
+    STATE.all_bypassed = bool(targets) and len(STATE.bypassed) == len(targets)
 
 
 def skip_bypassed(num_tokens: int, decode_rows: int | None = None) -> None:
@@ -258,7 +262,7 @@ def flush_skips() -> None:
 def mark_calls() -> None:
     """At a step's input preparation, in an engine whose forward is captured in CUDA graphs: each layer's op call
     count now, for :func:`count_replays` after the forward."""
-    for layer in STATE.layers:
+    for layer in target_layers():
         layer.step_calls = layer.calls
 
 
@@ -270,7 +274,7 @@ def count_replays(num_tokens: int) -> None:
     gate counts the step as the body would have: the step size seen (``PlanGate.on``) and, where the gate is off
     there, one step skipped. The telemetry needs nothing here: its device accumulators are added into by the replay
     itself."""
-    for layer in STATE.layers:
+    for layer in target_layers():  # the drafter's layers run after the step, with no plan (no gate to count)
         if not layer.bypass and layer.plan is not None and layer.calls == layer.step_calls:
             gate = gate_of(layer.plan)
             if gate is not None and not gate.on(num_tokens):
@@ -338,31 +342,85 @@ def _experts_fn(layer: Layer, device: torch.device):
 
 
 def gathered_layers() -> list[str]:
-    """The names of this process's MoE layers whose router sees an all-gathered batch (:func:`is_gathered`)."""
-    return [layer.name for layer in STATE.layers if is_gathered(layer)]
+    """The names of this process's MoE layers (the target's) whose router sees an all-gathered batch
+    (:func:`is_gathered`)."""
+    return [layer.name for layer in target_layers() if is_gathered(layer)]
+
+
+def sequence_parallel_layers() -> list[str]:
+    """The names of this process's MoE layers (the target's) that are sequence-parallel by their own configuration
+    and not gathered (:func:`inspect_rows`): each rank's router sees its own slice of the step's rows."""
+    out = []
+    for layer in target_layers():
+        inspect_rows(layer)
+        if layer.sequence_parallel and not layer.gathered:
+            out.append(layer.name)
+    return out
 
 
 def is_gathered(layer: Layer) -> bool:
     """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens (vLLM's naive
     dispatch all-gathers hidden states and router logits before routing): this rank's step mask does not describe
-    those rows, so the layer is left untouched (checked once per layer)."""
-    if layer.gathered is None:
-        runner = layer.runner() if layer.runner is not None else None
-        gathered = False
-        if runner is not None:
-            try:
-                cfg = runner.moe_config
-                gathered = bool(runner.do_naive_dispatch_combine) or (
-                    cfg.pcp_size > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
-            except AttributeError:
-                gathered = False
-        if gathered:
-            warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
-                      "parallel ranks (naive dispatch); they keep vLLM's routing (a remapping policy is refused at "
-                      "engine start and in configure: lynx_hf.vllm.checks.check_gathered). Use an all2all backend "
-                      "(routing before dispatch) for LYNX under DP+EP.")
-        layer.gathered = gathered
-    return layer.gathered
+    those rows, so the layer is left untouched (:func:`inspect_rows`, once per layer)."""
+    inspect_rows(layer)
+    return bool(layer.gathered)
+
+
+def unmasked(layer: Layer) -> bool:
+    """Whether the rows of this layer's router calls are not the step's rows from row 0, so the step mask does not
+    describe them and the layer keeps vLLM's routing: an all-gathered batch (:func:`is_gathered`) or this rank's slice
+    of a sequence-parallel layer (``Layer.sequence_parallel``). A remapping policy refuses both at engine start
+    (``lynx_hf.vllm.checks.check_layers``)."""
+    inspect_rows(layer)
+    return bool(layer.gathered) or layer.sequence_parallel
+
+
+#: what :func:`inspect_rows` reads of a vLLM ``MoERunner`` (``vllm/model_executor/layers/fused_moe/runner/moe_runner.py``,
+#: ``fused_moe/config.py``: ``FusedMoEConfig`` / ``FusedMoEParallelConfig``; vLLM 0.32 to 0.34)
+ROW_ATTRIBUTES = ("do_naive_dispatch_combine", "moe_config.pcp_size", "moe_config.is_sequence_parallel",
+                  "moe_config.moe_parallel_config.use_all2all_kernels (where pcp_size > 1)")
+
+
+def inspect_rows(layer: Layer) -> None:
+    """Read once, from the layer's vLLM ``MoERunner``, whether its router's rows are the step's rows from row 0:
+    ``Layer.gathered`` (``runner.do_naive_dispatch_combine``: DP / sequence-parallel rows all-gathered before routing;
+    or ``moe_config.pcp_size > 1`` without all2all kernels: prefill context parallel all-gathers them) and
+    ``Layer.sequence_parallel`` (the layer's own ``moe_config.is_sequence_parallel``, which a model sets per layer,
+    e.g. Kimi-K3 under EP with the ``moonep`` / ``pplx`` / ``flashinfer_nvlink_two_sided`` all2all backends, whatever
+    ``ParallelConfig.use_sequence_parallel_moe`` says). Raises :class:`~lynx_hf.UnsupportedModelError` naming the
+    attribute when the runner lacks one it needs to answer (a vLLM whose runner differs: refused, never assumed);
+    a layer whose runner is gone is neither."""
+    if layer.gathered is not None:
+        return
+    runner = layer.runner() if layer.runner is not None else None
+    if runner is None:
+        layer.gathered, layer.sequence_parallel = False, False
+        return
+    try:
+        cfg = runner.moe_config
+        naive = bool(runner.do_naive_dispatch_combine)
+        pcp = int(cfg.pcp_size)
+        sequence_parallel = bool(cfg.is_sequence_parallel)
+        gathered = naive or (pcp > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
+    except AttributeError as exc:
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {layer.name}: cannot tell whether its router sees this rank's step from row 0 "
+            f"({type(runner).__name__} has no {getattr(exc, 'name', None) or exc}; read: {', '.join(ROW_ATTRIBUTES)}): "
+            "refused rather than assumed (a vLLM release whose MoERunner differs)") from exc
+    if gathered:
+        warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
+                  "parallel ranks (naive dispatch); they keep vLLM's routing (a remapping policy is refused at "
+                  "engine start and in configure: lynx_hf.vllm.checks.check_gathered). Use an all2all backend "
+                  "(routing before dispatch) for LYNX under DP+EP.")
+    layer.gathered, layer.sequence_parallel = gathered, sequence_parallel
+
+
+def torch_backend_layers() -> list[str]:
+    """The target layers whose plan remaps with the torch routing ops (``RoutePlan.routing_backend == "torch"``): their
+    decode step creates small tensors from Python scalars on the device (``torch.tensor(alpha, device=...)`` in
+    ``lynx_hf.kernels.routing_torch``), a host-to-device copy a CUDA-graph capture refuses."""
+    return [layer.name for layer in target_layers() if layer.plan is not None and
+            layer.plan.routing_backend == "torch" and layer.plan.kernel is not keep_routing]
 
 
 # --------------------------------------------------------------------------- one step
@@ -403,10 +461,11 @@ def frozen(model_runner) -> bool:
 
 
 def captured(model_runner, device: torch.device) -> bool:
-    """Whether ``model_runner``'s forward is captured in CUDA graphs: on a CUDA device, not ``enforce_eager``, and
-    ``compilation_config.cudagraph_mode`` not ``NONE`` (unknown: assumed captured, so ``configure`` is stricter,
-    never wrong)."""
-    if device.type != "cuda" or getattr(getattr(model_runner, "model_config", None), "enforce_eager", False):
+    """Whether ``model_runner``'s forward is captured in device graphs: on an accelerator (CUDA / ROCm, and XPU, whose
+    ``XPUGraph`` capture vLLM drives with the same ``cudagraph_mode``; any device but CPU: assumed able to capture), not
+    ``enforce_eager``, and ``compilation_config.cudagraph_mode`` not ``NONE`` (unknown: assumed captured, so
+    ``configure`` is stricter, never wrong)."""
+    if device.type in ("cpu", "meta") or getattr(getattr(model_runner, "model_config", None), "enforce_eager", False):
         return False
     cudagraphs = getattr(getattr(model_runner, "compilation_config", None), "cudagraph_mode", None)
     return cudagraphs is None or getattr(cudagraphs, "name", "NONE") != "NONE"
@@ -430,11 +489,11 @@ def before_forward(model_runner) -> None:
     dtype = getattr(getattr(model_runner, "model_config", None), "dtype", None)
     start.device, start.dtype = device, dtype if isinstance(dtype, torch.dtype) else torch.float32
     t0 = time.perf_counter()
-    for layer in STATE.layers:
+    for layer in target_layers():  # the drafter's layers keep vLLM's routing: no plan (Layer.drafter)
         install_plan(layer, make_layer_plan(layer, start.device, start.dtype, cfg.lynx), cfg.lynx)
     agreed = agree(cfg)
     logger.debug("lynx_hf.vllm: %d plans made, cost gate decided in %.2f s (%d layers' decisions agreed with rank 0)",
-                 len(STATE.layers), time.perf_counter() - t0, agreed)
+                 len(target_layers()), time.perf_counter() - t0, agreed)
     settle_bypass()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert timing's scratch weights: not reserved when vLLM profiles memory
@@ -445,4 +504,4 @@ def before_forward(model_runner) -> None:
                        "step size up to %d tokens on this device (expected saving <= measured routing cost); those "
                        "layers run vLLM's own routing path without the plugin's op (stats: layers[i]['gate']). "
                        "gate='always' or LYNX_HF_GATE=always runs the policy on every decode step",
-                       len(STATE.bypassed), len(STATE.layers), step_buckets()[-1])
+                       len(STATE.bypassed), len(target_layers()), step_buckets()[-1])

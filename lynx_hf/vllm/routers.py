@@ -25,8 +25,10 @@ groups) or ``FusedTopKRouter`` (plain top-k). :func:`derive` reads a router's at
     exactly once either way.
 
 Refused (:class:`~lynx_hf.UnsupportedModelError`, naming the router and what it has): hash routing, DeepSeek-V4's
-``sqrtsoftplus`` scoring, vision-token biases, fused shared-expert slots, custom routing functions other than
-Llama-4's and Cohere2-MoE's, and any other router class (zero-expert, routing simulator, AITER fused shared).
+``sqrtsoftplus`` scoring, vision-token biases, fused shared-expert slots on any router class (ROCm AITER's fused shared
+experts: ``num_fused_shared_experts > 0``, k + s columns with ids >= N; ``GroupedTopKRouter`` included), custom
+routing functions other than Llama-4's and Cohere2-MoE's, and any other router class (zero-expert, routing simulator,
+``AiterSharedRoutedFusedMoERouter``).
 """
 
 from __future__ import annotations
@@ -97,10 +99,17 @@ def _custom_rule(fn, router) -> WeightRule:
 
 def _refuse_extras(router, kind: str) -> None:
     extras = [name for name in ("_hash_indices_table", "bias_vl") if getattr(router, name, None) is not None]
-    if int(getattr(router, "num_fused_shared_experts", 0) or 0) > 0 and kind != "GroupedTopKRouter":
-        extras.append("num_fused_shared_experts")
     if extras:
         raise UnsupportedModelError(f"lynx_hf.vllm: {kind} with {extras} is not supported")
+    shared = int(getattr(router, "num_fused_shared_experts", 0) or 0)
+    if shared > 0:
+        # GroupedTopKRouter hands them to rocm_aiter_grouped_topk (grouped_topk_router.py), FusedTopKBiasRouter appends
+        # them itself (fused_topk_bias_router.py): the routing has k + s columns whose shared ids are N .. N + s - 1
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: {kind} with num_fused_shared_experts={shared} (ROCm AITER fuses the shared experts into "
+            f"the routing: {getattr(router, 'top_k', '?')} + {shared} columns, the shared experts' ids after the "
+            "routed ones) is not supported: the policy remaps the routed experts only. Start vLLM without the fused "
+            "shared experts (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS=0) or without the plugin's configuration.")
 
 
 def _grouped(router, num_experts: int, scoring: str, bias: bool, one_group: bool = False) -> BiasedSelection | None:

@@ -53,6 +53,13 @@ class Layer:
     #: the layer's telemetry, the experts its steps load (``BlockTelemetry.loaded``) included
     telemetry: BlockTelemetry = field(default_factory=BlockTelemetry)
     gathered: bool | None = None  # None: not checked yet; True: rows are several ranks' tokens (left alone)
+    #: the layer's own ``moe_config.is_sequence_parallel``: its router sees this rank's slice of the step's rows, which
+    #: the step mask (read from row 0) does not describe (left alone; refused under a remapping policy)
+    sequence_parallel: bool = False
+    #: the layer belongs to the engine's drafter (MTP / EAGLE / a draft model: ``get_draft_model()``, the speculator's
+    #: or V1 drafter's ``model``), which runs after the target's step with rows of its own: it keeps vLLM's routing
+    #: (no op), its own calls are counted in ``calls``, and it is reported apart (``drafter_layers`` in the stats)
+    drafter: bool = False
     skipped: int = 0  # calls left untouched because the step's mask does not describe their rows
     scores: object = None  # selection scores (logits -> [T, N] fp32, -inf outside allowed groups); None: fp32 logits
     router_rule: object = None  # the router class's rule (lynx_hf.vllm.routers.RouterRule); None: not derived
@@ -134,9 +141,16 @@ class ProcessState:
     start: Start = field(default_factory=Start)
     strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
     warned: set = field(default_factory=set)
+    #: a ``stats_every`` write waiting for its device-to-host copy (``lynx_hf.vllm.telemetry.PendingWrite``)
+    pending_write: object = None
 
 
 STATE = ProcessState()
+
+
+def target_layers() -> list[Layer]:
+    """The MoE layers of the model the engine serves (:attr:`ProcessState.layers` without the drafter's)."""
+    return [layer for layer in STATE.layers if not layer.drafter]
 
 
 def warn_once(key: str, message: str) -> None:
@@ -208,5 +222,5 @@ def isolated(options=None, capacity: int = 0):
         vars(STATE).update(saved)
 
 
-__all__ = ["STATE", "ProcessState", "Layer", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+__all__ = ["STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
            "warn_once", "resolve_config", "new_engine", "isolated"]

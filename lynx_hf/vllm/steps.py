@@ -166,7 +166,8 @@ def write_kinds(kinds, device) -> None:
 
 def end_step() -> None:
     """After a forward: the buffer is all padding again (on the device stream, after the forward), the host counts
-    zero; every ``stats_every`` steps with decode tokens the telemetry is written (``stats_path``)."""
+    zero; every ``stats_every`` steps with decode tokens the telemetry is written (``stats_path``): CPU accumulators at
+    once, device ones after an asynchronous copy (``lynx_hf.vllm.telemetry.request_write``), without a host sync."""
     step = STATE.step
     had_decode = step.active and step.num_decode > 0
     if had_decode and STATE.start.captured:
@@ -179,6 +180,8 @@ def end_step() -> None:
         if step.kind is step.staging:
             step.written = 0  # the host buffer is the zeroed one (CPU)
     cfg = STATE.config
+    if STATE.pending_write is not None:
+        telemetry.flush_write()  # an earlier stats_every write whose copy has landed (never waits for it)
     if had_decode and cfg is not None and cfg.stats_path and cfg.stats_every and \
             STATE.counts.decode_steps % cfg.stats_every == 0:
-        telemetry.write_stats()
+        telemetry.request_write()  # no host read of a device tensor in the step: an asynchronous copy, then the file

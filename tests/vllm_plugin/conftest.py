@@ -8,12 +8,14 @@ import pytest
 
 from lynx_hf.core import WeightRule
 from lynx_hf.vllm import state
+from plugin_steps import moe_config
 
 
 class FakeMoERunner:
     """A vLLM ``MoERunner`` stand-in (a layer keeps a weak reference to its runner; the model owns it)."""
 
     do_naive_dispatch_combine = False
+    moe_config = moe_config()
 
 
 @pytest.fixture

@@ -12,3 +12,15 @@ def set_kinds(kinds):
         live.pop()
     assert PADDING not in live, "padding rows come after the step's tokens"
     steps.write_kinds(live, "cpu")
+
+
+def moe_config(**fields):
+    """What the plugin reads of a vLLM ``MoERunner.moe_config`` (``FusedMoEConfig``: ``lynx_hf.vllm.plans.inspect_rows``,
+    ``layers.attach``), for runner stand-ins: no pipeline / context / sequence parallelism, no H / I; ``fields``
+    override."""
+    import types
+
+    parallel = types.SimpleNamespace(use_all2all_kernels=False)
+    base = dict(num_logical_experts=None, pcp_size=1, is_sequence_parallel=False, moe_parallel_config=parallel,
+                hidden_dim=None, intermediate_size_per_partition=None, in_dtype=None)
+    return types.SimpleNamespace(**{**base, **fields})

@@ -27,7 +27,8 @@ class _MoERunner:
     """What ``layers.attach`` reads of a vLLM ``MoERunner`` (held weakly by the layer)."""
 
     do_naive_dispatch_combine = False
-    moe_config = None
+    moe_config = types.SimpleNamespace(num_logical_experts=None, pcp_size=1, is_sequence_parallel=False,
+                                       hidden_dim=None, intermediate_size_per_partition=None, in_dtype=None)
 
     def __init__(self, router, name):
         self.router, self.layer_name = router, name

@@ -22,7 +22,7 @@ from lynx_hf.core import RoutePlan, WeightRule  # noqa: E402
 from lynx_hf.kernels.routing_torch import strict_sync_free  # noqa: E402
 from lynx_hf.vllm import layers, op, plans, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PREFILL, STATE  # noqa: E402
-from plugin_steps import set_kinds  # noqa: E402
+from plugin_steps import moe_config, set_kinds  # noqa: E402
 
 
 @pytest.fixture
@@ -185,7 +185,7 @@ class _ModelRunner:
 class _MoERunner:
     def __init__(self, router):
         self.router, self.layer_name, self.do_naive_dispatch_combine, self.moe_config = router, "layers.0.experts", \
-            False, None
+            False, moe_config()
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from lynx_hf import LynxConfigError, LynxHookError, UnsupportedModelError  # noq
 from lynx_hf.vllm import checks, compat, install, layers, op, plans, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm import config as plugin_config  # noqa: E402
 from lynx_hf.vllm.state import DECODE, STATE  # noqa: E402
-from plugin_steps import set_kinds  # noqa: E402
+from plugin_steps import moe_config, set_kinds  # noqa: E402
 
 
 class _Runner:
@@ -39,8 +39,7 @@ class _Runner:
         self.router = router
         self.layer_name = name
         self.do_naive_dispatch_combine = naive
-        self.moe_config = types.SimpleNamespace(num_logical_experts=logical, pcp_size=1, hidden_dim=None,
-                                                intermediate_size_per_partition=None, in_dtype=None)
+        self.moe_config = moe_config(num_logical_experts=logical)
 
 
 def _vllm_config(lynx, **parallel):
@@ -331,31 +330,16 @@ def test_pipeline_stage_without_moe_layers_starts(plugin_state):
 def test_liveness_per_layer_counts_op_calls(plugin_state):
     """Issue 36 item 6: a hooked layer whose op is not called in LIVENESS_STEPS consecutive worker steps with decode
     tokens (its MoE forward went around the router the plugin hooked) stops the engine, naming it; a bypassed layer
-    (no op by design) and CUDA-graph replays (no op body runs) are not counted."""
+    (no op by design) is not counted."""
     plugin_state({"policy": "lynx", "gate": "always"})
     first, second = (_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1))
     layers.attach(first)
     layers.attach(second)
-    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
-    weights, ids = _routing(logits)
-
-    def worker_step(call_second=True):
-        seen = STATE.counts.seen_decode
-        set_kinds([DECODE] * 4)
-        first.router._compute_routing(None, logits, None)
-        if call_second:
-            second.router._compute_routing(None, logits, None)
-        steps.end_step()
-        checks.after_worker_step(types.SimpleNamespace(model_runner=None), None, seen)
-
+    worker_step = _worker_step(first, second)
     for _ in range(2 * checks.LIVENESS_STEPS):
         worker_step()
     for _ in range(checks.LIVENESS_STEPS - 1):
         worker_step(call_second=False)
-    STATE.start.captured = True  # replays: not counted
-    for _ in range(2 * checks.LIVENESS_STEPS):
-        worker_step(call_second=False)
-    STATE.start.captured = False
     STATE.layers[1].bypass = True  # the cost gate bypasses it: no op by design
     for _ in range(2 * checks.LIVENESS_STEPS):
         worker_step(call_second=False)
@@ -363,3 +347,365 @@ def test_liveness_per_layer_counts_op_calls(plugin_state):
     with pytest.raises(LynxHookError, match=r"1 of 2 hooked MoE layers.*model\.layers\.1\.mlp"):
         for _ in range(checks.LIVENESS_STEPS):
             worker_step(call_second=False)
+
+
+def _worker_step(first, second):
+    """One worker step with 4 decode tokens, as the hooked ``WorkerWrapperBase.execute_model`` runs it around the
+    runner: input preparation, the forward (each layer's router, unless left out), the end of the step, liveness."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+
+    def worker_step(call_first=True, call_second=True):
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)
+        if call_first:
+            first.router._compute_routing(None, logits, None)
+        if call_second:
+            second.router._compute_routing(None, logits, None)
+        steps.end_step()
+        checks.after_worker_step(types.SimpleNamespace(model_runner=None), None, seen)
+
+    return worker_step
+
+
+# ------------------------------------------------------------------ issue 44: the paths a GPU takes by default
+
+
+@pytest.mark.vllm_code
+def test_liveness_on_a_captured_engine(plugin_state):
+    """Issue 44 item 3: on an engine captured in CUDA graphs (the GPU default) a replayed step runs no op body and is
+    not counted, but a step in which any layer's op ran (an eager step: a size above the largest graph, a mixed step)
+    is: a layer routed around the hooked router stops the captured engine too, naming it. Before, the per-layer check
+    returned at once on every captured engine, so such a layer ran without the policy for good."""
+    plugin_state({"policy": "lynx", "gate": "always"})
+    first, second = (_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1))
+    layers.attach(first)
+    layers.attach(second)
+    worker_step = _worker_step(first, second)
+    STATE.start.captured = True
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        worker_step(call_first=False, call_second=False)  # replays: no op body runs
+        worker_step()  # an eager step: both layers ran
+    with pytest.raises(LynxHookError, match=r"1 of 2 hooked MoE layers.*model\.layers\.1\.mlp"):
+        for _ in range(checks.LIVENESS_STEPS):
+            worker_step(call_second=False)
+            worker_step(call_first=False, call_second=False)  # replays between them change nothing
+
+
+@pytest.mark.vllm_code
+def test_a_capture_warm_up_that_skips_a_layer_stops_the_start(plugin_state):
+    """Issue 44 item 3: after each of the model runner's ``_dummy_run`` s (profiling, each CUDA-graph capture warm-up
+    and capture: the hooked ``_dummy_run``), every layer that is not bypassed must have run where any did, else the
+    start stops at once, naming the layer. A dummy run that runs no op at all (a replay) says nothing."""
+    plugin_state({"policy": "lynx", "gate": "always"})
+    first, second = (_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1))
+    layers.attach(first)
+    layers.attach(second)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def warm_up(*routers):
+        def original(self, *args, **kwargs):
+            for router in routers:
+                router._compute_routing(None, logits, None)
+        return install._dummy_run(original, runner, 4)
+
+    warm_up(first.router, second.router)  # the profiling run: plans made, both layers ran
+    assert STATE.start.started
+    warm_up()  # a replayed dummy batch: no op ran
+    STATE.layers[1].bypass = True
+    warm_up(first.router)  # a bypassed layer calls no op by design
+    STATE.layers[1].bypass = False
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*model\.layers\.1\.mlp"):
+        warm_up(first.router)
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("option", [{"decode_backend": "latency_specialized"}, {"monokernel": True}],
+                         ids=["decode_backend", "monokernel"])
+def test_a_decode_path_outside_the_hooked_router_is_refused_at_start(option):
+    """Issue 44 item 3: ``additional_config["decode_backend"] = "latency_specialized"`` (vLLM 0.33 / 0.34: Kimi-K3,
+    DeepSeek-V4.1, Muse-Spark, Mistral-Large-4 on AMD run decode steps in a specialized executor that computes its own
+    top-k) and ``kernel_config.monokernel`` are refused for a configured plugin at the driver's engine-config hook and
+    at a worker's start, naming the option; ``"auto"`` passes. Before, such an engine started and LYNX never acted on
+    decode, silently."""
+    config = _vllm_config({"policy": "lynx"})
+    if "decode_backend" in option:
+        config.additional_config.update(option)
+        match = r'decode_backend"\] = .latency_specialized'
+    else:
+        config.kernel_config = types.SimpleNamespace(monokernel=True)
+        match = "monokernel"
+    cfg = plugin_config.resolve(config.additional_config)
+    with pytest.raises(UnsupportedModelError, match=match):
+        checks.check_parallelism(config, cfg)
+    hook = {(cls.__name__, name): h for cls, name, h in install.hooks(compat.minor(compat.installed_version()))}[
+        ("EngineArgs", "create_engine_config")]
+    with pytest.raises(UnsupportedModelError, match=match):
+        hook(lambda self, *a, **k: config, types.SimpleNamespace(additional_config=dict(config.additional_config)))
+    checks.check_parallelism(config, None)  # the plugin is off in that engine
+    auto = _vllm_config({"policy": "lynx"})
+    auto.additional_config["decode_backend"] = "auto"
+    checks.check_parallelism(auto, cfg)
+
+
+def _sequence_parallel_config(sp_size: int):
+    """vLLM's own ``FusedMoEParallelConfig`` of a layer with ``sp_size`` (its ``is_sequence_parallel`` is
+    ``sp_size > 1``), EP over TP 2; the fields this vLLM release has."""
+    import dataclasses
+
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+
+    values = dict(tp_size=1, pcp_size=1, dp_size=1, ep_size=2, tp_rank=0, pcp_rank=0, dp_rank=0, ep_rank=1,
+                  sp_size=sp_size, use_ep=True, all2all_backend="pplx", enable_eplb=False)
+    names = {f.name for f in dataclasses.fields(FusedMoEParallelConfig)}
+    return FusedMoEParallelConfig(**{k: v for k, v in values.items() if k in names})
+
+
+@pytest.mark.vllm_code
+def test_a_layer_sequence_parallel_by_its_own_config_is_refused_whatever_the_global_flag(plugin_state):
+    """Issue 44 item 4: a layer is sequence-parallel by its model's own flag (``moe_config.is_sequence_parallel``,
+    from vLLM's ``FusedMoEParallelConfig.sp_size``; Kimi-K3 under EP with the moonep / pplx /
+    flashinfer_nvlink_two_sided all2all backends), not by ``ParallelConfig.use_sequence_parallel_moe`` (False here:
+    TP 1). Each rank's router sees its own slice of the step while the op reads the mask from row 0: a remapping policy
+    is refused before the first forward and in ``configure``; policy ``none`` leaves the layer alone (vLLM's routing,
+    ``sequence_parallel`` in the stats). Before, only the global flag was read and the layer remapped with rank 0's
+    rows' mask."""
+    install.install()
+    sp = _sequence_parallel_config(2)
+    assert sp.is_sequence_parallel and not _sequence_parallel_config(1).is_sequence_parallel
+    config = _vllm_config({"policy": "lynx"})
+    assert not config.parallel_config.use_sequence_parallel_moe
+    checks.check_parallelism(config, plugin_config.resolve(config.additional_config))  # the global flag: passes
+    runner = _Runner(CPURouter(2, 8, renormalize=True))
+    runner.moe_config = moe_config(moe_parallel_config=sp, is_sequence_parallel=sp.is_sequence_parallel)
+    model_runner = types.SimpleNamespace(device=torch.device("cpu"),
+                                         model_config=types.SimpleNamespace(enforce_eager=True))
+    plugin_state({"policy": "lynx", "gate": "always"})
+    layers.attach(runner)
+    with pytest.raises(UnsupportedModelError, match=r"sequence-parallel by their model's own configuration"):
+        checks.start_forward(model_runner)
+    plugin_state({"policy": "none"})
+    layers.attach(runner)
+    checks.start_forward(model_runner)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(6))
+    weights, ids = layers.original_routing(runner.router)(None, logits, None)
+    set_kinds([DECODE] * 4)
+    got_w, got_ids = runner.router._compute_routing(None, logits, None)
+    steps.end_step()
+    assert torch.equal(got_ids, ids) and torch.equal(got_w, weights)
+    snap = telemetry.snapshot()
+    assert snap["layers"][0]["sequence_parallel"] and snap["layers"][0]["decode_steps"] == 0
+    with pytest.raises(UnsupportedModelError, match="sequence-parallel"):
+        layers.configure({"policy": "lynx", "gate": "always"})
+
+
+@pytest.mark.vllm_code
+def test_an_unknown_runner_attribute_is_refused_never_assumed(plugin_state):
+    """Issue 44 item 5: the check of whether a layer's router sees this rank's step from row 0 reads vLLM attributes
+    (``do_naive_dispatch_combine``, ``moe_config.pcp_size``, ``moe_config.is_sequence_parallel``); a runner without one
+    is refused before the first forward, naming it. Before, a missing attribute read as "not gathered"."""
+    plugin_state({"policy": "none"})
+    runner = _Runner(CPURouter(2, 8, renormalize=True))
+    runner.moe_config = types.SimpleNamespace(num_logical_experts=None, pcp_size=1, hidden_dim=None,
+                                              intermediate_size_per_partition=None, in_dtype=None)  # no SP attribute
+    layers.attach(runner)
+    model_runner = types.SimpleNamespace(device=torch.device("cpu"),
+                                         model_config=types.SimpleNamespace(enforce_eager=True))
+    with pytest.raises(UnsupportedModelError, match=r"cannot tell.*is_sequence_parallel.*refused rather than assumed"):
+        checks.start_forward(model_runner)
+
+
+@pytest.mark.vllm_code
+def test_aiter_fused_shared_experts_are_refused():
+    """Issue 44 item 5: ROCm AITER's fused shared experts (``num_fused_shared_experts > 0``: ``GroupedTopKRouter``
+    hands them to ``rocm_aiter_grouped_topk``) give the router k + s columns whose shared ids are N .. N + s - 1, an
+    out-of-range index for the union mask: vLLM's own router with them is refused (``routers.derive``, at the layer's
+    attach, for every policy); the op refuses a call with more columns than top_k."""
+    from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import GroupedTopKRouter
+
+    from lynx_hf.vllm import routers
+
+    router = GroupedTopKRouter(top_k=2, global_num_experts=8, eplb_state=None, num_expert_group=2, topk_group=1,
+                               renormalize=True, num_fused_shared_experts=1)
+    with pytest.raises(UnsupportedModelError, match=r"num_fused_shared_experts=1.*AITER"):
+        routers.derive(router)
+    plain = GroupedTopKRouter(top_k=2, global_num_experts=8, eplb_state=None, num_expert_group=2, topk_group=1,
+                              renormalize=True)
+    assert routers.derive(plain).top_k == 2
+
+
+@pytest.mark.vllm_code
+def test_the_op_refuses_more_columns_than_top_k(one_layer):
+    one_layer({"policy": "lynx", "gate": "always"})
+    logits = torch.randn(4, 8)
+    weights, ids = _routing(logits, top_k=3)  # k + 1 fused shared column
+    set_kinds([DECODE] * 4)
+    with pytest.raises(UnsupportedModelError, match=r"3 expert columns for top_k=2"):
+        op.remap_layer(logits, weights, ids, 0)
+    steps.end_step()
+
+
+def _graph_runner(device: str, eager: bool = False):
+    return types.SimpleNamespace(device=torch.device(device),
+                                 model_config=types.SimpleNamespace(enforce_eager=eager, dtype=torch.float32),
+                                 compilation_config=types.SimpleNamespace(
+                                     cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE, mode=0))
+
+
+@pytest.mark.vllm_code
+def test_xpu_graphs_count_as_captured():
+    """Issue 44 item 5: an XPU engine with graph capture on (vLLM drives its XPU graphs with the same
+    ``cudagraph_mode``) is captured (replays, ``configure``'s refusals, the torch-backend refusal follow); eager or
+    CPU engines are not. Before, only CUDA counted."""
+    assert plans.captured(_graph_runner("xpu"), torch.device("xpu"))
+    assert plans.captured(_graph_runner("cuda"), torch.device("cuda"))
+    assert not plans.captured(_graph_runner("xpu", eager=True), torch.device("xpu"))
+    assert not plans.captured(_graph_runner("cpu"), torch.device("cpu"))
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("device", ["cuda", "xpu"])
+def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device):
+    """Issue 44 item 5: ``routing_backend="torch"`` on an engine captured in device graphs is refused before the first
+    forward (``LynxConfigError`` naming ``routing_backend`` and the fixes): its decode step copies Python scalars
+    host-to-device (``torch.tensor(alpha, device=...)``), which a CUDA-graph capture fails on with a CUDA error. Eager
+    engines and policy ``none`` (no remap: the step creates no such tensor) start."""
+    plugin_state({"policy": "lynx", "gate": "always", "routing_backend": "torch"})
+    layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
+    with pytest.raises(LynxConfigError, match=r"routing_backend='torch'.*graph capture refuses.*enforce_eager"):
+        checks.start_forward(_graph_runner(device))
+    plugin_state({"policy": "lynx", "gate": "always", "routing_backend": "torch"})
+    layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
+    checks.start_forward(_graph_runner(device, eager=True))
+    plugin_state({"policy": "none", "routing_backend": "torch"})
+    layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
+    checks.start_forward(_graph_runner(device))
+
+
+class _ModuleRunner(torch.nn.Module):
+    """A vLLM ``MoERunner`` stand-in that is a module of its model (what ``checks.mark_drafters`` looks for)."""
+
+    def __init__(self, name):
+        super().__init__()
+        self.router = CPURouter(2, 8, renormalize=True)
+        self.layer_name = name
+        self.do_naive_dispatch_combine = False
+        self.moe_config = moe_config()
+
+
+@pytest.mark.vllm_code
+def test_drafter_layers_keep_vllms_routing_and_count_their_own_calls_in_v2_sample_tokens(plugin_state, monkeypatch):
+    """Issue 44 item 2: Model Runner V2 runs the drafter (MTP / EAGLE) in ``sample_tokens``, after ``execute_model``
+    returned and the plugin cleared its step mask. Driven through V2's own ``sample_tokens`` (its speculator's
+    ``propose`` calls the drafter's hooked vLLM router; the device-side helpers stubbed): the drafter's MoE layer, told
+    apart before the first forward (a module of the speculator's model, not of ``get_model()``), keeps vLLM's routing,
+    counts its own calls (the warm-up's and the proposal's) and is reported apart (``drafter_layers``); the served
+    model's layer is remapped and the means are over it alone; under CUDA-graph replays its gate counts nothing for the
+    drafter and the liveness rule does not count it. Before, the drafter's layer counted in the means with 0 decode
+    steps (``decode_steps`` 0.5 here) and its counters as replays."""
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    install.install()
+    st = plugin_state({"policy": "lynx", "gate": "always"}, capacity=16)
+    st.spec_tokens = 2
+    served, drafter = _ModuleRunner("model.layers.0.mlp.experts"), _ModuleRunner("mtp.layers.0.mlp.experts")
+    layers.attach(served)
+    layers.attach(drafter)
+    target, draft = torch.nn.Module(), torch.nn.Module()
+    target.add_module("moe", served)
+    target.compute_logits = lambda hidden: hidden
+    draft.add_module("moe", drafter)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(7)) * 3
+    proposals = []
+
+    class Speculator:  # what sample_tokens calls on an MTP / EAGLE speculator
+        supports_mm_inputs = False
+        model = draft
+
+        def propose(self, input_batch, *args, **kwargs):
+            proposals.append(drafter.router._compute_routing(None, logits, None))
+            return torch.zeros(4, 2, dtype=torch.int64)
+
+    ns = types.SimpleNamespace
+    for name, value in (("AsyncOutput", lambda **kw: ns(**kw)), ("get_drafter_hidden_states", lambda model, h: h),
+                        ("use_workspace_lane", lambda lane: __import__("contextlib").nullcontext())):
+        monkeypatch.setattr(v2, name, value)
+    monkeypatch.setattr(v2.GPUModelRunner, "main_stream", None)
+    runner = object.__new__(v2.GPUModelRunner)
+    runner.__dict__.update(
+        device=torch.device("cpu"), model=target, speculator=Speculator(), is_last_pp_rank=True, pcp_manager=None,
+        pp_handler=None, aux_output_connector=None, output_copy_stream=None, check_ep_fault=None,
+        sample=lambda hidden, batch, grammar: (ns(sampled_token_ids=torch.zeros(4, 1)), torch.ones(4), torch.zeros(4)),
+        prompt_logprobs_worker=ns(compute_prompt_logprobs=lambda *a: {}, compute_prompt_token_id_logprobs=lambda *a: {}),
+        req_states=ns(all_token_ids=ns(gpu=None), num_computed_tokens=ns(gpu=None), prompt_len=ns(np=None),
+                      last_sampled_tokens=None, next_prefill_tokens=None, draft_tokens=torch.zeros(8, 2, dtype=torch.int64)),
+        postprocess_sampled=lambda *a: None, _draft_workspace_lane=None, num_speculative_steps=2,
+        sampler=ns(sampling_states=ns(temperature=ns(gpu=None), seeds=ns(gpu=None))), adaptive_verification=None,
+        draft_tokens_handler=ns(set_draft_tokens=lambda *a: None),
+        kv_connector=ns(post_forward=lambda *a, **k: None, finalize_step=lambda: None), eplb=ns(step=lambda **k: None))
+
+    def dummy_run(self, *args, **kwargs):  # V2's _dummy_run: the target's forward, then the speculator's propose
+        served.router._compute_routing(None, logits, None)
+        drafter.router._compute_routing(None, logits, None)
+
+    install._dummy_run(dummy_run, runner, 4)  # the profiling run: drafters told apart, plans made
+    assert [layer.drafter for layer in STATE.layers] == [False, True] and STATE.layers[1].plan is None
+
+    def step():
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)  # execute_model: input preparation, the forward, the end of the step
+        served.router._compute_routing(None, logits, None)
+        steps.end_step()
+        batch = ns(req_ids=list("abcd"), idx_mapping=torch.arange(4), query_start_loc=None)
+        runner.execute_model_state = ns(
+            input_batch=batch, attn_metadata=None, slot_mappings_by_layer=None, hidden_states=torch.zeros(4, 8),
+            aux_hidden_states=None, dp_sync_state=None, finished_req_ids=set(), ec_connector_output=None,
+            cudagraph_stats=None, num_spec_tokens_to_schedule=2)
+        v2.GPUModelRunner.sample_tokens(runner, None)  # vLLM's own: the drafter runs here
+        checks.after_worker_step(ns(model_runner=runner), None, seen)
+
+    step()
+    vllm_routing = layers.original_routing(drafter.router)(None, logits, None)
+    assert len(proposals) == 1 and all(torch.equal(a, b) for a, b in zip(proposals[0], vllm_routing))
+    snap = telemetry.snapshot()
+    assert [entry["name"] for entry in snap["layers"]] == [served.layer_name]
+    assert snap["drafter_layers"] == [{"name": drafter.layer_name, "index": 1, "calls": 2}]
+    assert snap["summary"]["decode_steps"] == 1 and snap["layers"][0]["decode_steps"] == 1
+    STATE.start.captured = True  # replays of the target's step: its op runs no more, the drafter's still none
+    for _ in range(2 * checks.LIVENESS_STEPS):
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)
+        steps.end_step()
+        drafter.router._compute_routing(None, logits, None)
+        checks.after_worker_step(ns(model_runner=runner), None, seen)
+    assert telemetry.snapshot()["drafter_layers"][0]["calls"] == 2 + 2 * checks.LIVENESS_STEPS
+    assert STATE.layers[1].misses == 0
+
+
+@pytest.mark.vllm_code
+def test_stats_every_writes_without_a_host_read_in_the_step(one_layer, tmp_path, monkeypatch):
+    """Issue 44 item 6: with ``stats_every`` the end of a step (inside ``execute_model``) wrote the telemetry by reading
+    the device accumulators on the host (``.tolist()``: a host sync per step that stalls V2's asynchronous
+    scheduling). On the accelerator path (``strict_sync_free``: the accumulators count as device tensors) the step now
+    only copies them to host buffers (``non_blocking``, an event on CUDA); the file is written from those copies once
+    they landed, with the step's numbers. Spied: ``Tensor.tolist`` is never called on a live accumulator."""
+    from lynx_hf.kernels.routing_torch import strict_sync_free
+
+    path = tmp_path / "stats.json"
+    one_layer({"policy": "lynx", "gate": "always", "stats_path": str(path), "stats_every": 1})
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(8)) * 3
+    weights, ids = _routing(logits)
+    read = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: read.append(self.data_ptr()) or real(self))
+    with strict_sync_free():
+        for _ in range(2):
+            set_kinds([DECODE] * 4)
+            torch.ops.lynx_vllm.remap_routing(logits, weights, ids, 0)
+            live = STATE.layers[0].telemetry.acc.data_ptr()
+            steps.end_step()
+    assert live not in read  # no host read of the live accumulators in a step
+    import json
+
+    written = json.loads(path.read_text())
+    assert written["layers"][0]["decode_steps"] == 2 and written["summary"]["decode_tokens"] == 8

@@ -50,6 +50,8 @@ from vllm.model_executor.layers.fused_moe.router.grouped_topk_router import Grou
 from vllm.model_executor.models.cohere2_moe import token_choice_with_bias  # noqa: E402
 from vllm.model_executor.models.llama4 import Llama4MoE  # noqa: E402
 
+from plugin_steps import moe_config  # noqa: E402
+
 N, T = 16, 64
 
 
@@ -366,7 +368,7 @@ class _Runner:
         self.router = router
         self.layer_name = "model.layers.0.mlp.experts"
         self.do_naive_dispatch_combine = False
-        self.moe_config = None
+        self.moe_config = moe_config()
 
 
 @pytest.fixture

@@ -45,7 +45,7 @@ from lynx_hf.kernels.routing_torch import routing_weights, strict_sync_free  # n
 from lynx_hf.vllm import config as plugin_config  # noqa: E402
 from lynx_hf.vllm import layers, op, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PADDING, PREFILL  # noqa: E402
-from plugin_steps import set_kinds  # noqa: E402
+from plugin_steps import moe_config, set_kinds  # noqa: E402
 
 FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
 FIXTURE_B = FIXTURES_DIR / "mixtral-tiny"
@@ -383,7 +383,7 @@ def test_token_kinds_hand_worked():
 class _FakeRunner:
     def __init__(self, naive=False, monolithic=False, router=None):
         self.do_naive_dispatch_combine = naive
-        self.moe_config = type("C", (), {"pcp_size": 1})()
+        self.moe_config = moe_config()
         self.routed_experts = type("E", (), {"quant_method": type("Q", (), {"is_monolithic": monolithic})()})()
         self.router = router
         self.layer_name = "model.layers.0.mlp.experts"
