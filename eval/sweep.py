@@ -172,7 +172,7 @@ def markdown(report: dict) -> str:
 # -- main -------------------------------------------------------------------------------------------
 def code_version() -> dict:
     """The commit (source checkout only) and a hash of the library sources now (lynx_hf, lynx_hf.kernels,
-    lynx_hf.patches, named by their checkout folders lynx_hf/, kernels/, patches/, so a wheel and the checkout
+    lynx_hf.patches, named lynx_hf/, kernels/, patches/ (the checkout folders before lynx_hf/kernels/), so a wheel and the checkout
     hash alike): runs merged with --load are comparable only when these agree."""
     import hashlib
     import importlib.util

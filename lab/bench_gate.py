@@ -65,7 +65,7 @@ config = lynx_hf.LynxConfig() if table is None else lynx_hf.LynxConfig(gate_tabl
 start = time.perf_counter()
 lynx_hf.patch(model, config)
 seconds = time.perf_counter() - start
-planned = [gate.of(b.plan) for b in lynx_hf.patcher._state(model).blocks]
+planned = [gate.of(b.plan) for b in lynx_hf.state.state_of(model).blocks]
 first = planned[0]
 print(json.dumps({"seconds": seconds, "source": getattr(first, "source", "in-process measurement"),
                   "on": [b for b, d in sorted(first.decisions.items()) if d.on],
@@ -174,7 +174,7 @@ def ship(log=print) -> Path:
         for name, build in models.items():
             model = build()
             lynx_hf.patch(model, lynx_hf.LynxConfig(gate="auto"))
-            planned = gate.of(lynx_hf.patcher._state(model).blocks[0].plan)
+            planned = gate.of(lynx_hf.state.state_of(model).blocks[0].plan)
             table.put(planned.key, planned.decisions, f"{name}: python -m lab.bench_gate --ship, "
                                                       f"{planned.source.split(',')[0]}")
             path = gate.SHIPPED_DIR / f"{gate.table.slug(planned.key.device)}.json"

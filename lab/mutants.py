@@ -8,9 +8,9 @@ one test. A patch that no longer applies (its text is not found exactly once) is
 as the code changes.
 
 The copy is imported instead of the installed (editable) package: the tests run with the copy as working
-directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/kernels`` / ``lynx_hf/patches`` / ``lynx_hf/eval`` are
-symlinks to its own ``kernels/`` / ``patches/`` / ``eval/`` (the installed layout), so the editable finder (which
-maps ``lynx_hf.kernels`` to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
+directory and on ``PYTHONPATH``, and the copy's ``lynx_hf/patches`` / ``lynx_hf/eval`` are
+symlinks to its own ``patches/`` / ``eval/`` (the installed layout), so the editable finder (which
+maps ``lynx_hf.patches`` to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
 
 Test legs. A mutant's tests run on each leg it names (``Mutant.legs``), with that leg's interpreter (:data:`LEGS`):
 ``newest`` (``.venv``: transformers 5.24, no vLLM; the interpreter running this script where ``.venv`` is absent)
@@ -103,7 +103,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "fused_remap_noop",
         "the default policy's one-call CPU step: critical set := the batch's whole union (no mass growth)",
-        (("kernels/routing_cpu.py", "    critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)\n",
+        (("lynx_hf/kernels/routing_cpu.py", "    critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)\n",
           "    critical = cand.copy()\n"),),
         ("tests/kernels/test_fused_route.py::test_fused_step_equals_the_ops_one_by_one",
          EQ + "test_lynx_reduces_unique_experts_at_batch_16"),
@@ -111,9 +111,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gain_is_w",
         "routing-mass greedy: gain = W instead of W - the token's k-th weight in S (torch, numba and Triton twins)",
-        (("kernels/routing_torch.py", "gain = (big_w - kth[:, None]).clamp_min(0).sum(dim=0)", "gain = big_w.sum(dim=0)"),
-         ("kernels/routing_cpu.py", "d = w[t, e] - kth\n", "d = w[t, e]\n"),
-         ("kernels/routing.py", "gain += tl.sum(tl.maximum(w - kth[:, None], 0), axis=0)",
+        (("lynx_hf/kernels/routing_torch.py", "gain = (big_w - kth[:, None]).clamp_min(0).sum(dim=0)", "gain = big_w.sum(dim=0)"),
+         ("lynx_hf/kernels/routing_cpu.py", "d = w[t, e] - kth\n", "d = w[t, e]\n"),
+         ("lynx_hf/kernels/routing.py", "gain += tl.sum(tl.maximum(w - kth[:, None], 0), axis=0)",
           "gain += tl.sum(tl.maximum(w, 0), axis=0)")),
         (PP + "test_policy_mass_price_gain_is_measured_against_the_kth_expert_in_the_set",
          PP + "test_policy_default_matches_greedy_by_hand",
@@ -146,10 +146,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "ties_higher_id",
         "remap breaks score ties to the higher expert id (torch and numba twins)",
-        (("kernels/routing_torch.py",
+        (("lynx_hf/kernels/routing_torch.py",
           "order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # by score, ties lower id",
           "order = s.shape[-1] - 1 - torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices"),
-         ("kernels/routing_cpu.py", "(tier[e] == tier[best] and s[t, e] > s[t, best])",
+         ("lynx_hf/kernels/routing_cpu.py", "(tier[e] == tier[best] and s[t, e] > s[t, best])",
           "(tier[e] == tier[best] and s[t, e] >= s[t, best])")),
         (PP + "test_C12_all_zero_logits_pick_lowest_ids",
          PP + "test_C12_rows_inf_except_two_experts",
@@ -158,10 +158,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "consensus_gt",
         "LYNX consensus score >= tau becomes score > tau (torch, numba and Triton twins)",
-        (("kernels/routing_torch.py", "critical = critical | (candidates & (score >= tau))",
+        (("lynx_hf/kernels/routing_torch.py", "critical = critical | (candidates & (score >= tau))",
           "critical = critical | (candidates & (score > tau))"),
-         ("kernels/routing_cpu.py", "if cand[e] and score[e] >= tau:", "if cand[e] and score[e] > tau:"),
-         ("kernels/routing.py", "crit = tl.where(cand_b & (score >= tau), 1, crit)",
+         ("lynx_hf/kernels/routing_cpu.py", "if cand[e] and score[e] >= tau:", "if cand[e] and score[e] > tau:"),
+         ("lynx_hf/kernels/routing.py", "crit = tl.where(cand_b & (score >= tau), 1, crit)",
           "crit = tl.where(cand_b & (score > tau), 1, crit)")),
         (PP + "test_consensus_admits_a_score_equal_to_tau",
          PP + "test_policy_critical_set_is_smaller_than_the_union_hand_worked",
@@ -207,7 +207,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "numba_bin_off_by_one",
         "numba twin: the lowest voting bin -beta no longer votes (off by one)",
-        (("kernels/routing_cpu.py", "if -beta <= b <= 0:", "if -beta < b <= 0:"),),
+        (("lynx_hf/kernels/routing_cpu.py", "if -beta <= b <= 0:", "if -beta < b <= 0:"),),
         (PP + "test_bin_minus_beta_still_votes",
          PP + "test_critical_set_and_remap_equal_the_independent_reference",
          "tests/kernels/test_routing_cpu.py"),
@@ -473,7 +473,7 @@ def make_copy(dest: Path) -> Path:
         target = root / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
-    for sub in ("kernels", "patches", "eval"):
+    for sub in ("patches", "eval"):
         (root / "lynx_hf" / sub).symlink_to(Path("..") / sub, target_is_directory=True)
     return root
 

@@ -4,7 +4,7 @@ import math
 
 
 def greedy_by_hand(s, own, start, k, threshold):
-    """Independent plain-Python reference of the routing-mass greedy (kernels/routing_torch.py):
+    """Independent plain-Python reference of the routing-mass greedy (lynx_hf/kernels/routing_torch.py):
     fixed-point relative weights W[t][e] = round(2**24 * exp(s - max) / sum over own top-k), gain of e
     = sum over tokens of max(0, W[t][e] - k-th largest W[t] inside S (0 if fewer)); add the best
     candidate (lowest id on ties) while gain >= threshold or |S| < k."""

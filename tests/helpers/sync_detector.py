@@ -5,7 +5,7 @@ the host (``_local_scalar_dense``: ``.item()``, ``bool(t)``, ``int(t)``), tests 
 (``is_nonzero``, ``equal``), or produces a data-dependent shape (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``, ``bincount``) is a
 violation when the innermost Python frame outside torch belongs to lynx_hf (the package's files:
-``lynx_hf/``, ``patches/``, ``kernels/``). Ops issued by transformers' or Triton's own code (the
+``lynx_hf/`` (``lynx_hf/kernels/`` included), ``patches/``). Ops issued by transformers' or Triton's own code (the
 model's experts, the interpreter) are not ours and are not counted. Use with
 ``kernels.routing_torch.strict_sync_free()`` so the CPU-only early exits are off and the code path is
 the accelerator one.
@@ -23,7 +23,7 @@ import lynx_hf
 
 aten = torch.ops.aten
 _ROOT = Path(lynx_hf.__file__).resolve().parent.parent
-OURS = tuple(str(_ROOT / name) for name in ("lynx_hf", "patches", "kernels"))
+OURS = tuple(str(_ROOT / name) for name in ("lynx_hf", "patches"))
 _TORCH = str(Path(torch.__file__).resolve().parent)
 
 _ALWAYS = {

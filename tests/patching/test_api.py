@@ -294,8 +294,10 @@ def test_same_inputs_same_outputs_run_after_run():
 
 
 def test_installed_layout_does_not_shadow_kernels(tmp_path):
-    """patches/ and kernels/ are installed inside lynx_hf; no top-level ``kernels`` module is ours
-    (HF's ``kernels`` distribution must never be shadowed)."""
+    """patches/ is installed inside lynx_hf and the kernels live in lynx_hf/kernels; no top-level ``kernels`` module is
+    ours, from any working directory, the checkout's root included (HF's ``kernels`` distribution, which transformers
+    5.25 requires, must never be shadowed: with a top-level kernels/ folder, ``python -m lab.<script>`` and pytest
+    from the checkout imported ours as ``kernels`` and transformers failed on ``from kernels import ...``)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -304,9 +306,13 @@ def test_installed_layout_does_not_shadow_kernels(tmp_path):
     import lynx_hf.patches
 
     repo = Path(__file__).resolve().parents[2]
-    assert Path(lynx_hf.kernels.__file__).parent == repo / "kernels"
+    assert Path(lynx_hf.kernels.__file__).parent == repo / "lynx_hf" / "kernels"
     assert Path(lynx_hf.patches.__file__).parent == repo / "patches"
-    probe = ("import importlib.util, sys; s = importlib.util.find_spec('kernels'); "
+    assert not (repo / "kernels").exists()
+    probe = ("import importlib.util, sys; sys.path.insert(0, ''); s = importlib.util.find_spec('kernels'); "
              "print('none' if s is None else s.origin)")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True)
-    assert str(repo / "kernels") not in out.stdout
+    for cwd in (tmp_path, repo):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, check=True)
+        origin = out.stdout.strip()  # HF's distribution (site-packages, maybe a venv inside the checkout) or none
+        assert origin == "none" or "site-packages" in Path(origin).parts, (cwd, origin)
+        assert not Path(origin).is_relative_to(repo / "lynx_hf"), (cwd, origin)

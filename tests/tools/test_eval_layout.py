@@ -9,7 +9,7 @@ from pathlib import Path
 import lynx_hf
 
 ROOT = Path(lynx_hf.__file__).resolve().parent.parent
-LIBRARY = ("lynx_hf", "patches", "kernels")  # lynx_hf, lynx_hf.patches, lynx_hf.kernels in the checkout
+LIBRARY = ("lynx_hf", "patches")  # lynx_hf (lynx_hf.kernels included), lynx_hf.patches in the checkout
 #: file -> the private lynx_hf names it reaches: ``module._name`` (an import or an attribute of a lynx_hf module) or
 #: ``._name`` (an attribute the library sets on its own objects)
 PRIVATE_IN_USE = {

@@ -1,6 +1,6 @@
 """The tiers, read from the import statements (``docs/design.md`` "Layout").
 
-- kernels/ imports neither transformers nor lynx_hf outside the kernels;
+- lynx_hf/kernels/ imports neither transformers nor lynx_hf outside the kernels;
 - the engine-independent core (``core``, ``selection``, ``policies``) imports no feature (gate, offload, telemetry,
   the compiled-CPU op), no HF block state, detection, family spec or patcher: features are stages handed to
   ``make_plan`` (the HF path's patcher and the vLLM plugin alike); no exception;
@@ -10,7 +10,7 @@
 - no module imports a private name (``_x``) of a module in another tier (:data:`TIERS`);
 - the modules of ``lynx_hf/`` (the plugin included, ``lynx_hf.eval`` not) and ``patches/`` import no sibling module
   inside a function, except :data:`LOCAL_IMPORTS`, each with its reason;
-- the imports of those modules and ``kernels/`` form no circle.
+- the imports of those modules and ``lynx_hf/kernels/`` form no circle.
 
 Imports under ``if TYPE_CHECKING:`` are annotations only: they are not counted."""
 
@@ -22,7 +22,7 @@ import lynx_hf
 
 ROOT = Path(lynx_hf.__file__).resolve().parent.parent
 #: installed package -> source folder (pyproject.toml [tool.setuptools.package-dir]); lynx_hf.eval is not checked here
-FOLDERS = {"lynx_hf": ROOT / "lynx_hf", "lynx_hf.patches": ROOT / "patches", "lynx_hf.kernels": ROOT / "kernels"}
+FOLDERS = {"lynx_hf": ROOT / "lynx_hf", "lynx_hf.patches": ROOT / "patches", "lynx_hf.kernels": ROOT / "lynx_hf" / "kernels"}
 
 #: tier -> module prefixes (a module belongs to the tier of its longest matching prefix)
 TIERS = {

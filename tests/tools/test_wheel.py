@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what the build reads; copied so the checkout gets no build/ folder or egg-info from this test
-SOURCES = ("pyproject.toml", "README.md", "lynx_hf", "patches", "kernels", "eval")
+SOURCES = ("pyproject.toml", "README.md", "lynx_hf", "patches", "eval")
 
 
 @pytest.fixture(scope="module")

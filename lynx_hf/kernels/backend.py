@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import types
+import typing
 
 import torch
 
@@ -46,6 +47,38 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
     )
 
 
+#: the routing ops every backend provides, named once (:class:`RoutingOps` gives their signatures). Each backend
+#: module (``routing_torch`` the reference, ``routing_cpu`` its numba twins, ``routing`` its Triton twins) defines a
+#: function of each name, except those it lists in :data:`TORCH_FALLBACK`, which run the torch reference. A new op:
+#: its name here, its signature in :class:`RoutingOps`, one function in each module (or a fallback line), and the
+#: twin tests (``tests/kernels``: ``test_kernels_routing.py``, ``test_routing_cpu.py``, ``test_backend_ops.py``).
+CRITICAL_SET_OPS = ("lynx_critical_set", "oea_critical_set", "mass_greedy_grow", "xshare_critical_set")
+#: per backend module, the ops it does not implement itself (the torch reference runs): XShare is a baseline
+TORCH_FALLBACK = {"routing": ("xshare_critical_set",), "routing_cpu": ()}
+
+
+@typing.runtime_checkable
+class RoutingOps(typing.Protocol):
+    """The op set of a routing backend (what :func:`routing_ops` returns): the critical-set ops (:data:`CRITICAL_SET_OPS`,
+    signatures of :mod:`.routing_torch`), ``remap`` (top-k restricted to the critical set, then the weight rule) and
+    ``lynx_mass_decode`` (the default policy's whole decode step in one call, or ``None`` where the backend has none).
+    Every implementation returns the same integers for the same inputs."""
+
+    name: str
+    lynx_mass_decode: typing.Callable | None
+
+    def lynx_critical_set(self, scores, topk_idx, top_k, alpha, beta, tau, batch_base=None, vote=None,
+                          seed=None): ...
+
+    def oea_critical_set(self, scores, top_k0, vote=None, seed=None): ...
+
+    def mass_greedy_grow(self, scores, topk_idx, critical, top_k, price, vote=None, seed=None, unit="token"): ...
+
+    def xshare_critical_set(self, scores, topk_idx, top_k, budget, warmup, vote=None, seed=None): ...
+
+    def remap(self, scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0): ...
+
+
 def _remap_with(remap_topk):
     """The ops' ``remap``: ``remap_topk`` (the torch op or its numba twin) picks the ids, the torch weight rule
     (``routing_torch.routing_weights``) weights them."""
@@ -58,13 +91,21 @@ def _remap_with(remap_topk):
     return remap
 
 
-@functools.lru_cache(maxsize=None)
-def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
-    """The routing ops of ``backend`` (``"torch"`` or ``"triton"``) under one set of names:
+def _namespace(name: str, module, remap, **extra) -> types.SimpleNamespace:
+    """A backend's :class:`RoutingOps`: :data:`CRITICAL_SET_OPS` from ``module`` (the torch reference for its
+    :data:`TORCH_FALLBACK` entries), ``remap`` and ``extra``."""
+    from . import routing_torch as rt
 
-    ``lynx_critical_set``, ``oea_critical_set``, ``mass_greedy_grow``, ``xshare_critical_set`` (signatures of
-    :mod:`.routing_torch`) and ``remap(scores, critical, top_k, logits, rule, renormalize, scale, eps) ->
-    (idx [T, k] int64, weights [T, k] fp32)``. Every namespace returns the same integers.
+    short = module.__name__.rsplit(".", 1)[-1]
+    fallback = TORCH_FALLBACK.get(short, ())
+    ops = {op: getattr(rt if op in fallback else module, op) for op in CRITICAL_SET_OPS}
+    return types.SimpleNamespace(**{"name": name, "remap": remap, "lynx_mass_decode": None, **ops, **extra})
+
+
+@functools.lru_cache(maxsize=None)
+def routing_ops(backend: str, host: bool = False) -> RoutingOps:
+    """The routing ops of ``backend`` (``"torch"`` or ``"triton"``): a :class:`RoutingOps`. Every namespace returns
+    the same integers.
 
     ``host``: the caller's tensors are CPU tensors in eager mode (``routing_torch.host_reads_allowed``, asked
     once per call by the caller): the torch backend then returns the numba twins of :mod:`.routing_cpu`
@@ -81,19 +122,9 @@ def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
             from . import routing_cpu as rc
 
             if rc.AVAILABLE:
-                return types.SimpleNamespace(
-                    name="torch", lynx_critical_set=rc.lynx_critical_set, oea_critical_set=rc.oea_critical_set,
-                    mass_greedy_grow=rc.mass_greedy_grow, xshare_critical_set=rc.xshare_critical_set,
-                    remap=_remap_with(rc.remap_topk), lynx_mass_decode=rc.lynx_mass_decode,
-                )
+                return _namespace("torch", rc, _remap_with(rc.remap_topk), lynx_mass_decode=rc.lynx_mass_decode)
             return routing_ops("torch", False)
-
-        return types.SimpleNamespace(
-            name="torch", lynx_critical_set=rt.lynx_critical_set, oea_critical_set=rt.oea_critical_set,
-            mass_greedy_grow=rt.mass_greedy_grow, xshare_critical_set=rt.xshare_critical_set,
-            remap=_remap_with(rt.remap_topk),
-            lynx_mass_decode=None,
-        )
+        return _namespace("torch", rt, _remap_with(rt.remap_topk))
     if backend != "triton":
         raise ValueError(f"unknown kernel backend {backend!r}")
     from . import moe as tm
@@ -103,8 +134,4 @@ def routing_ops(backend: str, host: bool = False) -> types.SimpleNamespace:
         return tr.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize, scale=scale,
                              eps=eps, check=False)
 
-    return types.SimpleNamespace(
-        name="triton", lynx_critical_set=tr.lynx_critical_set, oea_critical_set=tr.oea_critical_set,
-        mass_greedy_grow=tr.mass_greedy_grow, remap=remap_triton,
-        sparse_moe=tm.sparse_moe, xshare_critical_set=rt.xshare_critical_set,  # XShare: torch ops (a baseline)
-    )
+    return _namespace("triton", tr, remap_triton, sparse_moe=tm.sparse_moe)
