@@ -8,6 +8,11 @@ floor and at its newest release that resolves.
                                             of them in range (``pip install --dry-run --upgrade --upgrade-strategy
                                             eager``: the newest that resolves with the rest); ``--skip torch`` where
                                             torch is held at the CPU wheel on purpose (its newest has its own leg)
+    python .ci/deps.py caps [--skip NAME] [EXTRA ...]   every upper bound (``<``, ``<=``, ``==``, ``~=``) of them: the
+                                            releases above it that would resolve were it lifted (one ``pip install
+                                            --dry-run`` with every cap lifted at once), printed by CI so an expired
+                                            reason shows on the next run; fails where a ``<`` / ``<=`` / ``~=`` cap
+                                            does not name the failing test (``tests/...``) in its comment
 
 Runs on the standard library and pip alone (``packaging`` from pip's vendored copy), before or after the install.
 """
@@ -109,8 +114,80 @@ def check_newest(extras: list[str], skip: set[str]) -> int:
     return 0
 
 
+_CAP = re.compile(r"(<=?|==|~=)\s*([0-9][^,\s;]*)")
+
+
+def capped(extras: list[str]) -> list[tuple[str, str, str, str]]:
+    """``[(name, requirement, cap operator, comment)]`` of every requirement of the project and the named extras with an
+    upper bound; ``comment`` is the comment on its line and the comment lines directly above it in pyproject.toml (the
+    reason beside the pin)."""
+    lines = (ROOT / "pyproject.toml").read_text().splitlines()
+    wanted = set(requirements(extras))
+    out = []
+    for i, line in enumerate(lines):
+        for req in re.findall(r'"([A-Za-z0-9][A-Za-z0-9._-]*\s*[<>=!~][^"]*)"', line):
+            name = _canon(NAME.match(req).group(1))
+            cap = _CAP.search(req[len(NAME.match(req).group(1)):].split(";")[0])
+            if name not in wanted or cap is None:
+                continue
+            notes = [line.split("#", 1)[1].strip()] if "#" in line else []
+            j = i - 1
+            while j >= 0 and lines[j].strip().startswith("#"):
+                notes.insert(0, lines[j].strip().lstrip("#").strip())
+                j -= 1
+            out.append((name, req.split(";")[0].strip(), cap.group(1), " ".join(notes)))
+    return out
+
+
+def check_caps(extras: list[str], skip: set[str]) -> int:
+    """Print, for every capped requirement, what would resolve with every cap lifted; fail where a ``<`` / ``<=`` / ``~=``
+    cap's comment names no test (the policy: a cap only where a newer release fails a test, named beside the pin)."""
+    caps = capped(extras)
+    if not caps:
+        print("deps.py: no requirement has an upper bound")
+        return 0
+    floors = requirements(extras)
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    lines = list(project["dependencies"]) + [r for e in extras for r in project["optional-dependencies"][e]]
+    lifted = {name for name, *_ in caps}
+    with tempfile.TemporaryDirectory() as tmp:
+        reqs, held = Path(tmp, "lifted.txt"), Path(tmp, "held.txt")
+        reqs.write_text("".join(f"{_canon(NAME.match(r).group(1))}>={floors[_canon(NAME.match(r).group(1))]}\n"
+                                if _canon(NAME.match(r).group(1)) in lifted else r + "\n" for r in lines))
+        held.write_text("".join(f"{name}=={md.version(name)}\n" for name in skip))
+        report = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                                 "--report", "-", "-c", str(held), "-r", str(reqs)],
+                                cwd=ROOT, capture_output=True, text=True)
+    if report.returncode != 0:
+        print(report.stderr[-3000:])
+        print("deps.py: the requirements with every cap lifted do not resolve (printed above)")
+        return report.returncode
+    would = {_canon(item["metadata"]["name"]): item["metadata"]["version"]
+             for item in json.loads(report.stdout).get("install", [])}
+    bad = []
+    for name, req, op, comment in caps:
+        newer = would.get(name)
+        above = newer is not None and not _satisfies(newer, req[len(NAME.match(req).group(1)):])
+        status = f"ABOVE THE CAP, resolves: {newer}" if above else f"nothing above it resolves ({newer})"
+        print(f"  {req:28s} {status}")
+        if op != "==" and "tests/" not in comment:
+            print(f"    the cap names no failing test beside it (comment: {comment!r})")
+            bad.append(name)
+    if bad:
+        print(f"deps.py: caps without a failing test named beside the pin: {', '.join(bad)}")
+        return 1
+    print(f"deps.py: {len(caps)} capped requirements; a release named ABOVE THE CAP means its reason may have expired")
+    return 0
+
+
+def _satisfies(version: str, spec: str) -> bool:
+    from pip._vendor.packaging.specifiers import SpecifierSet
+
+    return SpecifierSet(spec.strip()).contains(version, prereleases=True)
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("floors", "check-floor", "check-newest"):
+    if not argv or argv[0] not in ("floors", "check-floor", "check-newest", "caps"):
         print(__doc__)
         return 2
     command, extras, skip = argv[0], [], set()
@@ -124,6 +201,8 @@ def main(argv: list[str]) -> int:
         for name, floor in requirements(extras).items():
             print(f"{name}=={floor}")
         return 0
+    if command == "caps":
+        return check_caps(extras, skip)
     return check_floor(extras) if command == "check-floor" else check_newest(extras, skip)
 
 

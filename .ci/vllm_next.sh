@@ -6,7 +6,8 @@
 # engine (pytest marker `vllm_code`: the hook table, Model Runner V2's real prepare_inputs, the router classes against
 # vLLM's routing, register() and the raise-at-engine-start guard) run against it. VLLM_TARGET_DEVICE=cpu selects vLLM's
 # CPU platform (no pinned memory, CPU dispatch key); the wheel's compiled CUDA kernels are never loaded by these paths.
-# Idempotent: a release already in .vllm-<version> is not downloaded again; LYNX_VLLM_NEXT="0.34.0" picks releases.
+# Idempotent: a release already in .vllm-<version> is not downloaded again; LYNX_VLLM_NEXT="0.34.0" picks releases;
+# LYNX_VLLM_NEXT_FETCH_ONLY=1 only downloads and checks them (.ci/test does that in the background, before the leg).
 # Needs .venv-vllm (.ci/vllm_env.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +28,10 @@ assert vllm.__version__ == want, (vllm.__version__, want)
 assert os.path.realpath(vllm.__file__).startswith(os.path.realpath(where) + os.sep), vllm.__file__
 print(f"vllm {vllm.__version__} from {os.path.dirname(vllm.__file__)}")
 PY
+  if [ -n "${LYNX_VLLM_NEXT_FETCH_ONLY:-}" ]; then
+    echo "vllm $version fetched in $(( $(date +%s) - t0 )) s"
+    continue
+  fi
   VLLM_TARGET_DEVICE=cpu PYTHONPATH="$dir" "$PY" -m pytest -q -m vllm_code tests/vllm_plugin
   echo "vllm $version leg in $(( $(date +%s) - t0 )) s"
 done
