@@ -3,7 +3,6 @@ function. ``expert_path="auto"`` never selects the sparse Triton expert kernel (
 CUDA path until a GPU run measures both); ``expert_path="triton"`` selects it explicitly. Plans are resolved
 without running anything on the device."""
 
-import pytest
 import torch
 
 from lynx_hf import LynxConfig
@@ -31,19 +30,6 @@ def test_expert_path_is_independent_of_the_routing_backend():
 def test_cpu_never_uses_the_kernel_unless_asked():
     assert make_plan(LynxConfig(), MoELayer(8, 2, torch.device("cpu"))).expert_kernel is False
     assert make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, torch.device("cuda"))).expert_kernel is False
-
-
-def test_deprecated_backend_gives_the_plan_it_gave():
-    """``backend=X`` (deprecated) resolves to exactly the plan of ``routing_backend=X`` (+ the kernel iff triton)."""
-    for old, new in (("auto", {}), ("torch", dict(routing_backend="torch")),
-                     ("triton", dict(routing_backend="triton", expert_path="triton"))):
-        with pytest.warns(FutureWarning, match="routing_backend"):
-            cfg = LynxConfig(backend=old)
-        assert cfg == LynxConfig(**new)
-        layer = MoELayer(8, 2, torch.device("cuda"))
-        a, b = make_plan(cfg, layer), make_plan(LynxConfig(**new), layer)
-        assert (a.routing_backend, a.expert_kernel) == (b.routing_backend, b.expert_kernel)
-        assert (a.routing_backend, a.expert_kernel) == ("torch" if old == "torch" else "triton", old == "triton")
 
 
 # -- the decode-step function: chosen once per plan --------------------------------------------------------
