@@ -54,6 +54,11 @@ Sections (run in this order; each is skipped with a printed note when the time b
    one): a loop over the routed experts, one host read of the routing per layer, so launches may dominate; the
    ratio int4 + LYNX / int4 is the figure to read. CPU figures: ``python -m lab.bench_int4``.
 
+8. ``torch_capture`` (last: a failed capture can break the process's capture state) — whether the vLLM plugin's step
+   with ``routing_backend="torch"`` can be captured in a CUDA graph; the plugin refuses it on captured engines
+   (printed for the record). The ``vllm`` section also checks ``stats_every``'s write: no host sync in the step
+   (``set_sync_debug_mode("error")``), the file written from the asynchronous copy.
+
 7. ``slo`` — throughput under a TPOT SLO (issue 39) in transformers' continuous batching (``generate_batch``) on the
    2-layer Qwen2-57B-A14B config, bf16, C = 1..128, unpatched / LYNX / OEA / XShare (``lynx_hf.eval.slo``): the most
    tokens/s whose TPOT meets the unpatched TPOT at C = 8, 16, 32 and multiples of its batch-1 TPOT. The CPU run
@@ -876,6 +881,82 @@ def section_vllm(args, dev, budget) -> None:
                 record(S, f"padding rows excluded ({backend}, {pname})", False, f"{type(exc).__name__}: {exc}"[:400])
                 traceback.print_exc()
     _vllm_graph(args, dev, N, k, T, kinds, pad)
+    _vllm_stats_copy(args, dev, N, k, T, kinds)
+
+
+def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
+    """``stats_every`` (issue 44 item 6): the end of a step with decode tokens copies the device accumulators to host
+    buffers (non_blocking, a CUDA event) and writes the stats file from them once the event completed: no host sync
+    inside the step (``torch.cuda.set_sync_debug_mode("error")`` around it), and the file has the step."""
+    import json
+    import tempfile
+
+    from lynx_hf.vllm import plans, state, steps, telemetry
+
+    S = "vllm"
+    backend = "auto" if dev.type == "cuda" else "torch"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "stats.json")
+            options = {"policy": "lynx", "gate": "always", "routing_backend": backend, "stats_path": path,
+                       "stats_every": 1}
+            with state.isolated(options, capacity=T):
+                layer = _vllm_layer(N, k)
+                plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
+                logits = (torch.randn(T, N, generator=torch.Generator().manual_seed(3)) * 2).to(dev)
+                weights, ids = _vllm_routing(logits, k, torch.zeros(T, dtype=torch.bool, device=dev))
+                steps.write_kinds(kinds.cpu().numpy(), dev)
+                plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, dev.type == "cpu")
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    steps.end_step()  # stats due: the asynchronous copy, no host read of the accumulators
+                finally:
+                    if dev.type == "cuda":
+                        torch.cuda.set_sync_debug_mode("default")
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+                telemetry.flush_write()
+                written = json.load(open(path)) if os.path.exists(path) else None
+        ok = written is not None and written["layers"][0]["decode_steps"] == 1
+        record(S, "stats_every: written from an asynchronous copy, no host sync in the step", ok,
+               "file written" if written is not None else "no file")
+    except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+        record(S, "stats_every: written from an asynchronous copy, no host sync in the step", False,
+               f"{type(exc).__name__}: {exc}"[:400])
+        traceback.print_exc()
+
+
+def section_torch_capture(args, dev, budget) -> None:
+    """Whether the plugin's step with the torch routing ops (``routing_backend="torch"``) can be captured in a CUDA
+    graph (issue 44 item 5: the plugin refuses it on captured engines, since the ops create tensors from Python scalars
+    on the device inside the step). Printed for the record (info): a capture that succeeds means the refusal could be
+    lifted. Last: a failed capture can leave the device's capture state broken for the rest of the process."""
+    from lynx_hf.vllm import plans, state
+
+    S = "torch_capture"
+    if dev.type != "cuda":
+        note(S, "torch routing ops under a CUDA-graph capture", "CUDA only (dry run: not captured)")
+        return
+    N, k, T = 64, 6, 48
+    kinds = torch.full((T,), state.DECODE, dtype=torch.int8, device=dev)
+    with state.isolated({"policy": "lynx", "gate": "always", "routing_backend": "torch"}, capacity=T):
+        layer = _vllm_layer(N, k)
+        plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
+        logits = (torch.randn(T, N, generator=torch.Generator().manual_seed(4)) * 2).to(dev)
+        weights, ids = _vllm_routing(logits, k, torch.zeros(T, dtype=torch.bool, device=dev))
+        for _ in range(2):
+            plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+            note(S, "torch routing ops under a CUDA-graph capture", "captured: the refusal could be lifted")
+        except Exception as exc:  # noqa: BLE001 - the expected outcome, printed
+            note(S, "torch routing ops under a CUDA-graph capture", f"capture failed (the refusal's reason): "
+                 f"{type(exc).__name__}: {exc}"[:300])
 
 
 def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
@@ -1071,7 +1152,7 @@ def section_slo(args, dev) -> None:
     free_memory(dev)
 
 
-SECTIONS = ("vllm", "compiled", "kernels", "sync", "tpot", "graphs", "gate", "int4", "slo")
+SECTIONS = ("vllm", "compiled", "kernels", "sync", "tpot", "graphs", "gate", "int4", "slo", "torch_capture")
 
 
 def main(argv=None) -> int:
@@ -1115,7 +1196,8 @@ def main(argv=None) -> int:
                "gate": lambda: section_gate(args, dev, budget),
                "int4": lambda: section_int4(args, dev, budget, models),
                "slo": lambda: section_slo(args, dev) if budget.allows(10 if args.dry_run else 150, "slo", "slo")
-               else None}
+               else None,
+               "torch_capture": lambda: section_torch_capture(args, dev, budget)}
     for name in SECTIONS:
         if name not in sections:
             continue

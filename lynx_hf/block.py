@@ -74,7 +74,7 @@ class BlockRouting:
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
         self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
-        self.experts_impls = (None, None)  # its forward function and the interface's grouped_mm
+        self.experts_impls = (None, None, None)  # its forward function, the interface's grouped_mm, the compiled one
         # why the sparse kernel / grouped_mm may not read the experts' weights (None: they may), valid once
         # storage_checked (lynx_hf.experts.install); before that neither sparse path runs
         self.storage_checked = False
@@ -105,7 +105,7 @@ class BlockRouting:
         state = dict(self.__dict__)
         state["spec"] = self.spec.family
         state["plan"] = None
-        state["experts_impls"] = (None, None)  # functions local to transformers' decorator: resolved again
+        state["experts_impls"] = (None, None, None)  # functions local to transformers' decorator: resolved again
         return state
 
     def __setstate__(self, state):
@@ -115,6 +115,7 @@ class BlockRouting:
                             ("gated_off", False), ("pending_reason", None), ("watch", ()), ("watched", None)):
             state.setdefault(name, value)
         self.__dict__.update(state)
+        self.experts_impls = (None, None, None)  # resolved again on first use (a state pickled with two entries too)
         if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
             register()
 

@@ -19,7 +19,9 @@ config -- runs it (:func:`original_implementation`). ``"lynx"`` chooses, per cal
   the experts passed :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton
   kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
 - decode with a plan on CUDA, the experts passed :func:`storage_reason` at patch time and
-  :func:`weights_ready` now -> that interface's ``grouped_mm`` (reads only the unique experts);
+  :func:`weights_ready` now, and (under ``torch.compile``) bf16 weights -> that interface's ``grouped_mm`` (reads only
+  the unique experts; compiled with other dtypes transformers falls back to a loop that syncs, which a CUDA-graph
+  capture refuses: :func:`_grouped_capturable`);
 - otherwise -> the implementation the model had (on CPU usually ``grouped_mm``, which already reads
   only the unique experts).
 
@@ -242,11 +244,17 @@ def weights_ready(experts, hidden: torch.Tensor, names=("gate_up_proj", "down_pr
 
 
 def implementations(experts, name: str):
-    """``(own, grouped)``: the forward function of implementation ``name`` for ``experts``' class and its
-    ``grouped_mm`` (``None`` if the interface has none). Resolved at patch time (not traced)."""
+    """``(own, grouped, compiled_own)``: the forward function of implementation ``name`` for ``experts``' class, its
+    ``grouped_mm`` (``None`` if the interface has none), and what runs for ``own`` in a compiled decode step where
+    ``grouped_mm`` cannot be captured (:func:`_grouped_capturable`): ``batched_mm`` where ``name`` is ``grouped_mm``
+    (what ``generate`` switches ``grouped_mm`` to for decode off CPU, ``GenerationMixin._optimize_model_for_decode``),
+    else ``own``. Resolved at patch time (not traced)."""
     interface, original = dispatch(experts)
     grouped = interface.get_interface("grouped_mm", original) if "grouped_mm" in interface else None
-    return interface.get_interface(name, original), grouped
+    own = interface.get_interface(name, original)
+    compiled_own = interface.get_interface("batched_mm", original) \
+        if name == "grouped_mm" and "batched_mm" in interface else own
+    return own, grouped, compiled_own
 
 
 def _grouped_names(experts) -> tuple[str, ...]:
@@ -260,10 +268,10 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
         name = state if isinstance(state, str) else original_implementation(self)
         return interface.get_interface(name, original)(self, hidden_states, top_k_index, top_k_weights,
                                                        *args, **kwargs)
-    own, grouped = state.experts_impls
+    own, grouped, compiled_own = state.experts_impls
     if own is None:  # after unpickling / deep copy: resolved again, once
         state.experts_impls = implementations(self, state.original_impl)
-        own, grouped = state.experts_impls
+        own, grouped, compiled_own = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
     if state.gated_off:
@@ -274,10 +282,27 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
     if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
         return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                exact_grid=False)
+    capturable = _grouped_capturable(self)
     if grouped is not None and plan.device.type == "cuda" and state.grouped_allowed \
-            and weights_ready(self, hidden_states, _grouped_names(self)):
+            and weights_ready(self, hidden_states, _grouped_names(self)) and capturable:
         return grouped(self, hidden_states, top_k_index, top_k_weights)
+    if not capturable and plan.device.type != "cpu":
+        return compiled_own(self, hidden_states, top_k_index, top_k_weights)
     return own(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _grouped_capturable(experts) -> bool:
+    """Whether transformers' ``grouped_mm`` runs its native kernel here: under ``torch.compile`` only for bf16 weights
+    (``transformers.integrations.moe._can_use_grouped_mm``); otherwise it falls back to a per-expert loop that reads
+    the group offsets on the host (``offs.tolist()``), a host sync that a CUDA-graph capture refuses (what a
+    static-cache ``generate`` compiles by default on CUDA: ``CompileConfig(mode="reduce-overhead")``; seen on an H200,
+    issue 44). There ``batched_mm`` runs instead where the model's own is ``grouped_mm`` (:func:`implementations`)."""
+    if not torch.compiler.is_compiling():
+        return True
+    weight = getattr(experts, "gate_up_proj", None)
+    if weight is None:
+        weight = getattr(experts, "down_proj", None)
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16
 
 
 def register() -> None:

@@ -110,3 +110,37 @@ def test_compiled_generate_data_is_rearmed_and_released():
     data = getattr(fam.cache_of(out), lynx_hf.detection.DATA_ATTR)
     assert not data.active  # released when generate returned
     lynx_hf.unpatch(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_decode_on_cuda_uses_grouped_mm_only_where_it_is_capturable(dtype, monkeypatch):
+    """transformers' ``grouped_mm`` under ``torch.compile`` runs its native kernel for bf16 weights only; for other
+    dtypes it falls back to a loop that reads the group offsets on the host (``offs.tolist()``), which the CUDA-graph
+    capture of a compiled static-cache ``generate`` (``mode="reduce-overhead"``, the default on CUDA) refuses: seen on an
+    H200 (issue 44), fp32 LYNX failed there while the unpatched model (``batched_mm`` in decode) ran. The ``"lynx"``
+    experts implementation then runs ``batched_mm`` (what ``generate`` itself switches ``grouped_mm`` to for decode);
+    eager decode and bf16 keep ``grouped_mm``. Driven on CPU with the step's device and the tracer stubbed."""
+    import types
+
+    from lynx_hf import experts as experts_mod
+    from lynx_hf.core import DECODE, Step
+
+    model = fam.build("qwen2_moe").to(dtype)
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    block = lynx_hf.patcher._state(model).blocks[0]
+    own, grouped, compiled_own = block.experts_impls
+    assert own.__name__ == "grouped_mm_experts_forward" and compiled_own.__name__ == "batched_mm_experts_forward"
+    called = []
+    spy = lambda name: lambda *a, **k: called.append(name) or a[1]  # noqa: E731
+    state = types.SimpleNamespace(experts_impls=(spy("own"), spy("grouped"), spy("batched")),
+                                  step=Step(DECODE), gated_off=False, kernel_allowed=False, grouped_allowed=True,
+                                  plan=types.SimpleNamespace(device=torch.device("cuda"), expert_kernel=False))
+    experts = block.experts
+    monkeypatch.setitem(experts.__dict__, experts_mod.EXPERTS_ATTR, state)
+    monkeypatch.setattr(experts_mod, "weights_ready", lambda *a, **k: True)
+    hidden, idx, weights = torch.zeros(2, 32, dtype=dtype), torch.zeros(2, 2, dtype=torch.long), torch.ones(2, 2)
+    experts_mod._lynx_forward(experts, hidden, idx, weights)  # eager: grouped_mm reads only the unique experts
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    experts_mod._lynx_forward(experts, hidden, idx, weights)
+    lynx_hf.unpatch(model)
+    assert called == ["grouped", "grouped" if dtype == torch.bfloat16 else "batched"]
