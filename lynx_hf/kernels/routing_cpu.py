@@ -14,7 +14,8 @@ Tests compare every function with its torch twin element for element (tests/kern
 Returned by :func:`.backend.routing_ops` with ``host=True`` (CPU tensors in eager mode, ``routing_torch.host_reads_allowed``);
 on accelerators, under ``torch.compile`` and inside ``routing_torch.strict_sync_free()`` the torch ops run.
 ``AVAILABLE`` is False when numba cannot be imported (the torch ops are used then). Compiled on first use
-(about a second per function) and cached on disk (numba ``cache=True``).
+(about a second per function) and cached on disk (numba ``cache=True``, its writes locked across processes:
+:mod:`.numba_cache`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from . import routing_torch as rt
+from .numba_cache import cached_njit
 from .telemetry_slots import (
     AFTER,
     ASSIGNMENTS,
@@ -55,7 +57,7 @@ FORBIDDEN_BIN = rt.FORBIDDEN_BIN
 
 
 def _jit(fn):
-    return numba.njit(cache=True, nogil=True)(fn) if AVAILABLE else fn
+    return cached_njit(fn) if AVAILABLE else fn
 
 
 @_jit
