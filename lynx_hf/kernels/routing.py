@@ -269,7 +269,7 @@ def _mask_arg(mask, size: int, name: str, like: torch.Tensor):
         raise ValueError(f"{name} must be a [{size}] bool tensor, got {got}")
     if mask.device != like.device:
         raise ValueError(f"{name} is on {mask.device}, scores on {like.device}")
-    as_int8 = mask.view(torch.int8)
+    as_int8 = mask.to(torch.int8)  # a copy, not .view: inductor (torch 2.11, H200) cannot lower view.dtype of bool
     return as_int8, as_int8.stride(0), True
 
 
@@ -333,7 +333,7 @@ def lynx_critical_set(
         BLOCK_T=blk["BLOCK_T"], BLOCK_N=blk["BLOCK_N"], BLOCK_P=blk["BLOCK_P"],
         HAS_VOTE=has_vote, HAS_SEED=has_seed, UNION_ONLY=union_only,
     )
-    return out.view(torch.bool)
+    return out.to(torch.bool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,7 +389,7 @@ def oea_critical_set(scores: torch.Tensor, top_k0: int, vote: torch.Tensor | Non
         scores.stride(0), scores.stride(1), stride_v, stride_sd,
         BLOCK_T=blk["BLOCK_T"], BLOCK_N=blk["BLOCK_N"], HAS_VOTE=has_vote, HAS_SEED=has_seed,
     )
-    return out.view(torch.bool)
+    return out.to(torch.bool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -536,7 +536,7 @@ def mass_greedy_grow(
     price_fixed = max(-1, min(price_fixed, 2**62 // max(num_tokens, 1) if unit != "token" else 2**62))
     blk = block_sizes(num_tokens, num_experts, topk_idx.shape[1])
     block_kk = triton.next_power_of_2(max(kk, 1))
-    crit_i8 = critical.view(torch.int8)
+    crit_i8 = critical.to(torch.int8)
     scratch = torch.empty(num_tokens, block_kk, dtype=torch.int64, device=dev)
     out = torch.empty(num_experts, dtype=torch.int8, device=dev)
     _mass_greedy_kernel[(1,)](
@@ -547,7 +547,7 @@ def mass_greedy_grow(
         BLOCK_T=blk["BLOCK_T"], BLOCK_N=blk["BLOCK_N"], BLOCK_P=blk["BLOCK_P"],
         HAS_VOTE=has_vote, HAS_SEED=has_seed, UNIT=PRICE_UNITS.index(unit),
     )
-    return out.view(torch.bool)
+    return out.to(torch.bool)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,7 +668,7 @@ def remap_topk(
     blk = block_sizes(num_tokens, num_experts, top_k)
     block_t = blk["REMAP_BLOCK_T"]
     grid = (triton.cdiv(num_tokens, block_t),)
-    crit_i8 = critical.contiguous().view(torch.int8)
+    crit_i8 = critical.contiguous().to(torch.int8)
     _remap_kernel[grid](
         scores, crit_i8, logits, idx, w,
         num_tokens, num_experts, float(scale), float(eps),
