@@ -131,7 +131,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "none_close_not_identical",
         "policy none (and identity steps) return weights x (1 + 2**-20): close (~1e-6) but not bit-identical",
-        (("lynx_hf/core.py", "    return Routed(inputs.weights, inputs.idx)\n",
+        (("lynx_hf/core.py", "                    host=inputs.host, masks=False)\n    return Routed(inputs.weights, inputs.idx)\n",
+          "                    host=inputs.host, masks=False)\n"
           "    return Routed((inputs.weights * (1 + 2 ** -20)).to(inputs.weights.dtype), inputs.idx.clone())\n"),),
         (EQ + "test_generate_modes_run_patched_and_match_with_policy_none",
          EQ + "test_policy_none_decode_is_bit_identical"),
