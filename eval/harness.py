@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     p.add_argument("--xshare-match", default=None, metavar="SWEEP_JSON",
                    help="add XShare with the budget of the sweep's default at this fixture and --batch-size (rounded)")
     p.add_argument("--xshare-warmup", type=int, default=1, help="XShare warm-up (each token's top experts kept first)")
-    p.add_argument("--oea-k0", "--k0", dest="k0", default=None, help="OEA k0 list, e.g. 2,1 (default k-1..1)")
+    p.add_argument("--oea-k0", dest="k0", default=None, help="OEA k0 list, e.g. 2,1 (default k-1..1)")
     p.add_argument("--gen-prompts", type=int, default=16)
     p.add_argument("--gen-tokens", type=int, default=32)
     p.add_argument("--skip-lm-eval", action="store_true")

@@ -12,8 +12,10 @@ A configuration file (:meth:`LynxConfig.from_file`, e.g. the ``lynx_config.json`
 ``model_args="pretrained=PATH,lynx_config=FILE"``; single options beside it override its fields.
 LYNX options in ``model_args``: every :class:`~lynx_hf.LynxConfig` field (``policy``, ``tau``, ``mass_price``,
 ``oea_k0``, ``routing_backend``, ``expert_path``, ...; ``mass_price=None`` selects the paper's rule), parsed by
-:meth:`LynxConfig.from_options` like the CLI's. Deprecated: ``k0`` (now ``oea_k0``) and ``lynx_backend`` (the
-old ``backend`` field, which HFLM's own ``backend`` argument shadows), mapped with a ``FutureWarning``.
+:meth:`LynxConfig.from_options` like the CLI's. Names of LYNX options renamed before any release (``k0``,
+``mass_floor``, ``lynx_backend``) are refused with :class:`~lynx_hf.LynxConfigError` like any unknown field (CASES
+C40), and so is ``backend`` with a value that is no HFLM model backend (``backend=torch``: LYNX's is
+``routing_backend``); every other name goes to ``HFLM`` / ``from_pretrained``, as with lm-eval's ``hf`` model.
 The cost gate is off here: ``gate`` defaults to ``"always"`` (accuracy must not depend on a machine's timing;
 ``gate=auto`` in ``model_args`` asks for it). Every other argument goes to ``HFLM`` (``device`` defaults to ``cpu`` when CUDA is unavailable). Use a fixed ``batch_size`` (never ``auto``): LYNX's effect
 depends on the decode batch.
@@ -33,6 +35,11 @@ from .errors import LynxConfigError
 from .patcher import patch
 
 _LYNX_ARGS = tuple(f.name for f in fields(LynxConfig))
+#: LYNX option names renamed before any release (CASES C40): refused by LynxConfig.from_options (unknown field)
+#: instead of reaching from_pretrained as a model keyword (a TypeError from the model's __init__)
+_FORMER_NAMES = ("k0", "mass_floor", "lynx_backend")
+#: HFLM's own ``backend`` values (lm_eval.models.huggingface.HFLM)
+_HFLM_BACKENDS = ("default", "causal", "seq2seq")
 
 
 @register_model("lynx")
@@ -46,7 +53,11 @@ class LynxLM(HFLM):
     """
 
     def __init__(self, pretrained, *, lynx_config=None, **kwargs) -> None:
-        options = {name: kwargs.pop(name) for name in _LYNX_ARGS if name in kwargs}
+        options = {name: kwargs.pop(name) for name in _LYNX_ARGS + _FORMER_NAMES if name in kwargs}
+        if kwargs.get("backend", "default") not in _HFLM_BACKENDS:
+            raise LynxConfigError(f"lynx: backend={kwargs['backend']!r} is HFLM's model backend (one of "
+                                  f"{_HFLM_BACKENDS}); LYNX's routing ops are chosen by routing_backend=auto|torch|"
+                                  f"triton and its expert kernel by expert_path")
         if "policy" in options and options["policy"] is None:  # lm-eval's model_args parser reads "none" as None
             options["policy"] = "none"
         # accuracy must not depend on this machine's timing: the policy runs on every decode step unless the

@@ -51,6 +51,17 @@ def test_C40_names_renamed_before_any_release_are_unknown_fields_on_every_entry_
     assert exit_.value.code == 2 and f"--{name.replace('_', '-')}" in capsys.readouterr().err
     assert cli.main(["generate", "--config", str(path), "--batch-size", "1"]) == 2
     assert f"unknown LynxConfig field(s) ['{name}']" in capsys.readouterr().err
+    # `lynx-hf eval` (the harness): no such option either
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["eval", f"--{name.replace('_', '-')}", "1"])
+    assert exit_.value.code == 2
+    capsys.readouterr()
+    # lm-eval's `lynx` model: LynxConfigError before the model is loaded (a path that does not exist shows it:
+    # loading would raise OSError); HFLM's own `backend` keeps HFLM's values
+    lynx_lm = pytest.importorskip("lynx_hf.lm_eval")
+    options = {k: str(v) for k, v in old.items()}
+    with pytest.raises(LynxConfigError, match=name if name != "backend" else "routing_backend"):
+        lynx_lm.LynxLM(pretrained=str(tmp_path / "no-model"), batch_size=1, **options)
 
 
 def test_cli_options_are_the_fields():

@@ -95,7 +95,7 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
     env = {k: v for k, v in ENV.items() if k != "LYNX_HF_GATE"}
     res = subprocess.run([sys.executable, "-m", "lynx_hf", "eval", "--model", str(DEFAULT_FIXTURE), "--sequences", "8",
                           "--batch-size", "8", "--decode", "4", "--gen-prompts", "4", "--gen-tokens", "4",
-                          "--lm-limit", "4", "--lm-batch-size", "4", "--k0", "1", "--threads", "1",
+                          "--lm-limit", "4", "--lm-batch-size", "4", "--oea-k0", "1", "--threads", "1",
                           "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "FAIL" not in res.stdout and res.stdout.count("PASS") >= 4
