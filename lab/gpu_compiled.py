@@ -60,6 +60,10 @@ def one(name):
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] not in VARIANTS:
+        print(f"usage: python -m lab.gpu_compiled [{'|'.join(VARIANTS)}]  (no argument: every variant, one process "
+              "each)", file=sys.stderr)
+        sys.exit(0 if sys.argv[1] in ("-h", "--help") else 2)
     if len(sys.argv) > 1:
         one(sys.argv[1])
     else:
