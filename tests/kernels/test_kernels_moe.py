@@ -11,6 +11,7 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton (also set in tests/conftest.py)
 
 import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -299,14 +300,27 @@ def test_gpu_check_exits_cleanly_without_cuda(capsys):
 def test_gpu_check_dry_run(capsys):
     # every section of the GPU script on tiny CPU shapes under the interpreter (keeps lab/gpu_check.py
     # runnable where no GPU is); its checks compare kernels with their references, so it can fail
-    mod = _load_gpu_check()
-    rc = mod.main(["--dry-run", "--budget", "600"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
+    # In its own process: the script compiles, captures and sets torch's global state as a GPU run does. Run inside
+    # a pytest-xdist worker under torch 2.15 it left that worker so that a later `with torch.device("meta")` model
+    # build (tests/decode/test_vlm_wrappers.py, Inkling) allocated its 23.6 GB vision layer on the CPU: the worker
+    # was OOM-killed (not reproduced outside pytest; seen in CI's next leg, 2026-12-04)
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, (str(root),
+                                                                                               os.environ.get("PYTHONPATH"))))}
+    res = subprocess.run([sys.executable, "-m", "lab.gpu_check", "--dry-run", "--budget", "600"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    out = res.stdout
+    assert res.returncode == 0, (out[-3000:], res.stderr[-3000:])
     assert "gpu_check summary" in out
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")]
+            for line in out.split("gpu_check summary", 1)[1].splitlines() if line.startswith("| ")]
+    rows = [row for row in rows if len(row) >= 3 and row[0] not in ("section", "---")]
     for section in ("compiled", "kernels", "sync", "tpot", "graphs"):
-        assert any(row[0] == section and row[2] in ("ok", "info") for row in mod.SUMMARY), section
-    assert not any(row[2] in ("FAIL", "skipped") for row in mod.SUMMARY), out
+        assert any(row[0] == section and row[2] in ("ok", "info") for row in rows), section
+    assert not any(row[2] in ("FAIL", "skipped") for row in rows), out
 
 
 def test_bf16_inputs_on_cpu_are_computed_in_fp32():
