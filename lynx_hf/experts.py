@@ -282,12 +282,11 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
     if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
         return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                exact_grid=False)
-    capturable = _grouped_capturable(self)
-    if grouped is not None and plan.device.type == "cuda" and state.grouped_allowed \
-            and weights_ready(self, hidden_states, _grouped_names(self)) and capturable:
-        return grouped(self, hidden_states, top_k_index, top_k_weights)
-    if not capturable and plan.device.type != "cpu":
+    if plan.device.type != "cpu" and not _grouped_capturable(self):
         return compiled_own(self, hidden_states, top_k_index, top_k_weights)
+    if grouped is not None and plan.device.type == "cuda" and state.grouped_allowed \
+            and weights_ready(self, hidden_states, _grouped_names(self)):
+        return grouped(self, hidden_states, top_k_index, top_k_weights)
     return own(self, hidden_states, top_k_index, top_k_weights)
 
 
