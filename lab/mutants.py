@@ -467,6 +467,19 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/kernels/test_numba_cache.py::test_two_processes_compiling_different_signatures_leave_a_cache_both_"
          "can_load",),
     ),
+    Mutant(
+        "flatness_silent",
+        "the router-flatness probe never warns (a flat router under the default costs accuracy silently; issue 45)",
+        (("lynx_hf/flatness.py", "        if self.figure < THRESHOLD:\n", "        if self.figure < 0.0:  # mutant\n"),),
+        ("tests/policies/test_flatness.py::test_default_patch_warns_on_a_flat_router_with_the_figure_and_the_sweep_"
+         "command",),
+    ),
+    Mutant(
+        "flatness_smallest_share",
+        "the router-flatness figure from the token's smallest top-k weight instead of its top-1's",
+        (("lynx_hf/flatness.py", ".gather(1, topk_idx.long()).max(dim=-1).values", ".gather(1, topk_idx.long()).min(dim=-1).values"),),
+        ("tests/policies/test_flatness.py::test_default_patch_is_silent_on_a_peaked_router_and_reports_its_figure",),
+    ),
 )
 
 

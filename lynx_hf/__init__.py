@@ -8,6 +8,7 @@
 
 from .config import LynxConfig
 from .errors import (
+    LynxAccuracyWarning,
     LynxConfigError,
     LynxError,
     LynxHookError,
@@ -23,6 +24,7 @@ from .telemetry import LynxStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "LynxAccuracyWarning",
     "LynxConfig",
     "LynxConfigError",
     "LynxError",

@@ -41,3 +41,9 @@ class LynxNoDecodeWarning(UserWarning):
     so the policy is not acting. Warned once per model (again after ``reset_stats``); the message names what
     was seen and the likely cause, and ``lynx_hf.stats(model).summary()`` carries the counts
     (``docs/cases.md`` C33)."""
+
+
+class LynxAccuracyWarning(UserWarning):
+    """The default policy runs on a model whose routers measure flat on the first decode steps
+    (``lynx_hf.flatness``): its <= 1 % ΔCE was measured on peaked routers, not on this kind. Warned once per patch,
+    with the figure and the ``lynx-hf sweep`` command that measures the default on the model; nothing is changed."""

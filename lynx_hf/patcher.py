@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from . import compiled_cpu, gate, offload, policies
+from . import compiled_cpu, flatness, gate, offload, policies
 from . import experts as experts_impl
 from .block import BlockRouting, gate_stage
 from .config import LynxConfig
@@ -29,6 +29,7 @@ from .telemetry import LynxStats, mode_of
 #: outermost first; each ``fn(block, config) -> lynx_hf.core.Stage or None`` (``None``: not for this block). A new
 #: decode-step feature is one module with such a function, plus one line here.
 PLAN_STAGES = (
+    flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured
     gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
     offload.plan_stage,  # resident offloaded experts seed the critical set (lynx_hf.offload)
     compiled_cpu.plan_stage,  # torch.compile on CPU: the eager step as one opaque op (lynx_hf.compiled_cpu)
@@ -54,9 +55,11 @@ class ModelState:
         # [(config, implementation before "lynx")] while the "lynx" experts implementation is installed
         self.experts_impl_before: list | None = None
         self.gate_note: str | None = None  # the cost gate's patch-time note last warned (lynx_hf.gate.patch_note)
+        self.flatness = None  # the router-flatness probe (lynx_hf.flatness.ModelFlatness), made by its plan stage
 
     def __setstate__(self, state):  # deepcopy / pickle: the copy holds the (copied) configs it switched
         self.__dict__.setdefault("gate_note", None)  # a state pickled before the attribute existed
+        self.__dict__.setdefault("flatness", None)
         self.__dict__.update(state)
         experts_impl.adopt(self)
 

@@ -30,7 +30,7 @@ TIERS = {
     "core": ("lynx_hf.core", "lynx_hf.selection", "lynx_hf.policies", "lynx_hf.errors"),
     "telemetry": ("lynx_hf.telemetry",),
     "config": ("lynx_hf.config",),
-    "features": ("lynx_hf.gate", "lynx_hf.offload", "lynx_hf.compiled_cpu"),
+    "features": ("lynx_hf.gate", "lynx_hf.offload", "lynx_hf.compiled_cpu", "lynx_hf.flatness"),
     "hf": ("lynx_hf", "lynx_hf.block", "lynx_hf.detection", "lynx_hf.experts", "lynx_hf.patcher", "lynx_hf.state",
            "lynx_hf.patches", "lynx_hf.cli", "lynx_hf.lm_eval", "lynx_hf.__main__"),
     "vllm": ("lynx_hf.vllm",),

@@ -1,0 +1,187 @@
+"""Router flatness and the routing mass the default moves, on the first decode steps; a warning where the default
+policy's accuracy is not known to hold.
+
+The default policy (LYNX with the routing-mass greedy, ``LynxConfig()``) keeps ΔCE <= 1 % on fixtures A, B, C: 4-layer
+MoEs. On the only deep real-weights models (fixtures D / D2: SmolLM2-135M carved into 30 MoE layers of 32 experts,
+top-8) it costs far more (``docs/results.md``). What tells them apart is not how flat their routers are (the top-1
+excess share below: C 0.30, D 0.26, D2 0.23) but how much routing mass the policy moves per token summed over the
+layers it passes: each layer's remap perturbs the residual stream and the perturbations add up with depth (A 0.6,
+C 1.1, D 6-7 tokens' worth at B = 16). A model over :data:`MOVED_THRESHOLD` gets
+:class:`~lynx_hf.errors.LynxAccuracyWarning` with both figures and the sweep command that measures the default on
+that model; nothing is changed (the policy still runs as configured).
+
+The figures (hand-checked in ``tests/policies/test_flatness.py``), per live decode token of a layer, with ``w`` the
+token's relative routing weights (``routing_torch.relative_weights``: its own top-k sum to 1, the unit of the
+routing-mass rule):
+
+- **routing mass moved** ``1 - sum of w over the experts the token keeps from its own top-k`` after the policy (what
+  ``lynx_hf.stats``' ``routing_mass_kept`` complements); the model's figure is the **sum over its MoE layers** of each
+  layer's mean over the live decode tokens of its first :data:`STEPS` decode steps (0 where the cost gate kept the
+  model's routing);
+- **top-1 excess share** ``(w1 - 1/k) / (1 - 1/k)``, ``w1`` the top-1's weight: 0 when the top-k weights are equal
+  (flat), 1 when the top-1 holds them all; the model's figure is the mean over its MoE layers. Reported, not a
+  trigger (it did not separate the fixtures).
+
+Only the default configuration is watched (a configuration the user chose, e.g. from ``lynx-hf sweep``, is theirs);
+only eager steps of more than one token are measured (a step traced by ``torch.compile`` or captured in a CUDA graph
+is passed through; the probe reads its sums to the host once, after its last step). ``lynx_hf.stats(model)``
+reports each layer's figures under ``"router_flatness"``. Measured with ``python -m lab.router_flatness``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import torch
+
+from .core import Runner, Step, StepInputs, keep_routing
+from .errors import LynxAccuracyWarning
+from .kernels.routing_torch import relative_weights
+
+NAME = "router_flatness"
+#: decode steps measured per layer
+STEPS = 8
+#: above this routing mass moved per token, summed over the MoE layers, the warning fires (tokens' worth of top-k
+#: routing weight; between the fixtures where the default keeps ΔCE <= 1 % and D / D2: module docstring)
+MOVED_THRESHOLD = 2.0
+
+
+def top1_excess_share(scores: torch.Tensor, topk_idx: torch.Tensor) -> torch.Tensor:
+    """``[T]`` fp32: ``(w1 - 1/k) / (1 - 1/k)``, ``w1`` the largest of each token's top-k relative weights
+    (``scores [T, N]`` fp32 selection scores, ``topk_idx [T, k]`` the model's own top-k). ``k == 1``: 1."""
+    k = topk_idx.shape[-1]
+    if k == 1:
+        return torch.ones(topk_idx.shape[0], device=scores.device)
+    w1 = relative_weights(scores, topk_idx).gather(1, topk_idx.long()).max(dim=-1).values
+    return (w1 - 1.0 / k) / (1.0 - 1.0 / k)
+
+
+def mass_moved(scores: torch.Tensor, topk_idx: torch.Tensor, new_idx: torch.Tensor) -> torch.Tensor:
+    """``[T]`` fp32: ``1 - sum of w over the experts of new_idx [T, k] that were in topk_idx [T, k]``, ``w`` the
+    relative weights (``scores [T, N]``): 0 when the token keeps its own top-k, 1 when it keeps none of it."""
+    w = relative_weights(scores, topk_idx)
+    own = torch.zeros_like(w, dtype=torch.bool).scatter_(1, topk_idx.long(), True)
+    kept = torch.where(own, w, 0.0).gather(1, new_idx.long()).sum(dim=-1)
+    return (1.0 - kept).clamp_min(0.0)
+
+
+def is_default(config) -> bool:
+    """Whether ``config`` (a ``LynxConfig``) runs the default policy with its default parameters."""
+    base, policy = type(config)(), config.policy
+    return policy == base.policy and all(getattr(config, f) == getattr(base, f)
+                                         for f in ("alpha", "beta", "tau", "mass_price", "price_unit"))
+
+
+class ModelFlatness:
+    """One patched model's probe: its layers' stages, the model's figures once every layer has its steps, and the
+    warning, once (thread-safe)."""
+
+    def __init__(self, where: str = "this model") -> None:
+        self.where = where
+        self.layers: dict[str, FlatnessStage] = {}
+        self.figures: dict | None = None
+        self._lock = threading.Lock()
+
+    def layer_done(self) -> None:
+        with self._lock:
+            if self.figures is not None or not self.layers:
+                return
+            if any(s.steps < STEPS for s in self.layers.values()):
+                return
+            share = [s.value()[0] for s in self.layers.values()]
+            moved = [s.value()[1] for s in self.layers.values()]
+            self.figures = {"moved": sum(moved), "share": sum(share) / len(share), "layers": len(moved)}
+        f = self.figures
+        if f["moved"] > MOVED_THRESHOLD:
+            warnings.warn(LynxAccuracyWarning(
+                f"lynx_hf: on {self.where}'s first {STEPS} decode steps the default policy moved "
+                f"{f['moved']:.2f} tokens' worth of top-k routing weight per token, summed over its {f['layers']} MoE "
+                f"layers (per layer {min(moved):.2f}-{max(moved):.2f}; router top-1 excess share {f['share']:.2f}). "
+                f"Its ΔCE <= 1 % was measured where this stays below {MOVED_THRESHOLD} (4-layer fixtures: 0.1-1.1); on "
+                f"the 30-layer real-weights fixtures at 6-7 it cost far more (docs/results.md). Measure it on this "
+                f"model before relying on it: `lynx-hf sweep --model <your checkpoint>` writes the frontier and a "
+                f"lynx_config.json within the 1 % budget (patch(model, 'lynx_config.json')). Nothing is changed: the "
+                f"policy runs as configured, wherever the cost gate lets it."),
+                stacklevel=2)
+
+
+class FlatnessStage:
+    """The probe's stage in one layer's plan (``lynx_hf.core.Stage``): for its first :data:`STEPS` eager decode
+    steps of more than one token it adds, on the device, the live decode tokens' top-1 excess shares and the routing
+    mass the steps below it (the cost gate, the policy) moved; then it passes every step through."""
+
+    name = NAME
+
+    def __init__(self, model: ModelFlatness, layer: str) -> None:
+        self.model, self.layer = model, layer
+        self.steps = 0
+        self.sums: torch.Tensor | None = None   # [share, moved, tokens]
+        self._value: tuple[float, float] | None = None
+
+    def bind(self, plan, inner: Runner):
+        if plan.kernel is keep_routing:
+            return None
+        self.model.layers[self.layer] = self
+
+        def run(p, inputs: StepInputs):
+            if self.steps >= STEPS or inputs.idx.shape[0] < 2 or _traced(inputs.logits):
+                return inner(p, inputs)
+            out = inner(p, inputs)
+            self.add(inputs, out.idx)
+            return out
+
+        return run
+
+    def add(self, inputs: StepInputs, new_idx: torch.Tensor) -> None:
+        step: Step = inputs.step
+        scores = inputs.logits.float() if inputs.scores is None else inputs.scores(inputs.logits)
+        rows = torch.ones(scores.shape[0], dtype=torch.bool, device=scores.device)
+        if step.decode is not None:
+            rows = rows & step.decode
+        if step.live is not None:
+            rows = rows & step.live
+        share = top1_excess_share(scores, inputs.idx)
+        moved = mass_moved(scores, inputs.idx, new_idx)
+        sums = torch.stack([torch.where(rows, share, 0.0).sum(), torch.where(rows, moved, 0.0).sum(),
+                            rows.sum().float()])
+        self.sums = sums if self.sums is None else self.sums + sums
+        self.steps += 1
+        if self.steps == STEPS:
+            self.model.layer_done()
+
+    def value(self) -> tuple[float, float]:
+        """``(top-1 excess share, routing mass moved)``: the layer's means over its measured live decode tokens (one
+        host read, cached; ``(1.0, 0.0)`` when none was live)."""
+        if self._value is not None:
+            return self._value
+        share, moved, n = (0.0, 0.0, 0.0) if self.sums is None else self.sums.tolist()
+        value = (share / n, moved / n) if n else (1.0, 0.0)
+        if self.steps >= STEPS:
+            self._value = value
+        return value
+
+    def summary(self) -> dict:
+        if not self.steps:
+            return {"steps": 0, "top1_excess_share": None, "routing_mass_moved": None}
+        share, moved = self.value()
+        return {"steps": self.steps, "top1_excess_share": share, "routing_mass_moved": moved}
+
+
+def _traced(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def plan_stage(block, config):
+    """The probe's stage of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``) where ``config`` is the default
+    configuration (:func:`is_default`), else ``None``."""
+    if not is_default(config):
+        return None
+    state = block.model_state
+    probe = getattr(state, "flatness", None)
+    if probe is None:
+        name = getattr(getattr(state.model, "config", None), "_name_or_path", "") or "this model"
+        probe = state.flatness = ModelFlatness(name)
+    return FlatnessStage(probe, block.name)

@@ -1,0 +1,138 @@
+"""The router-flatness probe and its warning (lynx_hf.flatness; issue 45 item 3): the two figures worked by hand,
+the probe against telemetry and a torch reference, and the default configuration on a flat vs a peaked router of a
+deep tiny Qwen2-MoE (8 MoE layers, 12 experts, top-3).
+
+The end-to-end tests run the default policy with ``gate="always"``: at these tiny shapes the cost gate keeps the
+model's own routing on a CPU (nothing is moved, so nothing is warned: ``test_nothing_moved_nothing_warned``), and
+the warning is about what the policy does where it runs."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import lynx_hf
+from lynx_hf import flatness
+from tests.helpers import families as fam
+
+
+def test_top1_excess_share_by_hand():
+    # k = 2: top-2 weights 3:1 -> w1 = 3/4 -> (3/4 - 1/2) / (1 - 1/2) = 1/2; equal top-2 -> 0
+    # k = 3: weights 8:1:1 -> w1 = 0.8 -> (0.8 - 1/3) / (2/3) = 0.7
+    s2 = torch.tensor([[math.log(3.0), 0.0, -5.0, -6.0], [1.0, 1.0, 0.0, -1.0]])
+    idx2 = torch.tensor([[0, 1], [1, 0]])
+    torch.testing.assert_close(flatness.top1_excess_share(s2, idx2), torch.tensor([0.5, 0.0]))
+    s3 = torch.tensor([[math.log(8.0), 0.0, 0.0, -3.0]])
+    torch.testing.assert_close(flatness.top1_excess_share(s3, torch.tensor([[0, 1, 2]])), torch.tensor([0.7]))
+    assert flatness.top1_excess_share(s3, torch.tensor([[3]])).tolist() == [1.0]   # k = 1: nothing to be flat
+
+
+def test_mass_moved_by_hand():
+    # top-3 weights 8:1:1 (w = 0.8, 0.1, 0.1): keep {0, 1} + expert 3 (not its own) -> kept 0.9, moved 0.1;
+    # keep {1, 2, 3} -> moved 0.8; its own three in another order -> 0
+    s = torch.tensor([[math.log(8.0), 0.0, 0.0, -3.0]] * 3)
+    idx = torch.tensor([[0, 1, 2]] * 3)
+    new = torch.tensor([[0, 1, 3], [3, 2, 1], [2, 0, 1]])
+    torch.testing.assert_close(flatness.mass_moved(s, idx, new), torch.tensor([0.1, 0.8, 0.0]))
+
+
+def _deep(router_scale):
+    """8 MoE layers (every layer sparse), 12 experts, top-3; routers scaled by ``router_scale`` (as ``fam.build``)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(**fam.COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                         num_hidden_layers=8, num_experts=12, num_experts_per_tok=3, decoder_sparse_step=1,
+                         mlp_only_layers=[])
+    model = Qwen2MoeForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(router_scale)
+    return model
+
+
+def _run(model, config, batch=8, new_tokens=flatness.STEPS + 1):
+    ids, mask = fam.prompts(batch, 6, left_pad=False)
+    lynx_hf.patch(model) if config is None else lynx_hf.patch(model, config)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                       do_sample=False)
+    summary = lynx_hf.stats(model).summary()
+    acc = [w for w in got if issubclass(w.category, lynx_hf.LynxAccuracyWarning)]
+    lynx_hf.unpatch(model)
+    return summary["per_layer"], acc
+
+
+ALWAYS = lynx_hf.LynxConfig(gate="always")   # the default policy and parameters (module docstring: why the gate)
+
+
+def test_flat_router_warns_once_with_both_figures_and_the_sweep_command():
+    layers, acc = _run(_deep(0.5), ALWAYS)   # near-uniform routers: the default moves much mass in every layer
+    moved = [lay["router_flatness"]["routing_mass_moved"] for lay in layers]
+    assert len(moved) == 8 and sum(moved) > flatness.MOVED_THRESHOLD, moved
+    assert len(acc) == 1, [str(w.message) for w in acc]
+    msg = str(acc[0].message)
+    assert f"moved {sum(moved):.2f} tokens' worth" in msg and "8 MoE layers" in msg and "lynx-hf sweep --model" in msg
+
+
+def test_peaked_router_is_silent_and_the_figures_match_telemetry_and_a_torch_reference():
+    model = _deep(20.0)
+    seen = {}   # layer -> the router inputs of its decode steps ([B, H]: one token per row)
+
+    def keep(i):
+        return lambda mod, args: seen.setdefault(i, []).append(args[0].reshape(-1, args[0].shape[-1]).clone())
+
+    hooks = [layer.mlp.gate.register_forward_pre_hook(keep(i)) for i, layer in enumerate(model.model.layers)]
+    layers, acc = _run(model, ALWAYS)   # exactly STEPS decode steps: telemetry counts the probe's tokens
+    for h in hooks:
+        h.remove()
+    assert acc == []
+    k = model.config.num_experts_per_tok
+    for i, lay in enumerate(layers):
+        fig = lay["router_flatness"]
+        assert fig["steps"] == flatness.STEPS
+        # routing mass moved = 1 - telemetry's routing_mass_kept over the same decode tokens
+        assert fig["routing_mass_moved"] == pytest.approx(1.0 - lay["routing_mass_kept"], abs=1e-5)
+        # top-1 excess share: softmax over the router logits, the top-1's share of the top-k mass
+        x = torch.cat([t for t in seen[i] if t.shape[0] == 8][: flatness.STEPS])
+        p = (x @ model.model.layers[i].mlp.gate.weight.detach().T).float().softmax(-1).topk(k, dim=-1).values
+        w1 = p[:, 0] / p.sum(-1)
+        assert fig["top1_excess_share"] == pytest.approx(float(((w1 - 1 / k) / (1 - 1 / k)).mean()), rel=1e-5)
+    assert sum(lay["router_flatness"]["routing_mass_moved"] for lay in layers) < flatness.MOVED_THRESHOLD
+
+
+def test_nothing_moved_nothing_warned():
+    # a single-row batch keeps each token's own top-k: its steps are not counted, nothing is warned
+    layers, acc = _run(_deep(0.5), ALWAYS, batch=1)
+    assert acc == [] and all(lay["router_flatness"]["steps"] == 0 for lay in layers)
+
+
+def test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold():
+    # the default configuration, gate "auto" included: whatever the gate decides on this machine, a step it keeps
+    # the model's routing on moves nothing, and the warning follows the figure
+    layers, acc = _run(_deep(0.5), None)
+    moved = sum(lay["router_flatness"]["routing_mass_moved"] for lay in layers)
+    assert all(lay["router_flatness"]["steps"] == flatness.STEPS for lay in layers)
+    assert (len(acc) == 1) == (moved > flatness.MOVED_THRESHOLD), (moved, acc)
+
+
+def test_a_configuration_the_user_chose_is_not_probed():
+    for config in (lynx_hf.LynxConfig(gate="always", mass_price=0.25),
+                   lynx_hf.LynxConfig(gate="always", policy="oea", oea_k0=2)):
+        layers, acc = _run(_deep(0.5), config)
+        assert acc == [] and not any("router_flatness" in lay for lay in layers)
+
+
+def test_the_warning_fires_once_per_patch():
+    model = _deep(0.5)
+    ids, mask = fam.prompts(8, 6, left_pad=False)
+    lynx_hf.patch(model, ALWAYS)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=flatness.STEPS + 2,
+                           min_new_tokens=flatness.STEPS + 2, do_sample=False)
+    assert sum(issubclass(w.category, lynx_hf.LynxAccuracyWarning) for w in got) == 1
+    lynx_hf.unpatch(model)
