@@ -57,7 +57,9 @@ from . import RESULTS_DIR, command, pareto
 from . import evaluation as ev
 
 #: the library's default configuration, by its catalog name
-DEFAULT_NAME = pareto.price_name(LynxConfig().mass_price, LynxConfig().price_unit)
+#: the library's default configuration (``LynxConfig()``: its price scaled with the model's depth,
+#: ``LynxConfig.price_ref_layers``), an entry of its own beside the price grid's points (each at its price as given)
+DEFAULT_NAME = "default"
 DEFAULT_BATCH_SIZES = (8, 16, 32, 64)
 SERIES = ("paper", "token", "batch", "sqrt", "oea", "xshare")
 #: tie-break between configurations with equal experts and dCE (price twins at one B are identical)
@@ -357,6 +359,7 @@ def _run(args, argv) -> int:
 
     taus, mults, tprices, fractions = v["grids"]
     cat = pareto.catalog(num_experts, top_k, taus, mults, tprices, fractions, pareto.XSHARE_WARMUPS)
+    cat[DEFAULT_NAME] = (LynxConfig().price_unit, LynxConfig())
     tiers = priority_tiers(cat, v["series"])
     plan = [(b, name) for tier in tiers for b in sizes for name in tier]
     todo = [p for p in plan if p not in done]

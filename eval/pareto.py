@@ -63,12 +63,13 @@ def catalog(num_experts: int, top_k: int, taus=TAUS, alpha_mults=ALPHA_MULTS, to
         for tau in taus:
             out[paper_name(tau, mult)] = ("paper", ev.lynx_config(num_experts, top_k, tau, mult))
     for price in token_prices:  # cover, then grow by routing mass (no consensus), alpha 1x
+        # each point its price as given at any depth (price_ref_layers None); the library default is its own entry
         out[price_name(price, "token")] = ("token", ev.lynx_config(num_experts, top_k, 1e6, 1.0, mass_price=price,
-                                                                   price_unit="token"))
+                                                                   price_unit="token", price_ref_layers=None))
         for unit in PRICE_UNITS[1:]:
             uprice = price / UNIT_SCALE[unit]
             out[price_name(uprice, unit)] = (unit, ev.lynx_config(num_experts, top_k, 1e6, 1.0, mass_price=uprice,
-                                                                  price_unit=unit))
+                                                                  price_unit=unit, price_ref_layers=None))
     for k0 in range(1, top_k):
         out[f"oea k0={k0}"] = ("oea", LynxConfig(policy="oea", oea_k0=k0))
     for warmup in xshare_warmups:

@@ -469,10 +469,15 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flatness_silent",
-        "the router-flatness probe never warns (a flat router under the default costs accuracy silently; issue 45)",
-        (("lynx_hf/flatness.py", "        if self.figure < THRESHOLD:\n", "        if self.figure < 0.0:  # mutant\n"),),
-        ("tests/policies/test_flatness.py::test_default_patch_warns_on_a_flat_router_with_the_figure_and_the_sweep_"
-         "command",),
+        "the router-flatness probe never warns (the default moving much routing mass costs accuracy silently; issue 45)",
+        (("lynx_hf/flatness.py", '        if f["moved"] > MOVED_THRESHOLD:\n', '        if f["moved"] < 0.0:  # mutant\n'),),
+        ("tests/policies/test_flatness.py::test_flat_router_warns_once_with_both_figures_and_the_sweep_command",),
+    ),
+    Mutant(
+        "price_depth_ignored",
+        "the routing-mass price is not scaled with the model's depth (LynxConfig.price_ref_layers ignored; issue 45)",
+        (("lynx_hf/policies/lynx.py", "    return price * ref / moe_layers\n", "    return price  # mutant\n"),),
+        ("tests/policies/test_price_depth.py::test_patch_gives_every_layer_its_models_depth",),
     ),
     Mutant(
         "flatness_smallest_share",

@@ -128,7 +128,8 @@ class BlockRouting:
             device = _param_device(self.router) or _param_device(self.block) or torch.device("cpu")
         config = self.model_state.config
         stages = [stage for make in self.model_state.plan_stages if (stage := make(self, config)) is not None]
-        self.plan = make_plan(config, MoELayer(self.num_experts, self.top_k, device), stages=stages)
+        self.plan = make_plan(config, MoELayer(self.num_experts, self.top_k, device,
+                                               moe_layers=len(self.model_state.blocks)), stages=stages)
         return self.plan
 
     def gate_probe(self, run, inputs: StepInputs):

@@ -72,6 +72,13 @@ class LynxConfig:
       constant price on the mean mass per token) or ``"sqrt"`` (at least ``mass_price * sqrt(B)`` tokens'
       worth: between the two; an absolute price over-prunes small batches, a per-token one large ones,
       ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
+    - ``price_ref_layers``: LYNX extension (ours): the depth ``mass_price`` was chosen at. A model with ``L`` MoE
+      layers, more than this, uses ``mass_price * price_ref_layers / L`` on every layer: each layer's remap perturbs
+      the residual stream and the perturbations add up over the layers, so a deeper model may move less routing mass
+      per layer (a lower price keeps more experts). Default 4, the MoE layers of the fixtures the price was chosen on
+      (A, B; C has 3): the identity there. Chosen on training-split text of the 30-layer fixture D2 and confirmed on
+      held-out text (``docs/results.md``, "A default that keeps its promise"). ``None``: the price as given at any
+      depth. An int ``>= 1`` or ``None``.
     - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
     - ``xshare_budget``: XShare (policy ``"xshare"``, arXiv 2602.07265, a baseline): experts per step, an int
       ``>= 1``, or ``None``: ``ceil(xshare_fraction * N)``.
@@ -120,6 +127,7 @@ class LynxConfig:
     tau: float = 1.0
     mass_price: float | None = 0.109375
     price_unit: str = "sqrt"
+    price_ref_layers: int | None = 4
     oea_k0: int = 1
     xshare_budget: int | None = None
     xshare_fraction: float = 0.5

@@ -154,12 +154,14 @@ class Stage(Protocol):
 # -- the plan ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MoELayer:
-    """What :func:`make_plan` needs of one MoE layer: ``num_experts`` (N), ``top_k`` (k) and the ``device`` its
-    routing runs on (a ``torch.device`` or its name)."""
+    """What :func:`make_plan` needs of one MoE layer: ``num_experts`` (N), ``top_k`` (k), the ``device`` its
+    routing runs on (a ``torch.device`` or its name) and ``moe_layers``, how many MoE layers its model has (the depth
+    the policy's parameters may scale with: ``LynxConfig.price_ref_layers``)."""
 
     num_experts: int
     top_k: int
     device: torch.device | str
+    moe_layers: int = 1
 
 
 @dataclass(frozen=True)
@@ -236,7 +238,7 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
     num_experts, top_k = int(layer.num_experts), int(layer.top_k)
     policy = policies.get(config.policy)
     backend = resolve_backend(config.routing_backend, device) if device.type != "meta" else "torch"
-    params = policy.resolve(config, num_experts, top_k)
+    params = policy.resolve(config, num_experts, top_k, moe_layers=int(layer.moe_layers))
     ops = routing_ops(backend)
     host_ops = routing_ops(backend, host=True) if device.type == "cpu" else ops
     fused = policy.fused_decode(params, host_ops) if device.type == "cpu" else None

@@ -70,8 +70,9 @@ class Policy:
         :class:`~lynx_hf.LynxConfigError` naming the field. Called for every registered policy, whichever
         ``cfg.policy`` is, so a config is valid as a whole."""
 
-    def resolve(self, cfg, num_experts: int, top_k: int):
-        """Per-layer parameters, computed once at patch time (``None`` if there are none)."""
+    def resolve(self, cfg, num_experts: int, top_k: int, moe_layers: int = 1):
+        """Per-layer parameters, computed once at patch time (``None`` if there are none); ``moe_layers``: how many
+        MoE layers the model has (``lynx_hf.core.MoELayer.moe_layers``)."""
         return None
 
     def critical_set(self, params, ops, step: StepTensors) -> torch.Tensor:

@@ -26,7 +26,7 @@ class LynxParams:
     alpha: float
     beta: int
     tau: float
-    mass_price: float | None
+    mass_price: float | None  # the price this layer uses (``price_ref_layers`` applied)
     price_unit: str
 
 
@@ -40,9 +40,18 @@ def bin_parameters(cfg, num_experts: int, top_k: int) -> tuple[float, int]:
     return alpha, beta
 
 
+def layer_price(cfg, moe_layers: int) -> float | None:
+    """The routing-mass price of a layer of a model with ``moe_layers`` MoE layers: ``mass_price``, times
+    ``price_ref_layers / moe_layers`` where the model is deeper than ``price_ref_layers`` (``LynxConfig``)."""
+    price, ref = cfg.mass_price, cfg.price_ref_layers
+    if price is None or ref is None or moe_layers <= ref:
+        return price
+    return price * ref / moe_layers
+
+
 class LynxPolicy(Policy):
     name = "lynx"
-    fields = ("alpha", "beta", "tau", "mass_price", "price_unit")
+    fields = ("alpha", "beta", "tau", "mass_price", "price_unit", "price_ref_layers")
 
     def validate(self, cfg):
         """``alpha`` finite > 0 or None; ``beta`` an int in 0..64 or None; ``tau`` finite >= 0; ``mass_price``
@@ -65,10 +74,12 @@ class LynxPolicy(Policy):
             if not (0.0 <= cfg.mass_price < math.inf):
                 raise LynxConfigError(f"LynxConfig.mass_price must be finite and >= 0 (or None), got {cfg.mass_price!r}")
         check_choice("price_unit", cfg.price_unit, PRICE_UNITS)
+        if cfg.price_ref_layers is not None:
+            check_int("price_ref_layers", cfg.price_ref_layers, minimum=1)
 
-    def resolve(self, cfg, num_experts, top_k):
+    def resolve(self, cfg, num_experts, top_k, moe_layers=1):
         alpha, beta = bin_parameters(cfg, num_experts, top_k)
-        return LynxParams(alpha, beta, float(cfg.tau), cfg.mass_price, cfg.price_unit)
+        return LynxParams(alpha, beta, float(cfg.tau), layer_price(cfg, moe_layers), cfg.price_unit)
 
     def critical_set(self, p: LynxParams, ops, step: StepTensors):
         s, idx, k = step.scores, step.topk_idx, step.top_k

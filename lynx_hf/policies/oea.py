@@ -15,7 +15,7 @@ class OeaPolicy(Policy):
         """``oea_k0`` an int >= 1."""
         check_int("oea_k0", cfg.oea_k0, minimum=1)
 
-    def resolve(self, cfg, num_experts, top_k):
+    def resolve(self, cfg, num_experts, top_k, moe_layers=1):
         return min(cfg.oea_k0, top_k)
 
     def critical_set(self, params, ops, step: StepTensors):

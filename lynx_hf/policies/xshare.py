@@ -25,7 +25,7 @@ class XSharePolicy(Policy):
             raise LynxConfigError(f"LynxConfig.xshare_fraction must be in (0, 1], got {cfg.xshare_fraction!r}")
         check_int("xshare_warmup", cfg.xshare_warmup, minimum=0)
 
-    def resolve(self, cfg, num_experts, top_k):
+    def resolve(self, cfg, num_experts, top_k, moe_layers=1):
         budget = cfg.xshare_budget if cfg.xshare_budget is not None else math.ceil(cfg.xshare_fraction * num_experts)
         return min(max(int(budget), 1), num_experts), min(int(cfg.xshare_warmup), top_k)
 

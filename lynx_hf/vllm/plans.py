@@ -175,7 +175,9 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
     if cfg.gate == "auto":
         stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
                                   step_key=step_key(layer), table=cfg.gate_table))
-    return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device), stages=stages)
+    # the model's MoE layers in this process (a pipeline-parallel stage holds only its own: fewer)
+    return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device, moe_layers=max(1, len(target_layers()))),
+                     stages=stages)
 
 
 def install_plan(layer: Layer, plan: RoutePlan, cfg) -> RoutePlan:

@@ -79,7 +79,8 @@ def test_phase_never_is_removed_naming_policy_none_and_unpatch():
 
 
 # -- each policy validates its own fields -----------------------------------------------------------------
-BAD = {"lynx": [("alpha", 0.0), ("beta", 65), ("tau", -1.0), ("mass_price", float("nan")), ("price_unit", "x")],
+BAD = {"lynx": [("alpha", 0.0), ("beta", 65), ("tau", -1.0), ("mass_price", float("nan")), ("price_unit", "x"),
+                ("price_ref_layers", 0)],
        "oea": [("oea_k0", 0)],
        "xshare": [("xshare_budget", 0), ("xshare_fraction", 1.5), ("xshare_warmup", -1)]}
 

@@ -110,12 +110,14 @@ def test_eval_subcommand_on_a_tiny_local_task(tmp_path):
 #: a decision table with no entry (``LynxConfig.gate_table`` must name a readable table at patch time)
 EMPTY_TABLE = Path(__file__).resolve().parents[1] / "helpers" / "empty_gate_table.json"
 NON_DEFAULT = {"policy": "oea", "phase": "decode", "alpha": "2.5", "beta": "3", "tau": "2.0",
-               "mass_price": "None", "price_unit": "batch", "oea_k0": "2", "xshare_budget": "3", "xshare_fraction": "0.3",
+               "mass_price": "None", "price_unit": "batch", "price_ref_layers": "None", "oea_k0": "2",
+               "xshare_budget": "3", "xshare_fraction": "0.3",
                "xshare_warmup": "2", "q_max": "2", "verify": "false", "routing_backend": "torch", "expert_path": "model",
                "telemetry": "false", "offload_path": "module", "expert_cache_bytes": "4096",
                "gate": "always", "gate_table": str(EMPTY_TABLE)}
 NON_DEFAULT_CONFIG = dict(policy="oea", phase="decode", alpha=2.5, beta=3, tau=2.0, mass_price=None,
-                          price_unit="batch", oea_k0=2, xshare_budget=3, xshare_fraction=0.3, xshare_warmup=2, q_max=2,
+                          price_unit="batch", price_ref_layers=None, oea_k0=2, xshare_budget=3, xshare_fraction=0.3,
+                          xshare_warmup=2, q_max=2,
                           verify=False, routing_backend="torch", expert_path="model", telemetry=False,
                           offload_path="module", expert_cache_bytes=4096, gate="always",
                           gate_table=str(EMPTY_TABLE))
