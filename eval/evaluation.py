@@ -423,7 +423,7 @@ def score_policy(model, ref: Reference, name: str, cfg: LynxConfig) -> dict:
         "mass_price": cfg.mass_price if cfg.policy == "lynx" else None,
         "price_unit": cfg.price_unit if cfg.policy == "lynx" and cfg.mass_price is not None else None,
         # the price a layer of this model used (LynxConfig.price_ref_layers applied; = mass_price up to that depth)
-        "layer_price": (_layer_price(cfg, len(summary.get("per_layer", [])))
+        "layer_price": (layer_price(cfg, max(1, len(summary.get("per_layer", []))))
                         if cfg.policy == "lynx" and cfg.mass_price is not None else None),
         "k0": cfg.oea_k0 if cfg.policy == "oea" else None,
         "xshare_fraction": cfg.xshare_fraction if cfg.policy == "xshare" and cfg.xshare_budget is None else None,
@@ -596,10 +596,6 @@ def sample_responses(samples: list[dict]) -> list:
 # ----------------------------------------------------------------------------------------------
 # policies and tables
 # ----------------------------------------------------------------------------------------------
-def _layer_price(cfg: LynxConfig, moe_layers: int) -> float | None:
-    return layer_price(cfg, max(1, moe_layers))
-
-
 def lynx_config(num_experts: int, top_k: int, tau: float, alpha_mult: float = 1.0, **kw) -> LynxConfig:
     """A LYNX config whose alpha is ``alpha_mult`` times the k/N-derived default (beta stays default);
     the paper's rule (``mass_price=None``) unless ``mass_price`` is passed."""

@@ -153,6 +153,7 @@ class FlatnessStage:
             rows = rows & step.live
         share = top1_excess_share(scores, inputs.idx)
         moved = mass_moved(scores, inputs.idx, new_idx)
+        rows = rows & torch.isfinite(share) & torch.isfinite(moved)   # a non-finite router row is the model's own
         sums = torch.stack([torch.where(rows, share, 0.0).sum(), torch.where(rows, moved, 0.0).sum(),
                             rows.sum().float()])
         self.sums = sums if self.sums is None else self.sums + sums
