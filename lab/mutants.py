@@ -483,7 +483,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "flatness_smallest_share",
         "the router-flatness figure from the token's smallest top-k weight instead of its top-1's",
         (("lynx_hf/flatness.py", ".gather(1, topk_idx.long()).max(dim=-1).values", ".gather(1, topk_idx.long()).min(dim=-1).values"),),
-        ("tests/policies/test_flatness.py::test_default_patch_is_silent_on_a_peaked_router_and_reports_its_figure",),
+        ("tests/policies/test_flatness.py::test_top1_excess_share_by_hand",
+         "tests/policies/test_flatness.py::test_peaked_router_is_silent_and_the_figures_match_telemetry_and_a_torch_reference"),
     ),
 )
 
