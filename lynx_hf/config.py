@@ -72,8 +72,9 @@ class LynxConfig:
       constant price on the mean mass per token) or ``"sqrt"`` (at least ``mass_price * sqrt(B)`` tokens'
       worth: between the two; an absolute price over-prunes small batches, a per-token one large ones,
       ``eval/results/sweep.md``). The threshold is exact in fixed point (``routing_torch.batch_threshold``).
-    - ``price_ref_layers``: LYNX extension (ours): the depth ``mass_price`` was chosen at. A model with ``L`` MoE
-      layers, more than this, uses ``mass_price * price_ref_layers / L`` on every layer: each layer's remap perturbs
+    - ``price_ref_layers``: LYNX extension (ours): a model with ``L`` MoE layers, more than this, uses the
+      routing-mass price ``mass_price * price_ref_layers / L`` on every layer (``None``: no scaling). It is the depth
+      ``mass_price`` was chosen at; each layer's remap perturbs
       the residual stream and the perturbations add up over the layers, so a deeper model may move less routing mass
       per layer (a lower price keeps more experts). Default 4, the MoE layers of the fixtures the price was chosen on
       (A, B; C has 3): the identity there. Chosen on training-split text of the 30-layer fixture D2 and confirmed on

@@ -104,14 +104,15 @@ class ModelFlatness:
         f = self.figures
         if f["moved"] > MOVED_THRESHOLD:
             warnings.warn(LynxAccuracyWarning(
-                f"lynx_hf: on {self.where}'s first {STEPS} decode steps the default policy moved "
+                f"lynx_hf: on the first {STEPS} decode steps of {self.where} the default policy moved "
                 f"{f['moved']:.2f} tokens' worth of top-k routing weight per token, summed over its {f['layers']} MoE "
                 f"layers (per layer {min(moved):.2f}-{max(moved):.2f}; router top-1 excess share {f['share']:.2f}). "
                 f"The default's ΔCE <= 1 % was measured where this stays below {MOVED_THRESHOLD} (fixtures: 0.1-1.1); "
                 f"at 7.1 (a 30-layer real-weights fixture, its price not scaled by depth) it cost +7.1 % "
                 f"(docs/results.md). Measure it on this "
                 f"model before relying on it: `lynx-hf sweep --model <your checkpoint>` writes the frontier and a "
-                f"lynx_config.json within the 1 % budget (patch(model, 'lynx_config.json')). Nothing is changed: the "
+                f"lynx_config.json within the 1 % budget (patch(model, 'lynx_config.json')), or scale the price down "
+                f"further (LynxConfig(price_ref_layers=...): smaller keeps more experts). Nothing is changed: the "
                 f"policy runs as configured, wherever the cost gate lets it."),
                 stacklevel=2)
 
@@ -193,6 +194,8 @@ def plan_stage(block, config):
     state = block.model_state
     probe = getattr(state, "flatness", None)
     if probe is None:
-        name = getattr(getattr(state.model, "config", None), "_name_or_path", "") or "this model"
+        # the message names the model (Python shows a warning once per text and place: two models, two warnings)
+        path = getattr(getattr(state.model, "config", None), "_name_or_path", "")
+        name = f"{type(state.model).__name__} at {id(state.model):#x}" + (f" ({path})" if path else "")
         probe = state.flatness = ModelFlatness(name)
     return FlatnessStage(probe, block.name)
