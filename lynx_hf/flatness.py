@@ -36,6 +36,7 @@ import warnings
 
 import torch
 
+from . import policies
 from .core import Runner, Step, StepInputs, keep_routing
 from .errors import LynxAccuracyWarning
 from .kernels.routing_torch import relative_weights
@@ -69,10 +70,9 @@ def mass_moved(scores: torch.Tensor, topk_idx: torch.Tensor, new_idx: torch.Tens
 
 def is_default(config) -> bool:
     """Whether ``config`` (a ``LynxConfig``) runs the default policy with its default parameters."""
-    base, policy = type(config)(), config.policy
-    return policy == base.policy and all(getattr(config, f) == getattr(base, f)
-                                         for f in ("alpha", "beta", "tau", "mass_price", "price_unit",
-                                                   "price_ref_layers"))
+    base = type(config)()
+    return config.policy == base.policy and all(getattr(config, f) == getattr(base, f)
+                                                for f in policies.get(base.policy).fields)
 
 
 class ModelFlatness:
@@ -98,8 +98,7 @@ class ModelFlatness:
                 return
             if any(s.steps < STEPS for s in self.layers.values()):
                 return
-            share = [s.value()[0] for s in self.layers.values()]
-            moved = [s.value()[1] for s in self.layers.values()]
+            share, moved = zip(*(s.value() for s in self.layers.values()))
             self.figures = {"moved": sum(moved), "share": sum(share) / len(share), "layers": len(moved)}
         f = self.figures
         if f["moved"] > MOVED_THRESHOLD:
