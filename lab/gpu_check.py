@@ -174,7 +174,7 @@ def skewed_logits(T, N, gen, device, skew=2.0):
 
 class HostReadDetector:
     """CPU stand-in for CUDA's sync debug mode (dry run): records data-dependent aten ops issued from
-    lynx_hf's own files (``.item()``, ``nonzero``, ``is_nonzero``, ``masked_select``, ``unique``...)."""
+    lynx_hf's own files (``.item()``, ``torch.tensor(x)`` (an H2D copy), ``nonzero``, ``is_nonzero``, ``masked_select``, ``unique``...)."""
 
     def __init__(self) -> None:
         from torch.utils._python_dispatch import TorchDispatchMode
@@ -183,7 +183,8 @@ class HostReadDetector:
         self._roots = _our_roots()
         self._bad = {aten._local_scalar_dense.default, aten.is_nonzero.default, aten.nonzero.default,
                      aten.masked_select.default, aten._unique2.default, aten.unique_consecutive.default,
-                     aten.bincount.default, aten.equal.default}
+                     aten.bincount.default, aten.equal.default,
+                     aten.lift_fresh.default, aten.lift_fresh_copy.default}  # torch.tensor(host data): an H2D copy
         self.violations: list[str] = []
         outer = self
 
@@ -548,7 +549,10 @@ def section_tpot(args, dev, budget, models) -> None:
     batches = DRY_TPOT_BATCHES if args.dry_run else TPOT_BATCHES
     new_tokens = 3 if args.dry_run else args.new_tokens
     rounds = 1 if args.dry_run else args.rounds
-    variants = {"hf": None, "lynx grouped_mm": TORCH, "lynx triton": TRITON}
+    # "lynx auto": the defaults with the gate forced on (expert_path "auto": the sparse kernel from
+    # lynx_hf.core.AUTO_KERNEL_MIN_TOKENS decode tokens on CUDA); "lynx grouped_mm": transformers' grouped_mm always
+    variants = {"hf": None, "lynx grouped_mm": dict(TORCH, expert_path="model"), "lynx triton": TRITON,
+                "lynx auto": dict(routing_backend="auto", expert_path="auto", gate="always")}  # (a re-patch keeps fields)
     table = []
     for name, config in model_configs(args.dry_run).items():
         if not budget.allows(45 if not args.dry_run else 10, f"{name} TPOT", S):
@@ -591,19 +595,26 @@ def section_tpot(args, dev, budget, models) -> None:
             med = {v: statistics.median(t) * 1e3 for v, t in times.items()}
             choice = min(("lynx grouped_mm", "lynx triton"), key=lambda v: med[v])
             u = unique.get("lynx triton") or unique.get("lynx grouped_mm") or (None, None)
+            from lynx_hf.core import AUTO_KERNEL_MIN_TOKENS
+
+            picks = "triton sparse kernel" if B >= AUTO_KERNEL_MIN_TOKENS else "grouped_mm"
             line = (f"B={B:3d}: HF {med['hf']:.2f} ms | LYNX grouped_mm {med['lynx grouped_mm']:.2f} ms "
                     f"({med['lynx grouped_mm'] / med['hf']:.2f}x) | LYNX triton {med['lynx triton']:.2f} ms "
-                    f"({med['lynx triton'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
-                    f"auto should pick: {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton sparse kernel'}")
+                    f"({med['lynx triton'] / med['hf']:.2f}x) | LYNX auto {med['lynx auto']:.2f} ms "
+                    f"({med['lynx auto'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
+                    f"faster: {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton sparse kernel'}, "
+                    f"auto picks: {picks}")
             note(S, f"{name} TPOT", line)
             table.append((name, B, med, choice, u))
     if table:
         print("\n  TPOT summary (ms per decode step, median of interleaved rounds):", flush=True)
-        print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | unique experts | auto |", flush=True)
-        print("  |---|---|---|---|---|---|---|", flush=True)
+        print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | LYNX auto | unique experts | faster |",
+              flush=True)
+        print("  |---|---|---|---|---|---|---|---|", flush=True)
         for name, B, med, choice, u in table:
             print(f"  | {name} | {B} | {med['hf']:.2f} | {med['lynx grouped_mm']:.2f} | {med['lynx triton']:.2f} | "
-                  f"{_fmt(u[0])} -> {_fmt(u[1])} | {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton'} |", flush=True)
+                  f"{med['lynx auto']:.2f} | {_fmt(u[0])} -> {_fmt(u[1])} | "
+                  f"{'grouped_mm' if choice == 'lynx grouped_mm' else 'triton'} |", flush=True)
 
 
 # ------------------------------------------------------------------------------------------- section 4
@@ -630,9 +641,20 @@ def section_graphs(args, dev, budget, models) -> None:
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
     lynx_hf.patch(model, policy="lynx", routing_backend=backend, gate="always")
     try:
+        if dev.type == "cuda":
+            # a user's first generate after patch: on CUDA transformers compiles a static-cache decode by itself
+            # (inductor, reduce-overhead: CUDA graphs); it once failed on the second replay, the telemetry made
+            # inside the graph (lynx_hf.telemetry.BlockTelemetry.ensure)
+            torch._dynamo.reset()
+            with torch.inference_mode():
+                auto = model.generate(**gen)
+            lynx_hf.reset_stats(model)
         with torch.inference_mode():
-            eager = model.generate(**gen)
+            eager = model.generate(**gen, disable_compile=True)
         eager_stats = lynx_hf.stats(model).summary()
+        if dev.type == "cuda":
+            record(S, "first generate after patch (transformers' own compile) == eager LYNX tokens",
+                   torch.equal(auto, eager), f"decode steps {eager_stats['decode_steps']}")
         lynx_hf.reset_stats(model)
         torch._dynamo.reset()
         t0 = time.perf_counter()

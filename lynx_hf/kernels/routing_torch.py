@@ -44,6 +44,7 @@ Ties always break to the lower expert id (stable sorts), so results are determin
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
@@ -98,6 +99,14 @@ def default_lynx_bins(num_experts: int, top_k: int) -> tuple[float, int]:
     return beta / math.log(ratio), beta
 
 
+def _fp32(x: float) -> float:
+    """``x`` rounded to the nearest fp32 value, as a Python float (``inf`` stays ``inf``)."""
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:  # beyond fp32's range: fp32 rounds it to inf, as torch.tensor(x, dtype=float32) does
+        return math.copysign(math.inf, x)
+
+
 def _rows(mask: torch.Tensor | None, num_rows: int, device) -> torch.Tensor:
     return torch.ones(num_rows, dtype=torch.bool, device=device) if mask is None else mask.to(torch.bool)
 
@@ -115,7 +124,10 @@ def lynx_bins(scores: torch.Tensor, alpha: float) -> torch.Tensor:
     """
     s = scores.float()
     gap = s - s.max(dim=-1, keepdim=True).values
-    bins = torch.ceil(gap * torch.tensor(alpha, dtype=torch.float32, device=s.device))
+    # alpha as a Python float rounded to fp32 (what the Triton kernels read): a scalar operand, not
+    # torch.tensor(alpha, device=...), which is a host-to-device copy on an accelerator (a sync, and an error
+    # under CUDA-graph capture; found by lab.gpu_check on an H200)
+    bins = torch.ceil(gap * _fp32(alpha))
     finite = torch.isfinite(s)
     # clamp before the int cast (a huge alpha or finfo.min-masked logits would overflow int32); any
     # bin this low never votes, since beta < 2**30.
@@ -135,7 +147,8 @@ def batch_base_powers(batch_base, beta: int, device=None) -> torch.Tensor:
         base = batch_base.to(torch.float64).clamp_min(1.0)
         device = base.device
     else:
-        base = torch.tensor(float(max(int(batch_base), 1)), dtype=torch.float64, device=device)
+        # a fill, not torch.tensor(value, device=...): no host-to-device copy
+        base = torch.full((), float(max(int(batch_base), 1)), dtype=torch.float64, device=device)
     j = torch.arange(beta + 1, dtype=torch.float64, device=device)
     return torch.pow(base, -j).to(torch.float32).to(torch.float64)
 

@@ -2,7 +2,8 @@
 
 While :class:`SyncDetector` is active, every aten op is inspected; an op that reads a device value on
 the host (``_local_scalar_dense``: ``.item()``, ``bool(t)``, ``int(t)``), tests a tensor's truth
-(``is_nonzero``, ``equal``), or produces a data-dependent shape (``nonzero``, ``masked_select``,
+(``is_nonzero``, ``equal``), copies host data in (``torch.tensor(x)``: ``lift_fresh``, a host-to-device copy
+on an accelerator), or produces a data-dependent shape (``nonzero``, ``masked_select``,
 ``unique``, boolean-mask indexing, ``repeat_interleave`` without ``output_size``, ``bincount``) is a
 violation when the innermost Python frame outside torch belongs to lynx_hf (the package's files:
 ``lynx_hf/`` (``lynx_hf/kernels/`` included), ``patches/``). Ops issued by transformers' or Triton's own code (the
@@ -30,6 +31,9 @@ _ALWAYS = {
     aten._local_scalar_dense.default, aten.is_nonzero.default, aten.equal.default, aten.nonzero.default,
     aten.masked_select.default, aten.unique_consecutive.default, aten.unique_dim.default, aten._unique2.default,
     aten._unique.default, aten.bincount.default, aten.argwhere.default,
+    # torch.tensor(<host data>) inside a step: a host-to-device copy from pageable memory on an accelerator
+    # (a sync under set_sync_debug_mode, and an error under CUDA-graph capture): found by lab.gpu_check on an H200
+    aten.lift_fresh.default, aten.lift_fresh_copy.default,
 }
 for _name in ("item",):
     if hasattr(aten, _name):

@@ -452,12 +452,18 @@ def test_no_host_sync_beyond_the_expert_ids_read(family, tmp_path, one_thread):
     assert summary["offload_layers"] > 0 and summary["decode_steps"] == STEPS
     source = Path(offload.__file__).read_text().splitlines()
     marked = {i + 1 for i, line in enumerate(source) if "the host sync" in line}
+    # index tensors made from the host's decisions (torch.tensor: lift_fresh), anywhere in offload.py: they follow
+    # the ids read, which has already synced the step (the store and its LRU live on the host)
     assert marked
+    reads = []
     for op, where in detector.violations:
         path, line = where.rsplit(":", 1)
-        assert os.path.samefile(path, offload.__file__) and int(line) in marked, (op, where)
-    assert detector.violations  # the read is there (and seen by the detector)
-    assert all(re.search(r"unique|nonzero", op) for op, _ in detector.violations)
+        assert os.path.samefile(path, offload.__file__), (op, where)
+        if "lift_fresh" not in op:
+            assert int(line) in marked, (op, where)
+            reads.append(op)
+    assert reads  # the read is there (and seen by the detector)
+    assert all(re.search(r"unique|nonzero", op) for op in reads)
 
 
 def test_generate_patched_under_inference_mode(tmp_path, one_thread):
