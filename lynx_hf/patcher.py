@@ -116,6 +116,7 @@ def _patched_generate(model, *args, **kwargs):
         length = cache_length(cache)
         held = int(length) if length is not None else 0  # once per call (a StaticCache: one host read)
     eos_ids, verify = _generation_settings(model, args, kwargs)
+    _prepare_telemetry(state)  # before generate may compile the decode step (a static cache on CUDA)
     with generation_scope(state, prompt.shape[1], eos_ids, verify, held):
         return original(*args, **kwargs)
 
@@ -356,7 +357,18 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     _sync_experts_impl(state)
     offload.install(state)  # offloaded experts read per expert in decode
     _resolve(state)
+    _prepare_telemetry(state)
     return model
+
+
+def _prepare_telemetry(state: ModelState) -> None:
+    """Allocate each block's telemetry accumulators on its router's device, eagerly (patch time and every patched
+    ``generate``: the model may have moved since), so that no compiled decode step creates them
+    (:meth:`lynx_hf.telemetry.BlockTelemetry.ensure`)."""
+    for block in state.blocks:
+        weight = next(block.router.parameters(), None) if isinstance(block.router, torch.nn.Module) else None
+        if weight is not None:
+            block.telemetry.ensure(weight.device)
 
 
 def _resolve(state: ModelState) -> None:

@@ -70,6 +70,18 @@ class BlockTelemetry:
         else:
             acc.zero_()
 
+    def ensure(self, device) -> None:
+        """Allocate the accumulators on ``device`` now, outside any compiled region (patch time and each patched
+        ``generate``; the sums so far move with them). Made lazily inside a compiled, CUDA-graphed decode step instead
+        (transformers compiles a static-cache generate on CUDA by itself), they would be an output of the graph
+        whose memory the next replay overwrites ("accessing tensor output of CUDAGraphs that has been overwritten",
+        ``lab.gpu_check`` on an H200). A meta ``device`` (a model not yet materialized) is skipped."""
+        device = torch.device(device)
+        if device.type == "meta" or (self.acc is not None and self.acc.device == device):
+            return
+        self.acc = torch.zeros(slots.NUM_SLOTS, dtype=torch.float64, device=device) if self.acc is None \
+            else self.acc.to(device)
+
     def _buf(self, device) -> torch.Tensor:
         acc = self.acc
         if acc is None or acc.device != device:

@@ -12,6 +12,7 @@ from transformers import CompileConfig, StaticCache
 
 import lynx_hf
 import lynx_hf.detection
+import lynx_hf.state
 from helpers import families as fam
 from lynx_hf.kernels.routing_torch import strict_sync_free
 
@@ -84,6 +85,40 @@ def test_generate_compiled_static_cache_equals_eager(case):
                 "unique_experts_after"):
         assert stats[key] == eager_stats[key], key
     assert stats["unique_experts_after"] < stats["unique_experts_before"]  # the compiled graph remaps
+
+
+def test_compiled_generate_first_keeps_the_telemetry_made_at_patch_time():
+    """A user's first ``generate`` after ``patch`` is the compiled one (transformers compiles a static-cache generate
+    on CUDA by itself). The telemetry accumulators must exist before it, made eagerly at patch time on the router's
+    device: created lazily inside the compiled decode step they were an output of the CUDA graph, overwritten by the
+    next replay ("accessing tensor output of CUDAGraphs that has been overwritten", lab.gpu_check on an H200). The
+    compiled graph adds into that same memory, and counts what an eager generate on a fresh patch counts."""
+    model = fam.build("qwen2_moe")
+    ids, mask = fam.prompts(8, 5)
+    gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, cache_implementation="static",
+               pad_token_id=0)
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    state = lynx_hf.state.state_of(model)
+    accs = [block.telemetry.acc for block in state.blocks]
+    assert all(acc is not None and acc.device == block.router.weight.device and not acc.any()
+               for acc, block in zip(accs, state.blocks))
+    ptrs = [acc.data_ptr() for acc in accs]
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True
+    torch._dynamo.reset()
+    compiled = model.generate(**gen, compile_config=config)
+    assert model._compiled_call is not None
+    assert [block.telemetry.acc.data_ptr() for block in state.blocks] == ptrs  # the same memory, added into
+    stats = lynx_hf.stats(model).summary()
+    lynx_hf.unpatch(model)
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    eager = model.generate(**gen)
+    eager_stats = lynx_hf.stats(model).summary()
+    lynx_hf.unpatch(model)
+    assert torch.equal(compiled, eager)
+    assert eager_stats["decode_steps"] == gen["max_new_tokens"] - 1
+    for key in ("decode_steps", "decode_tokens", "unique_experts_before", "unique_experts_after"):
+        assert stats[key] == eager_stats[key], key
 
 
 @pytest.mark.slow
