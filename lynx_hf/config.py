@@ -92,10 +92,11 @@ class LynxConfig:
       of a verify forward is decode work). Default True.
     - ``routing_backend``: which routing ops run: ``"auto"`` (Triton on CUDA tensors, torch on CPU),
       ``"torch"`` or ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``).
-    - ``expert_path``: what computes the routed experts in decode: ``"auto"`` (for now the model's own
-      experts implementation; transformers' ``grouped_mm`` on CUDA), ``"model"`` (the same, never a kernel of
-      ours) or ``"triton"`` (the sparse Triton decode kernel, ``lynx_hf.kernels.moe``; CUDA, or the
-      interpreter).
+    - ``expert_path``: what computes the routed experts in decode: ``"auto"`` (on CUDA the sparse Triton decode
+      kernel for steps of at least 4 tokens, ``lynx_hf.core.AUTO_KERNEL_MIN_TOKENS``, measured on an H200;
+      otherwise the model's own experts implementation, transformers' ``grouped_mm`` on CUDA), ``"model"``
+      (the model's own, never a kernel of ours) or ``"triton"`` (the sparse Triton decode kernel for every
+      decode step, ``lynx_hf.kernels.moe``; CUDA, or the interpreter).
     - ``telemetry``: collect per-layer statistics in decode (``lynx_hf.stats``): ``True`` (every key), ``"counts"``
       (the cheaper counting mode: decode steps, unique experts before / after and the token counts only;
       ``remapped_fraction`` and ``routing_mass_kept`` read ``None``, so the routing weights are never read) or

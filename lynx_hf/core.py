@@ -172,8 +172,10 @@ class RoutePlan:
     ``params``: the policy's per-layer parameters (``Policy.resolve``); ``ops``: the sync-free routing ops;
     ``host_ops``: the ops for CPU tensors in eager mode (the numba twins where available, else ``ops``);
     ``fused``: the policy's one-call CPU decode step (``Policy.fused_decode``) or ``None``; ``expert_ops``: the
-    Triton ops namespace whose ``sparse_moe`` computes the routed experts when ``LynxConfig.expert_path ==
-    "triton"``, else ``None``; ``kernel``: the decode-step function (the module docstring), called as
+    Triton ops namespace whose ``sparse_moe`` computes the routed experts (``LynxConfig.expert_path == "triton"``,
+    or ``"auto"`` on CUDA), else ``None``; ``kernel_min_tokens``: the fewest decode tokens a step needs for that
+    kernel to run (1 when chosen explicitly; :data:`AUTO_KERNEL_MIN_TOKENS` under ``"auto"``); ``kernel``: the
+    decode-step function (the module docstring), called as
     ``kernel(plan, inputs) -> Routed``; ``stages``: the :class:`Stage` objects composed around it, outermost first;
     ``runner``: that composition (:meth:`run` calls it).
     """
@@ -189,6 +191,7 @@ class RoutePlan:
     host_ops: object = None
     fused: object = None
     expert_ops: object = None
+    kernel_min_tokens: int = 1
     stages: tuple = dataclasses.field(default=(), compare=False)
     runner: Optional[Runner] = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -212,13 +215,26 @@ class RoutePlan:
 
     @property
     def expert_kernel(self) -> bool:
-        """Whether decode runs the routed experts with the sparse Triton kernel (``expert_path="triton"``)."""
+        """Whether decode may run the routed experts with the sparse Triton kernel (``expert_path="triton"``, or
+        ``"auto"`` on CUDA, for steps of at least :attr:`kernel_min_tokens` tokens: :meth:`uses_kernel`)."""
         return self.expert_ops is not None
+
+    def uses_kernel(self, num_tokens: int) -> bool:
+        """Whether a decode step of ``num_tokens`` tokens (the static T) runs the sparse Triton expert kernel."""
+        return self.expert_ops is not None and num_tokens >= self.kernel_min_tokens
 
     @property
     def sparse_moe(self):
         """The sparse Triton expert kernel (``kernels.moe.sparse_moe``), or ``None``."""
         return None if self.expert_ops is None else self.expert_ops.sparse_moe
+
+
+#: ``expert_path="auto"`` on CUDA runs the sparse Triton expert kernel for decode steps of at least this many tokens.
+#: Measured on an H200 (``python -m lab.gpu_check --sections tpot``, eval/results/gpu_check_h200.txt; bf16, 2-layer
+#: cuts, LYNX default, TPOT of eager ``generate``): Qwen2-57B-A14B at B = 1 / 4 / 16 / 64 the kernel 5.74 / 8.52 /
+#: 11.79 / 8.95 ms vs transformers' grouped_mm 5.56 / 27.78 / 37.82 / 39.74 ms; DeepSeek-V2-Lite 6.08 / 9.70 / 8.93 /
+#: 9.63 vs 5.55 / 22.70 / 40.86 / 38.68 ms. At B = 1 the two tie (grouped_mm 3-10 % ahead), from B = 4 the kernel wins.
+AUTO_KERNEL_MIN_TOKENS = 4
 
 
 def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] = ()) -> RoutePlan:
@@ -227,9 +243,10 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
     then compose ``stages`` around it (:class:`Stage`, outermost first; each bound once, here).
 
     ``routing_backend``: ``"auto"`` gives Triton on CUDA, torch elsewhere (a ``meta`` device: torch).
-    ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel; ``"auto"`` / ``"model"`` keep the
-    model's own experts implementation (transformers' ``grouped_mm`` on CUDA, ``lynx_hf.experts``) until a GPU
-    run measures which is faster per shape. Raises ``RuntimeError`` when Triton cannot run on the device,
+    ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel for every decode step; ``"auto"`` selects it
+    on CUDA for decode steps of at least :data:`AUTO_KERNEL_MIN_TOKENS` tokens, for a policy that remaps (below, and
+    on other devices, the model's own experts implementation: transformers' ``grouped_mm``, ``lynx_hf.experts``);
+    ``"model"`` never selects it. Raises ``RuntimeError`` when Triton cannot run on the device,
     ``TypeError`` when ``layer`` is not a :class:`MoELayer`; whatever a stage's ``bind`` raises.
     """
     if not isinstance(layer, MoELayer):
@@ -242,9 +259,11 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
     ops = routing_ops(backend)
     host_ops = routing_ops(backend, host=True) if device.type == "cpu" else ops
     fused = policy.fused_decode(params, host_ops) if device.type == "cpu" else None
-    expert_ops = None
+    expert_ops, kernel_min_tokens = None, 1
     if config.expert_path == "triton" and device.type != "meta":
         expert_ops = routing_ops(resolve_backend("triton", device))
+    elif config.expert_path == "auto" and device.type == "cuda" and policy.remaps:
+        expert_ops, kernel_min_tokens = routing_ops("triton"), AUTO_KERNEL_MIN_TOKENS
     if not policy.remaps or top_k >= num_experts:  # every token uses every expert when k = N: nothing to remap
         kernel = keep_routing
     elif fused is not None:
@@ -252,7 +271,7 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
     else:
         kernel = remap_step
     plan = RoutePlan(device, backend, policy, params, ops, num_experts, top_k, kernel, host_ops=host_ops, fused=fused,
-                     expert_ops=expert_ops)
+                     expert_ops=expert_ops, kernel_min_tokens=kernel_min_tokens)
     runner, bound = decode_step, []
     for stage in reversed(tuple(stages)):  # innermost first: each stage wraps what is below it
         wrapped = stage.bind(plan, runner)

@@ -14,10 +14,11 @@ config -- runs it (:func:`original_implementation`). ``"lynx"`` chooses, per cal
 - not a decode step -> the implementation the model had (prefill bit-identical);
 - a decode step the cost gate keeps off (``LynxConfig.gate="auto"``, ``lynx_hf.gate``) -> the implementation the
   model had (the routing is the model's own too: as unpatched);
-- decode, ``expert_path="triton"`` chosen explicitly (``"auto"`` never picks the kernel: until a GPU run
-  measures which is faster per shape, transformers' ``grouped_mm`` is the CUDA path; ``lab/gpu_check.py``),
-  the experts passed :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton
-  kernel :func:`lynx_hf.kernels.moe.sparse_moe`;
+- decode with ``expert_path="triton"`` (every step), or ``"auto"`` on CUDA in a step of at least
+  ``core.AUTO_KERNEL_MIN_TOKENS`` tokens (measured on an H200: from B = 4 the kernel is 3-4x faster than
+  ``grouped_mm`` at Qwen2-57B / DeepSeek-V2-Lite shapes; at B = 1 they tie), the experts passed
+  :func:`kernel_storage` at patch time and :func:`weights_ready` now -> the sparse Triton kernel
+  :func:`lynx_hf.kernels.moe.sparse_moe`;
 - decode with a plan on CUDA, the experts passed :func:`storage_reason` at patch time and
   :func:`weights_ready` now, and (under ``torch.compile``) bf16 weights -> that interface's ``grouped_mm`` (reads only
   the unique experts; compiled with other dtypes transformers falls back to a loop that syncs, which a CUDA-graph
@@ -279,7 +280,7 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
         # implementation, as unpatched
         return own(self, hidden_states, top_k_index, top_k_weights)
     plan = state.plan if state.plan is not None else state.resolve(hidden_states.device)  # None after a copy
-    if plan.expert_kernel and state.kernel_allowed and weights_ready(self, hidden_states):
+    if plan.uses_kernel(hidden_states.shape[0]) and state.kernel_allowed and weights_ready(self, hidden_states):
         return plan.sparse_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                                exact_grid=False)
     if plan.device.type != "cpu" and not _grouped_capturable(self):

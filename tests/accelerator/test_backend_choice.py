@@ -1,23 +1,33 @@
 """What a plan resolves once (``lynx_hf.core.make_plan``): the routing backend, the expert path and the decode-step
-function. ``expert_path="auto"`` never selects the sparse Triton expert kernel (transformers' ``grouped_mm`` is the
-CUDA path until a GPU run measures both); ``expert_path="triton"`` selects it explicitly. Plans are resolved
-without running anything on the device."""
+function. ``expert_path="auto"`` selects the sparse Triton expert kernel on CUDA for decode steps of at least
+``AUTO_KERNEL_MIN_TOKENS`` tokens (measured on an H200: from B = 4 the kernel is 3-4x faster than transformers'
+``grouped_mm``, at B = 1 they tie); ``expert_path="triton"`` selects it for every step, ``"model"`` never. Plans are
+resolved without running anything on the device."""
 
 import torch
 
 from lynx_hf import LynxConfig
-from lynx_hf.core import MoELayer, fused_step, keep_routing, make_plan, remap_step
+from lynx_hf.core import AUTO_KERNEL_MIN_TOKENS, MoELayer, fused_step, keep_routing, make_plan, remap_step
 from lynx_hf.kernels import routing_cpu
 
 
-def test_auto_on_cuda_routes_with_triton_but_keeps_transformers_experts():
-    plan = make_plan(LynxConfig(routing_backend="auto"), MoELayer(8, 2, torch.device("cuda")))
-    assert plan.routing_backend == "triton" and plan.expert_kernel is False and plan.sparse_moe is None
+def test_auto_on_cuda_routes_with_triton_and_runs_the_kernel_from_four_tokens():
+    plan = make_plan(LynxConfig(), MoELayer(8, 2, torch.device("cuda")))  # the default config
+    assert plan.routing_backend == "triton" and plan.expert_kernel is True and plan.sparse_moe is not None
+    assert AUTO_KERNEL_MIN_TOKENS == 4 and plan.kernel_min_tokens == AUTO_KERNEL_MIN_TOKENS
+    assert [plan.uses_kernel(t) for t in (1, 2, 3, 4, 64)] == [False, False, False, True, True]
+
+
+def test_auto_keeps_the_model_experts_where_nothing_is_remapped():
+    cuda = torch.device("cuda")
+    assert make_plan(LynxConfig(policy="none"), MoELayer(8, 2, cuda)).expert_kernel is False
+    assert make_plan(LynxConfig(expert_path="model"), MoELayer(8, 2, cuda)).expert_kernel is False
 
 
 def test_explicit_triton_selects_the_sparse_expert_kernel():
     plan = make_plan(LynxConfig(routing_backend="triton", expert_path="triton"), MoELayer(8, 2, torch.device("cuda")))
     assert plan.routing_backend == "triton" and plan.expert_kernel is True
+    assert plan.kernel_min_tokens == 1 and plan.uses_kernel(1)
 
 
 def test_expert_path_is_independent_of_the_routing_backend():
@@ -29,7 +39,10 @@ def test_expert_path_is_independent_of_the_routing_backend():
 
 def test_cpu_never_uses_the_kernel_unless_asked():
     assert make_plan(LynxConfig(), MoELayer(8, 2, torch.device("cpu"))).expert_kernel is False
-    assert make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, torch.device("cuda"))).expert_kernel is False
+    assert make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, "meta")).expert_kernel is False
+    # on CUDA the expert path does not follow the routing backend: torch routing ops, the kernel from 4 tokens
+    plan = make_plan(LynxConfig(routing_backend="torch"), MoELayer(8, 2, torch.device("cuda")))
+    assert plan.routing_backend == "torch" and plan.uses_kernel(4) and not plan.uses_kernel(3)
 
 
 # -- the decode-step function: chosen once per plan --------------------------------------------------------

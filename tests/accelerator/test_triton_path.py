@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import lynx_hf
+import lynx_hf.state
 from helpers import families as fam
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
@@ -51,3 +52,40 @@ def test_triton_backend_without_interpreter_on_cpu_is_a_clear_error(monkeypatch)
     lynx_hf.patch(model, routing_backend="torch", expert_path="auto")
     assert torch.equal(out, model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False))
     lynx_hf.unpatch(model)
+
+
+def test_kernel_runs_only_from_the_plans_token_threshold():
+    """``expert_path="auto"`` on CUDA runs the sparse kernel for decode steps of at least
+    ``core.AUTO_KERNEL_MIN_TOKENS`` tokens (``RoutePlan.kernel_min_tokens``): the experts implementation asks the plan
+    with the step's static T. Here (CPU, interpreter) the threshold is set on an explicit-"triton" plan: a 2-row decode
+    step runs the model's experts implementation, a 4-row one the kernel; tokens equal the torch path's either way."""
+    import dataclasses
+    import types
+
+    from lynx_hf.core import AUTO_KERNEL_MIN_TOKENS
+
+    model = fam.build("qwen2_moe")
+    calls = []
+    outs = {}
+    for batch in (AUTO_KERNEL_MIN_TOKENS - 2, AUTO_KERNEL_MIN_TOKENS):
+        ids, mask = fam.prompts(batch, 5)
+        gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        # gate="always": the subject is the expert path of steps that remap (on these tiny CPU shapes the default gate
+        # keeps the model's routing, and with it the model's experts implementation)
+        with lynx_hf.patched(model, routing_backend="torch", gate="always"):
+            ref = model.generate(**gen)
+        lynx_hf.patch(model, routing_backend="torch", expert_path="triton", gate="always")
+        for block in lynx_hf.state.state_of(model).blocks:
+            ops = block.plan.expert_ops
+
+            def spy(hidden, *args, _sparse=ops.sparse_moe, **kwargs):
+                calls.append(hidden.shape[0])
+                return _sparse(hidden, *args, **kwargs)
+
+            block.plan = dataclasses.replace(block.plan, kernel_min_tokens=AUTO_KERNEL_MIN_TOKENS,
+                                             expert_ops=types.SimpleNamespace(sparse_moe=spy))
+        outs[batch] = model.generate(**gen)
+        lynx_hf.unpatch(model)
+        assert torch.equal(outs[batch], ref)
+        assert (batch in calls) == (batch >= AUTO_KERNEL_MIN_TOKENS), (batch, calls)
+    assert calls and set(calls) == {AUTO_KERNEL_MIN_TOKENS}
