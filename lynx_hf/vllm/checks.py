@@ -221,9 +221,11 @@ def check_layers(cfg) -> None:
 def check_captured(cfg) -> None:
     """After the plans are made, before the first forward: in an engine whose forward is captured in device graphs
     (``STATE.start.captured``) a plan that remaps with the torch routing ops is refused
-    (:class:`~lynx_hf.LynxConfigError`, naming ``routing_backend``): its decode step creates tensors from Python
-    scalars on the device, a host-to-device copy inside the step that a CUDA-graph capture fails on with a CUDA
-    error. (The Triton routing ops, ``routing_backend="auto"`` on CUDA, fill those on the device.)"""
+    (:class:`~lynx_hf.LynxConfigError`, naming ``routing_backend``): its decode step created tensors from Python
+    scalars on the device, a host-to-device copy a CUDA-graph capture fails on. That copy is gone (lab.gpu_check's
+    ``torch_capture`` section now captures the torch ops' step on an H200), but no vLLM engine has been captured with
+    them yet, so the refusal stays until one is. (The Triton routing ops, ``routing_backend="auto"`` on CUDA, are the
+    ones verified under capture.)"""
     if cfg is None or not STATE.start.captured:
         return
     names = plans.torch_backend_layers()
@@ -231,9 +233,9 @@ def check_captured(cfg) -> None:
         raise LynxConfigError(
             f"lynx_hf.vllm: routing_backend={cfg.lynx.routing_backend!r} runs the torch routing ops on MoE layers "
             f"{', '.join(names[:3])}{', ...' if len(names) > 3 else ''}, and this engine captures its forward in "
-            f"device graphs ({STATE.start.device}, cudagraph_mode not NONE): the torch ops copy Python scalars "
-            "host-to-device inside the step, which a graph capture refuses. Use routing_backend='auto' (the Triton "
-            "routing ops on CUDA), or start the engine with enforce_eager=True.")
+            f"device graphs ({STATE.start.device}, cudagraph_mode not NONE): the torch ops have not been verified under "
+            "a vLLM engine's graph capture. Use routing_backend='auto' (the Triton routing ops on CUDA, verified), or "
+            "start the engine with enforce_eager=True.")
 
 
 def start_forward(model_runner) -> None:

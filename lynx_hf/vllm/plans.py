@@ -418,9 +418,8 @@ def inspect_rows(layer: Layer) -> None:
 
 
 def torch_backend_layers() -> list[str]:
-    """The target layers whose plan remaps with the torch routing ops (``RoutePlan.routing_backend == "torch"``): their
-    decode step creates small tensors from Python scalars on the device (``torch.tensor(alpha, device=...)`` in
-    ``lynx_hf.kernels.routing_torch``), a host-to-device copy a CUDA-graph capture refuses."""
+    """The target layers whose plan remaps with the torch routing ops (``RoutePlan.routing_backend == "torch"``), which
+    no vLLM engine has been captured with yet (``lynx_hf.vllm.checks.check_captured``)."""
     return [layer.name for layer in target_layers() if layer.plan is not None and
             layer.plan.routing_backend == "torch" and layer.plan.kernel is not keep_routing]
 

@@ -567,12 +567,13 @@ def test_xpu_graphs_count_as_captured():
 @pytest.mark.parametrize("device", ["cuda", "xpu"])
 def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device):
     """Issue 44 item 5: ``routing_backend="torch"`` on an engine captured in device graphs is refused before the first
-    forward (``LynxConfigError`` naming ``routing_backend`` and the fixes): its decode step copies Python scalars
-    host-to-device (``torch.tensor(alpha, device=...)``), which a CUDA-graph capture fails on with a CUDA error. Eager
-    engines and policy ``none`` (no remap: the step creates no such tensor) start."""
+    forward (``LynxConfigError`` naming ``routing_backend`` and the fixes): its decode step used to copy Python scalars
+    host-to-device, which a CUDA-graph capture fails on; that copy is gone (lab.gpu_check torch_capture on an H200), but
+    no vLLM engine has been captured with the torch ops yet, so the refusal stays. Eager engines and policy ``none``
+    (no remap) start."""
     plugin_state({"policy": "lynx", "gate": "always", "routing_backend": "torch"})
     layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
-    with pytest.raises(LynxConfigError, match=r"routing_backend='torch'.*graph capture refuses.*enforce_eager"):
+    with pytest.raises(LynxConfigError, match=r"routing_backend='torch'.*not been verified under a vLLM engine's graph capture.*enforce_eager"):
         checks.start_forward(_graph_runner(device))
     plugin_state({"policy": "lynx", "gate": "always", "routing_backend": "torch"})
     layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
