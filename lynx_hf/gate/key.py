@@ -30,7 +30,8 @@ FORMAT = 1
 def describe(obj, _depth: int = 0):
     """Plain JSON describing ``obj`` for a decision key (deterministic, no memory addresses).
 
-    Dataclasses: their ``compare=True`` fields by name (plus the class name); named tuples: their fields; functions,
+    Dataclasses: their ``compare=True`` fields by name (plus the class name), except a field with metadata
+    ``{"key": "omit_default"}`` while it holds its default (a field added later leaves the older keys as they were); named tuples: their fields; functions,
     methods and classes: ``module.qualname``; ``functools.partial``: its function and keywords; a namespace: its
     attributes; ``torch.dtype`` / ``torch.device``: their string; an enum: its name; any
     other object: its class's qualified name. Raises ``ValueError`` past a nesting depth of 12 (a cycle)."""
@@ -47,7 +48,8 @@ def describe(obj, _depth: int = 0):
         return f"{type(obj).__qualname__}.{obj.name}"
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         out = {"@": type(obj).__qualname__}
-        out.update({f.name: describe(getattr(obj, f.name), d) for f in dataclasses.fields(obj) if f.compare})
+        out.update({f.name: describe(getattr(obj, f.name), d) for f in dataclasses.fields(obj) if f.compare and not (
+            f.metadata.get("key") == "omit_default" and getattr(obj, f.name) == f.default)})
         return out
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
         return {"@": type(obj).__qualname__, **{name: describe(getattr(obj, name), d) for name in obj._fields}}
