@@ -169,7 +169,8 @@ def test_compiled_decode_on_cuda_uses_grouped_mm_only_where_it_is_capturable(dty
     spy = lambda name: lambda *a, **k: called.append(name) or a[1]  # noqa: E731
     state = types.SimpleNamespace(experts_impls=(spy("own"), spy("grouped"), spy("batched")),
                                   step=Step(DECODE), gated_off=False, kernel_allowed=False, grouped_allowed=True,
-                                  plan=types.SimpleNamespace(device=torch.device("cuda"), expert_kernel=False))
+                                  plan=types.SimpleNamespace(device=torch.device("cuda"), expert_kernel=False,
+                                                             uses_kernel=lambda num_tokens: False))
     experts = block.experts
     monkeypatch.setitem(experts.__dict__, experts_mod.EXPERTS_ATTR, state)
     monkeypatch.setattr(experts_mod, "weights_ready", lambda *a, **k: True)
