@@ -50,24 +50,26 @@ def shapes() -> dict:
 
 
 def table(names, batches, device, config: LynxConfig | None = None, tuning: gate.Tuning = gate.TUNING,
-          log=print) -> list[dict]:
+          log=print, captured: bool = False) -> list[dict]:
     """One row per (shape, B): the gate's :class:`lynx_hf.gate.GateDecision` fields plus ``shape``, ``B``,
-    ``seconds`` (the measurement's wall time)."""
+    ``seconds`` (the measurement's wall time). ``captured``: the step as a CUDA-graph engine runs it
+    (``LayerShape.captured``: on CUDA the routing cost is a graph replay's)."""
     config = config or LynxConfig(gate="auto")
     rows = []
     known = shapes()
     for name in names:
         n, k, h, i, dtype = known[name]
         plan = make_plan(config.__class__(**{**config.to_dict(), "gate": "always"}), MoELayer(n, k, device))
-        planned = gate.PlanGate(gate.LayerShape(n, k, h, i, dtype, dtype), telemetry=config.telemetry, plan=plan)
+        planned = gate.PlanGate(gate.LayerShape(n, k, h, i, dtype, dtype, captured=captured),
+                                telemetry=config.telemetry, plan=plan)
         expert_times: dict = {}
         for b in batches:
             t0 = time.perf_counter()
             d = gate.measure_bucket(planned, b, expert_times, tuning)  # measured now (no table, no cache)
             row = {"shape": name, "N": n, "k": k, "H": h, "I": i, "dtype": str(dtype).removeprefix("torch."), "B": b,
-                   **d.to_dict(), "seconds": time.perf_counter() - t0}
+                   "captured": captured, **d.to_dict(), "seconds": time.perf_counter() - t0}
             rows.append(row)
-            log(f"{name:<18} B={b:<4} {'on ' if d.on else 'off'}  cost {d.cost_ms:8.4f} ms  saving {d.saving_ms:8.4f} ms"
+            log(f"{name + (' (graph)' if captured else ''):<26} B={b:<4} {'on ' if d.on else 'off'}  cost {d.cost_ms:8.4f} ms  saving {d.saving_ms:8.4f} ms"
                 f"  experts {d.experts_before:5.1f} -> {d.experts_after:5.1f}  expert {d.expert_ms:8.4f} ms"
                 f"  ({row['seconds']:.1f} s)")
     return rows
@@ -84,7 +86,7 @@ def markdown(rows, device, argv, seconds: float) -> str:
           "| shape | N | k | H | I | dtype | B | gate | cost ms | saving ms | experts before | experts after | "
           "expert ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        md.append(f"| {r['shape']} | {r['N']} | {r['k']} | {r['H']} | {r['I']} | {r['dtype']} | {r['B']} | "
+        md.append(f"| {r['shape']}{' (graph replay)' if r.get('captured') else ''} | {r['N']} | {r['k']} | {r['H']} | {r['I']} | {r['dtype']} | {r['B']} | "
                   f"{'on' if r['on'] else 'off'} | {r['cost_ms']:.4f} | {r['saving_ms']:.4f} | "
                   f"{r['experts_before']:.2f} | {r['experts_after']:.2f} | {r['expert_ms']:.4f} |")
     return "\n".join(md) + "\n"

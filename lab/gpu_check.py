@@ -551,8 +551,11 @@ def section_tpot(args, dev, budget, models) -> None:
     rounds = 1 if args.dry_run else args.rounds
     # "lynx auto": the defaults with the gate forced on (expert_path "auto": the sparse kernel from
     # lynx_hf.core.AUTO_KERNEL_MIN_TOKENS decode tokens on CUDA); "lynx grouped_mm": transformers' grouped_mm always
+    # "lynx default": what a user gets (the cost gate measured on the patched block: the saving timed on the experts
+    # path each step size runs, with L2 flushed between calls; its decisions printed below)
     variants = {"hf": None, "lynx grouped_mm": dict(TORCH, expert_path="model"), "lynx triton": TRITON,
-                "lynx auto": dict(routing_backend="auto", expert_path="auto", gate="always")}  # (a re-patch keeps fields)
+                "lynx auto": dict(routing_backend="auto", expert_path="auto", gate="always"),  # (a re-patch keeps
+                "lynx default": dict(routing_backend="auto", expert_path="auto", gate="auto")}  # the fields not given)
     table = []
     for name, config in model_configs(args.dry_run).items():
         if not budget.allows(45 if not args.dry_run else 10, f"{name} TPOT", S):
@@ -601,11 +604,26 @@ def section_tpot(args, dev, budget, models) -> None:
             line = (f"B={B:3d}: HF {med['hf']:.2f} ms | LYNX grouped_mm {med['lynx grouped_mm']:.2f} ms "
                     f"({med['lynx grouped_mm'] / med['hf']:.2f}x) | LYNX triton {med['lynx triton']:.2f} ms "
                     f"({med['lynx triton'] / med['hf']:.2f}x) | LYNX auto {med['lynx auto']:.2f} ms "
-                    f"({med['lynx auto'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
+                    f"({med['lynx auto'] / med['hf']:.2f}x) | LYNX default {med['lynx default']:.2f} ms "
+                    f"({med['lynx default'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
                     f"faster: {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton sparse kernel'}, "
                     f"auto picks: {picks}")
             note(S, f"{name} TPOT", line)
             table.append((name, B, med, choice, u))
+        try:  # the default's cost gate on this model's first MoE block (measured at its first default patch above)
+            from lynx_hf import gate as lgate
+
+            lynx_hf.patch(model, policy="lynx", **variants["lynx default"])
+            planned = lgate.of(lynx_hf.state.state_of(model).blocks[0].plan)
+            for b, d in sorted(planned.decisions.items()):
+                if b <= 128:
+                    note(S, f"{name} default gate B={b}", f"{'on' if d.on else 'off'}: cost {d.cost_ms:.4f} ms, saving "
+                         f"{d.saving_ms:.4f} ms (experts {d.experts_before:.1f} -> {d.experts_after:.1f}, one expert "
+                         f"{d.expert_ms:.4f} ms; {planned.source.split(',')[0]})")
+        except Exception as exc:  # noqa: BLE001 - reported, the script goes on
+            record(S, f"{name} default gate", False, f"{type(exc).__name__}: {exc}"[:300])
+        finally:
+            lynx_hf.unpatch(model)
     if table:
         print("\n  TPOT summary (ms per decode step, median of interleaved rounds):", flush=True)
         print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | LYNX auto | unique experts | faster |",
@@ -813,8 +831,11 @@ def section_gate(args, dev, budget) -> None:
     names, batches = (["fixture-a"], [4, 16]) if args.dry_run else (["fixture-a", *SHAPES], list(BATCHES))
     print(f"\n== cost gate decisions on {dev} ==", flush=True)
     rows = table(names, batches, dev, log=lambda line: print("  " + line, flush=True))
+    if dev.type == "cuda":  # as a CUDA-graph engine (vLLM) runs the step: the routing cost of a graph replay
+        rows += table(names, batches, dev, log=lambda line: print("  " + line, flush=True), captured=True)
     for r in rows:
-        note(S, f"{r['shape']} B={r['B']}", f"{'on' if r['on'] else 'off'}: cost {r['cost_ms']:.4f} ms, saving "
+        note(S, f"{r['shape']}{' (graph)' if r['captured'] else ''} B={r['B']}",
+             f"{'on' if r['on'] else 'off'}: cost {r['cost_ms']:.4f} ms, saving "
              f"{r['saving_ms']:.4f} ms (experts {r['experts_before']:.1f} -> {r['experts_after']:.1f}, one expert "
              f"{r['expert_ms']:.4f} ms)")
     record(S, "gate measured every shape x B", all(math.isfinite(r["cost_ms"]) and math.isfinite(r["saving_ms"])

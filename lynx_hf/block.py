@@ -158,6 +158,24 @@ class BlockRouting:
             return None
         return None if own is None else (lambda h, i, w: own(experts, h, i, w))
 
+    def kernel_fn(self):
+        """The sparse Triton expert kernel over this block's experts as ``fn(hidden [T, H], idx [T, k], weights [T, k])``
+        (what ``lynx_hf.experts`` runs where the plan says ``uses_kernel``), for the cost gate to time the saving per
+        avoided expert on the path decode takes; ``None`` where the kernel may not read the experts' weights
+        (:attr:`kernel_allowed`) or the experts are not on CUDA (under the CPU interpreter the kernel is a test tool: it
+        is not timed)."""
+        experts = self.experts
+        if not self.kernel_allowed or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj") \
+                or experts.gate_up_proj.device.type != "cuda":
+            return None
+        try:
+            from .kernels import backend
+
+            ops = backend.routing_ops("triton")
+        except (ImportError, RuntimeError, ValueError):
+            return None
+        return lambda h, i, w: ops.sparse_moe(h, i, w, experts.gate_up_proj, experts.down_proj, exact_grid=False)
+
     def step_key(self) -> dict:
         """What this block's decode step runs besides its plan and shape, for the cost gate's key
         (``lynx_hf.gate.key.make_key``; ``docs/cases.md`` C41): the family, its selection scores (function, and the
@@ -419,14 +437,15 @@ def _digest(tensor: torch.Tensor) -> str:
 def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
     """The cost gate of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``; ``lynx_hf.gate.for_config``: ``None`` unless
     ``config.gate == "auto"``): measured at the block's shape (:meth:`BlockRouting.layer_shape`), on the model's own
-    experts implementation (:meth:`BlockRouting.expert_fn`), timing the router hook's whole work
+    experts implementation (:meth:`BlockRouting.expert_fn`; the sparse kernel, :meth:`BlockRouting.kernel_fn`, at the
+    step sizes where the plan runs it), timing the router hook's whole work
     (:meth:`BlockRouting.gate_probe`), an offloaded expert's transfer added to the saving per avoided expert
     (:attr:`BlockRouting.extra_expert_ms`)."""
     if config.gate != "auto":
         return None
     return gate.for_config(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms,
                            expert_fn=block.expert_fn(), route_fn=block.gate_probe, selection=block._scores_fn(),
-                           step_key=block.step_key())
+                           step_key=block.step_key(), kernel_fn=block.kernel_fn())
 
 
 def _param_device(module) -> torch.device | None:

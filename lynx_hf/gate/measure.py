@@ -34,10 +34,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(fn, device: torch.device, budget_s: float, reps: int = 25) -> float:
+#: bytes written between timed expert calls on CUDA to evict the weights from L2 (what triton.testing.do_bench
+#: flushes): in decode every layer's experts stream from HBM, but timed alone in a loop a DeepSeek-V2-Lite expert
+#: (17 MB) stays in an H200's L2 and measured 1.4 us instead of ~3.6 us (lab.gpu_check gate section)
+L2_FLUSH_BYTES = 256 << 20
+
+
+def _time_ms(fn, device: torch.device, budget_s: float, reps: int = 25, flush_l2: bool = False) -> float:
     """Shortest wall time of ``fn()`` in ms over up to ``reps`` calls within ``budget_s`` (one warm-up call; device
     synchronized around each call). The minimum, not the median: on a shared or loaded host it is the stable estimate
-    of what the work itself costs, for the cost and the saving alike."""
+    of what the work itself costs, for the cost and the saving alike. ``flush_l2`` (CUDA only): each call timed on the
+    device with CUDA events after :data:`L2_FLUSH_BYTES` are written, so weights are read from HBM as in decode."""
+    if flush_l2 and device.type == "cuda":
+        return _time_flushed_ms(fn, device, budget_s, reps)
     fn()
     _sync(device)
     times = []
@@ -49,6 +58,58 @@ def _time_ms(fn, device: torch.device, budget_s: float, reps: int = 25) -> float
         if len(times) >= 3 and sum(times) > budget_s:
             break
     return min(times) * 1e3
+
+
+def _time_flushed_ms(fn, device: torch.device, budget_s: float, reps: int) -> float:
+    scratch = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    fn()
+    _sync(device)
+    times, spent = [], time.perf_counter()
+    for _ in range(reps):
+        scratch.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        if len(times) >= 3 and time.perf_counter() - spent > budget_s:
+            break
+    return min(times)
+
+
+def _time_captured_ms(fn, device: torch.device, budget_s: float, reps: int = 25, replays: int = 10) -> float | None:
+    """Shortest time (ms) of one replay of ``fn()`` captured in a CUDA graph (``replays`` replays per timed call, so
+    the host's launch of the graph is shared): what the work costs in an engine whose decode forward is captured,
+    where launching each kernel costs the host nothing. ``None`` where ``fn`` cannot be captured (the caller then
+    times it eagerly: the launch-bound, higher figure)."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up outside the capture (lazy allocations, autotune)
+                fn()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return None
+    graph.replay()
+    _sync(device)
+    times, spent = [], time.perf_counter()
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+        if len(times) >= 3 and time.perf_counter() - spent > budget_s:
+            break
+    del graph
+    return min(times)
 
 
 def cannot_measure(device) -> str | None:
@@ -83,7 +144,7 @@ def synthetic_routing(num_tokens: int, num_experts: int, top_k: int, dtype: torc
 @torch.no_grad()
 def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, telemetry: bool | str = True,
                     mixed: bool = False, route_fn=None, draws: int | None = None, tuning: Tuning = TUNING,
-                    selection=None) -> tuple[float, float, float]:
+                    selection=None, captured: bool = False) -> tuple[float, float, float]:
     """``(cost_ms, experts_before, experts_after)`` of ``plan`` (a ``lynx_hf.core.RoutePlan``: the gate measures a
     view of its plan whose runner is the step below the gate) at a decode step of ``num_tokens`` tokens whose router
     logits have dtype ``dtype``.
@@ -92,7 +153,9 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     decode token; ``mixed``: described as a continuous-batching step with per-token masks, as the vLLM plugin does),
     with a scratch telemetry in mode ``telemetry``; ``route_fn(run, inputs)``: the engine's whole per-step routing
     path around ``run(inputs)`` (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead, except on a step
-    the plan keeps; ``selection``: the layer's selection scores (:func:`synthetic_routing`). The experts before /
+    the plan keeps; ``selection``: the layer's selection scores (:func:`synthetic_routing`); ``captured``: the step
+    runs inside a captured CUDA graph (``LayerShape.captured``: a vLLM engine with CUDA graphs), so on CUDA the cost
+    is the time of a graph replay (:func:`_time_captured_ms`; eager where the capture fails, and off CUDA). The experts before /
     after: the mean distinct experts over ``draws`` (default ``tuning.draws``) synthetic draws. Raises
     ``RuntimeError`` when :func:`cannot_measure` says so."""
     why = cannot_measure(plan.device)
@@ -116,9 +179,14 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     scratch = BlockTelemetry(mode_of(telemetry)) if mode_of(telemetry) else None
     inputs = StepInputs(step, logits, weights, idx, rule, host, selection, scratch)
     if route_fn is not None and not plan.keeps(num_tokens):
-        cost = _time_ms(lambda: route_fn(plan.run, inputs), plan.device, tuning.time_budget_s)
+        step_fn = lambda: route_fn(plan.run, inputs)  # noqa: E731
     else:
-        cost = _time_ms(lambda: plan.run(inputs), plan.device, tuning.time_budget_s)
+        step_fn = lambda: plan.run(inputs)  # noqa: E731
+    cost = None
+    if captured and torch.device(plan.device).type == "cuda":
+        cost = _time_captured_ms(step_fn, torch.device(plan.device), tuning.time_budget_s)
+    if cost is None:
+        cost = _time_ms(step_fn, plan.device, tuning.time_budget_s)
     return cost, before / max(draws, 1), after / max(draws, 1)
 
 
@@ -151,8 +219,8 @@ def measure_expert_ms(hidden: int, intermediate: int, dtype: torch.dtype, device
         g, u = h.chunk(2, dim=-1)
         return torch.bmm(torch.nn.functional.silu(g) * u, down[:e])
 
-    t_big = _time_ms(lambda: mlp(big), device, tuning.time_budget_s)
-    t_small = _time_ms(lambda: mlp(small), device, tuning.time_budget_s)
+    t_big = _time_ms(lambda: mlp(big), device, tuning.time_budget_s, flush_l2=True)
+    t_small = _time_ms(lambda: mlp(small), device, tuning.time_budget_s, flush_l2=True)
     slope = (t_big - t_small) / (big - small) if big > small else t_big / big
     return max(slope, 0.0)
 
@@ -180,8 +248,8 @@ def measure_module_expert_ms(expert_fn, hidden: int, num_experts: int, top_k: in
     try:
         expert_fn(x, ids[big], w)
         for _ in range(3):  # interleaved pairs, the median difference: drift and bursts of load hit both sides
-            t_big = _time_ms(lambda: expert_fn(x, ids[big], w), device, tuning.time_budget_s / 2)
-            t_small = _time_ms(lambda: expert_fn(x, ids[small], w), device, tuning.time_budget_s / 2)
+            t_big = _time_ms(lambda: expert_fn(x, ids[big], w), device, tuning.time_budget_s / 2, flush_l2=True)
+            t_small = _time_ms(lambda: expert_fn(x, ids[small], w), device, tuning.time_budget_s / 2, flush_l2=True)
             diffs.append(t_big - t_small)
     except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError):
         return None
@@ -207,7 +275,8 @@ def measure_bucket(gate, bucket: int, expert_times: dict, tuning: Tuning = TUNIN
 
     def routing_cost(draws=None):
         return measure_routing(plan, bucket, shape.dtype, telemetry=gate.telemetry, mixed=shape.mixed_steps,
-                               route_fn=gate.route_fn, draws=draws, tuning=tuning, selection=gate.selection)
+                               route_fn=gate.route_fn, draws=draws, tuning=tuning, selection=gate.selection,
+                               captured=shape.captured)
 
     (cost, before, after), cost_s = _timed(routing_cost)
     # tokens per expert at this step size, rounded up to a power of two (the expert time grows slowly with it in
@@ -216,9 +285,12 @@ def measure_bucket(gate, bucket: int, expert_times: dict, tuning: Tuning = TUNIN
     edtype = shape.expert_dtype or shape.dtype
     ekey = (shape.hidden, shape.intermediate, str(edtype), str(plan.device), tokens, shape.num_experts, threads)
 
+    # the experts path decode runs at this step size: the sparse kernel where the plan runs it, else the layer's own
+    path_fn = gate.kernel_fn if gate.kernel_fn is not None and plan.uses_kernel(bucket) else gate.expert_fn
+
     def expert_time() -> float:
-        if gate.expert_fn is not None:  # the layer's own experts path: what it really saves
-            own = measure_module_expert_ms(gate.expert_fn, shape.hidden, shape.num_experts, shape.top_k, bucket,
+        if path_fn is not None:  # the layer's experts path: what it really saves
+            own = measure_module_expert_ms(path_fn, shape.hidden, shape.num_experts, shape.top_k, bucket,
                                            before, after, edtype, plan.device, tuning=tuning)
             if own is not None:
                 return own
@@ -231,7 +303,7 @@ def measure_bucket(gate, bucket: int, expert_times: dict, tuning: Tuning = TUNIN
         return expert_times[ekey]
 
     saved = before - after
-    expert = 0.0 if saved <= 0 else (expert_times.get(ekey) if gate.expert_fn is None else None)
+    expert = 0.0 if saved <= 0 else (expert_times.get(ekey) if path_fn is None else None)
     expert_s = 0.0
     if expert is None:
         expert, expert_s = _timed(expert_time)

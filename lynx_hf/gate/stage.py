@@ -33,8 +33,9 @@ NAME = "gate"
 class LayerShape:
     """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
     (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
-    weights' ``expert_dtype`` and ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
-    measured on that path)."""
+    weights' ``expert_dtype``, ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
+    measured on that path) and ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the
+    routing cost is timed as a graph replay: no per-kernel launch on the host; left out of the key while False)."""
 
     num_experts: int
     top_k: int
@@ -43,6 +44,7 @@ class LayerShape:
     dtype: torch.dtype = torch.float32
     expert_dtype: torch.dtype | None = None
     mixed_steps: bool = False
+    captured: bool = field(default=False, metadata={"key": "omit_default"})
 
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
@@ -53,7 +55,9 @@ class PlanGate:
     ``extra_expert_ms`` (a further cost per expert read, e.g. an offloaded expert's transfer: ms, or a function
     returning it, called only when the gate measures or uses its rule: :meth:`extra_ms`); ``expert_fn`` (the
     layer's own experts implementation ``fn(hidden [T, H], idx [T, k], weights [T, k])``, timed for the saving per
-    expert; ``None``: a batched-MLP model); ``route_fn`` (the engine's per-step routing path ``fn(run, inputs)``,
+    expert; ``None``: a batched-MLP model); ``kernel_fn`` (the same over the layer's experts through the sparse Triton
+    kernel, timed instead at the step sizes where the plan runs it: ``RoutePlan.uses_kernel``; ``None``: none);
+    ``route_fn`` (the engine's per-step routing path ``fn(run, inputs)``,
     timed for the cost; ``None``: the step below the gate alone); ``selection`` (the layer's selection scores
     ``fn(logits [T, N]) -> [T, N]`` fp32, ``-inf`` where its routing forbids an expert, so the synthetic routing
     measured is one the model could produce; ``None``: the logits); ``step_key`` (the engine's description of what
@@ -73,6 +77,7 @@ class PlanGate:
     telemetry: bool | str = True
     extra_expert_ms: object = 0.0
     expert_fn: object = None
+    kernel_fn: object = None
     route_fn: object = None
     selection: object = None
     step_key: object = None
@@ -239,15 +244,15 @@ class PlanGate:
 
 
 def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
-               selection=None, step_key: object = None) -> PlanGate | None:
+               selection=None, step_key: object = None, kernel_fn=None) -> PlanGate | None:
     """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): ``None``
     unless ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` (the other arguments are its
     fields) reading ``config.gate_table`` first. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
     if config.gate != "auto":
         return None
     return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
-                    route_fn=route_fn, selection=selection, step_key=step_key, table=config.gate_table,
-                    tuning=TUNING)
+                    kernel_fn=kernel_fn, route_fn=route_fn, selection=selection, step_key=step_key,
+                    table=config.gate_table, tuning=TUNING)
 
 
 def of(plan: RoutePlan | None) -> PlanGate | None:

@@ -170,7 +170,9 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
     shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
                        # the op's steps carry masks, except on CPU (eager: the op body always is) where an all-decode
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
-                       mixed_steps=cfg.phase != "decode" and device.type != "cpu")
+                       mixed_steps=cfg.phase != "decode" and device.type != "cpu",
+                       # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
+                       captured=bool(STATE.start.captured) and device.type == "cuda")
     stages = [PaddingRows()]
     if cfg.gate == "auto":
         stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
@@ -489,6 +491,7 @@ def before_forward(model_runner) -> None:
     device = torch.device(getattr(model_runner, "device", "cpu"))
     dtype = getattr(getattr(model_runner, "model_config", None), "dtype", None)
     start.device, start.dtype = device, dtype if isinstance(dtype, torch.dtype) else torch.float32
+    start.captured = captured(model_runner, device)  # before the plans: the cost gate times a captured step as such
     t0 = time.perf_counter()
     for layer in target_layers():  # the drafter's layers keep vLLM's routing: no plan (Layer.drafter)
         install_plan(layer, make_layer_plan(layer, start.device, start.dtype, cfg.lynx), cfg.lynx)
@@ -499,7 +502,6 @@ def before_forward(model_runner) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the expert timing's scratch weights: not reserved when vLLM profiles memory
     start.frozen = frozen(model_runner)
-    start.captured = captured(model_runner, device)
     if STATE.bypassed:
         logger.warning("lynx_hf.vllm: the cost gate (gate='auto') keeps vLLM's routing on %d/%d MoE layers at every "
                        "step size up to %d tokens on this device (expected saving <= measured routing cost); those "

@@ -433,7 +433,7 @@ def test_module_expert_timing_is_the_median_difference_and_none_when_not_positiv
     not "an expert costs 0 ms"."""
     def fake(times):
         calls = iter(times)
-        return lambda fn, device, budget_s, reps=25: next(calls)
+        return lambda fn, device, budget_s, reps=25, flush_l2=False: next(calls)
 
     fn = lambda h, i, w: h  # noqa: E731
     monkeypatch.setattr(gm, "_time_ms", fake([1.0, 0.4, 1.3, 0.4, 1.6, 0.4]))
@@ -816,3 +816,26 @@ def test_lm_eval_model_forces_always(monkeypatch, tmp_path):
     assert lm.lynx_config.gate == "always" and lynx_hf.config_of(lm.model).gate == "always"
     asked = lynx_lm_eval.LynxLM(pretrained=str(tmp_path), batch_size=2, gate="auto")  # asked for: kept
     assert asked.lynx_config.gate == "auto"
+
+
+def test_the_saving_is_timed_on_the_experts_path_the_step_size_runs(monkeypatch):
+    """``expert_path="auto"`` on CUDA runs the sparse kernel from ``AUTO_KERNEL_MIN_TOKENS`` decode tokens
+    (``RoutePlan.uses_kernel``): there the saving per avoided expert is timed on the kernel (``PlanGate.kernel_fn``),
+    below it on the model's own experts implementation (``expert_fn``); on the H200 the two differ several-fold.
+    Driven with a plan whose threshold is set by hand (the CPU plan has no kernel) and the timing stubbed."""
+    from lynx_hf.core import AUTO_KERNEL_MIN_TOKENS
+
+    timed = []
+    monkeypatch.setattr(gm, "measure_routing", lambda *a, **k: (0.01, 13.0, 6.0))
+    monkeypatch.setattr(gm, "measure_module_expert_ms", lambda fn, *a, **k: timed.append(fn) or 0.05)
+    own, kernel = (lambda h, i, w: h), (lambda h, i, w: h)
+    plan = dataclasses.replace(_plan(), expert_ops=object(), kernel_min_tokens=AUTO_KERNEL_MIN_TOKENS)
+    planned = gate.PlanGate(gate.LayerShape(32, 4, 64, 32), plan=plan, expert_fn=own, kernel_fn=kernel)
+    for bucket in (AUTO_KERNEL_MIN_TOKENS // 2, AUTO_KERNEL_MIN_TOKENS, 4 * AUTO_KERNEL_MIN_TOKENS):
+        timed.clear()
+        gm.measure_bucket(planned, bucket, {}, gate.Tuning(confirm=0))
+        assert timed and all(fn is (kernel if bucket >= AUTO_KERNEL_MIN_TOKENS else own) for fn in timed), bucket
+    no_kernel = gate.PlanGate(gate.LayerShape(32, 4, 64, 32), plan=_plan(), expert_fn=own, kernel_fn=kernel)
+    timed.clear()
+    gm.measure_bucket(no_kernel, 16, {}, gate.Tuning(confirm=0))  # the plan runs no kernel: the own path, always
+    assert timed and all(fn is own for fn in timed)

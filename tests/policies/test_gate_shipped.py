@@ -47,3 +47,27 @@ def test_fixture_a_keys_of_today_find_the_shipped_entries(dtype):
         there = dataclasses.replace(key, device=entry["key"]["device"], threads=entry["key"]["threads"])
         assert json.loads(there.parts) == entry["key"]["parts"], name
         assert there.tuning == entry["key"]["tuning"] and there.digest() == digest, name
+
+
+def test_a_captured_step_is_its_own_key_and_off_cuda_is_timed_eagerly(monkeypatch):
+    """``LayerShape.captured`` (a CUDA-graph engine: the vLLM plugin sets it from the engine's mode) is part of the key
+    when True -- its decisions come from a graph replay's routing cost, not the launch-bound eager one -- and left out
+    while False (the keys above). Off CUDA there is no graph to time: the eager timing, whatever ``captured`` says."""
+    from lynx_hf import LynxConfig
+    from lynx_hf.core import MoELayer, make_plan
+    from lynx_hf.gate import measure as gm
+
+    plan = make_plan(LynxConfig(gate="always"), MoELayer(16, 4, "cpu"))
+    eager = gate.LayerShape(16, 4, 64, 32)
+    captured = dataclasses.replace(eager, captured=True)
+    k_eager, k_captured = (gate.make_key(plan, shape, None, True) for shape in (eager, captured))
+    assert k_eager.digest() != k_captured.digest()
+    assert "captured" not in json.loads(k_eager.parts)["shape"]
+    assert json.loads(k_captured.parts)["shape"]["captured"] is True
+
+    def no_graph(*args, **kwargs):
+        raise AssertionError("a CUDA graph was timed off CUDA")
+
+    monkeypatch.setattr(gm, "_time_captured_ms", no_graph)
+    cost, before, after = gm.measure_routing(plan, 8, captured=True, tuning=gate.Tuning(time_budget_s=0.01))
+    assert cost > 0 and before >= after >= 4
