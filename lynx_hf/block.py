@@ -33,6 +33,7 @@ from .core import (
 from .errors import UnsupportedModelError
 from .experts import implementations, original_implementation, register, uses_interface
 from .gate import LayerShape
+from .kernels.backend import routing_ops
 from .patches import SPECS
 from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
 from .patches.generic import AmbiguousRule
@@ -169,9 +170,7 @@ class BlockRouting:
                 or experts.gate_up_proj.device.type != "cuda":
             return None
         try:
-            from .kernels import backend
-
-            ops = backend.routing_ops("triton")
+            ops = routing_ops("triton")
         except (ImportError, RuntimeError, ValueError):
             return None
         return lambda h, i, w: ops.sparse_moe(h, i, w, experts.gate_up_proj, experts.down_proj, exact_grid=False)
