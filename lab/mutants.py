@@ -486,6 +486,34 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/policies/test_flatness.py::test_top1_excess_share_by_hand",
          "tests/policies/test_flatness.py::test_peaked_router_is_silent_and_the_figures_match_telemetry_and_a_torch_reference"),
     ),
+    Mutant(
+        "alpha_host_copy",
+        "the torch routing ops make alpha with torch.tensor(alpha, device=...) again: a host-to-device copy in a step",
+        (("lynx_hf/kernels/routing_torch.py", "bins = torch.ceil(gap * _fp32(alpha))",
+          "bins = torch.ceil(gap * torch.tensor(alpha, dtype=torch.float32, device=s.device))"),),
+        ("tests/accelerator/test_sync_free.py",),
+    ),
+    Mutant(
+        "telemetry_lazy",
+        "the telemetry accumulators made lazily in the first decode step again (inside a compiled one on CUDA)",
+        (("lynx_hf/patcher.py", "    _resolve(state)\n    _prepare_telemetry(state)\n    return model",
+          "    _resolve(state)\n    return model"),
+         ("lynx_hf/patcher.py", "    _prepare_telemetry(state)  # before generate may compile",
+          "    pass  # before generate may compile")),
+        ("tests/accelerator/test_compile.py::test_compiled_generate_first_keeps_the_telemetry_made_at_patch_time",),
+    ),
+    Mutant(
+        "kernel_threshold_ignored",
+        "the experts implementation runs the sparse kernel whatever the step's token count (expert_path auto's rule)",
+        (("lynx_hf/experts.py", "if plan.uses_kernel(hidden_states.shape[0]) and", "if plan.expert_kernel and"),),
+        ("tests/accelerator/test_triton_path.py::test_kernel_runs_only_from_the_plans_token_threshold",),
+    ),
+    Mutant(
+        "gate_key_new_field",
+        "RoutePlan.kernel_min_tokens described in the gate's key even at its default: every shipped table misses",
+        (("lynx_hf/gate/key.py", 'f.metadata.get("key") == "omit_default" and getattr', 'False and getattr'),),
+        ("tests/policies/test_gate_shipped.py",),
+    ),
 )
 
 
