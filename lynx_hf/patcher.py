@@ -429,7 +429,8 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
         try:
             resolve_backend(value if value != "model" else "torch", device)
         except RuntimeError as exc:
-            raise LynxConfigError(f"LynxConfig.{name}={value!r}: {exc}") from exc
+            other = "'torch' or 'auto'" if name == "routing_backend" else "'auto' or 'model'"
+            raise LynxConfigError(f"LynxConfig.{name}={value!r}: {exc}; or {name}={other}") from exc
 
 
 def _check_gate_table(cfg: LynxConfig) -> None:

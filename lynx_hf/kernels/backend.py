@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import types
 import typing
 
@@ -18,6 +19,8 @@ import torch
 ROUTING_BACKENDS = ("auto", "torch", "triton")
 #: ``LynxConfig.expert_path`` values: what computes the routed experts in decode
 EXPERT_PATHS = ("auto", "model", "triton")
+#: the modules whose ``@triton.jit`` kernels are defined at import (each records ``_INTERPRET`` then)
+_KERNEL_MODULES = ("lynx_hf.kernels.routing", "lynx_hf.kernels.moe")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -27,7 +30,8 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
       not a speed path);
     - ``"torch"``: always torch;
     - ``"triton"``: Triton; on a non-CUDA device only when ``os.environ["TRITON_INTERPRET"] == "1"``
-      (the Triton interpreter), else ``RuntimeError``.
+      (the Triton interpreter) and lynx_hf's kernel modules were not imported before it was set, else
+      ``RuntimeError``.
 
     Raises ``ValueError`` for an unknown backend name.
     """
@@ -38,13 +42,22 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
         return "torch"
     if backend == "auto":
         return "triton" if dev.type == "cuda" else "torch"
-    if dev.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if dev.type == "cuda":
         return "triton"
-    raise RuntimeError(
-        f"backend='triton' needs CUDA tensors, got device {dev}; on CPU set the environment variable "
-        "TRITON_INTERPRET=1 before triton is first imported (interpreter, for tests only), "
-        "or use backend='torch' / 'auto'"
-    )
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"'triton' needs CUDA tensors, got device {dev}; on CPU set the environment variable "
+            "TRITON_INTERPRET=1 before triton is first imported (interpreter, for tests only)")
+    compiled = [name for name in _KERNEL_MODULES
+                if name in sys.modules and not getattr(sys.modules[name], "_INTERPRET", False)]
+    if compiled:
+        # @triton.jit picks the interpreter when a kernel is defined: kernels imported before the variable was set
+        # are GPU kernels, and calling them on CPU fails deep inside Triton (found by a fresh-user trial)
+        raise RuntimeError(
+            f"'triton' on device {dev}: TRITON_INTERPRET=1 was set after lynx_hf's Triton kernels were imported "
+            f"({', '.join(compiled)}), so they are not interpreted; set it before importing lynx_hf (a notebook: "
+            "restart the kernel, set os.environ['TRITON_INTERPRET'] = '1' first)")
+    return "triton"
 
 
 #: the routing ops every backend provides, named once (:class:`RoutingOps` gives their signatures). Each backend

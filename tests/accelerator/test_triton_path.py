@@ -89,3 +89,23 @@ def test_kernel_runs_only_from_the_plans_token_threshold():
         assert torch.equal(outs[batch], ref)
         assert (batch in calls) == (batch >= AUTO_KERNEL_MIN_TOKENS), (batch, calls)
     assert calls and set(calls) == {AUTO_KERNEL_MIN_TOKENS}
+
+
+def test_interpreter_set_after_the_kernels_were_imported_is_refused_at_patch_time(monkeypatch):
+    """A notebook sets ``TRITON_INTERPRET=1`` after importing lynx_hf: the kernels were already defined as GPU kernels
+    (``@triton.jit`` picks the interpreter at definition), and the first ``generate`` failed deep inside Triton
+    ("Cannot call @triton.jit'd outside of the scope of a kernel"; a fresh-user trial). Refused at patch time instead,
+    typed, saying what to do; the model untouched. (Simulated: the kernel module records it was imported without.)"""
+    import lynx_hf.kernels.moe as moe
+
+    model = fam.build("qwen2_moe")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(moe, "_INTERPRET", False)
+    for field in ("expert_path", "routing_backend"):
+        with pytest.raises(lynx_hf.LynxConfigError, match=rf"{field}='triton'.*set after lynx_hf's Triton kernels "
+                                                          r"were imported.*lynx_hf.kernels.moe.*set it before"):
+            lynx_hf.patch(model, **{field: "triton"})
+        assert not lynx_hf.is_patched(model)
+    monkeypatch.setattr(moe, "_INTERPRET", True)
+    lynx_hf.patch(model, expert_path="triton")
+    lynx_hf.unpatch(model)
