@@ -320,13 +320,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``command`` (an alias included), else ``parser``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices.get(command, parser)
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in _SCRIPTS:  # pass everything (``--help`` included) on to the script
         args = argparse.Namespace(command=argv[0], args=argv[1:], func=cmd_script)
     else:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # the subcommand's usage, not the top level's (a user typo in `generate`'s options)
+            _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
     except CliError as exc:

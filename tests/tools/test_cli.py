@@ -200,3 +200,16 @@ def test_sweep_and_bench_out_must_be_a_folder(sub, extra, tmp_path):
         res = run(sub, *extra, "--out", str(out))
         assert res.returncode != 0 and "results folder" in res.stderr, (sub, out, res.stderr[-800:])
     assert not (tmp_path / "s.json").exists() and existing.is_file()
+
+
+@pytest.mark.parametrize("argv,usage", [(["generate", "--bogus"], "usage: lynx-hf generate"),
+                                        (["tune", "--model", "x", "--bogus"], "usage: lynx-hf tune")])
+def test_an_unknown_option_shows_the_subcommands_usage(argv, usage, capsys):
+    """A typo in a subcommand's options prints that subcommand's usage (its options), not the top level's list of
+    subcommands (a fresh-user trial), and exits 2 as argparse does."""
+    from lynx_hf import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.startswith(usage) and "unrecognized arguments: --bogus" in err
