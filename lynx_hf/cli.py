@@ -78,6 +78,7 @@ def cmd_generate(args) -> int:
     prompts = [line.rstrip("\n") for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     if not prompts:
         raise CliError(f"no prompts in {args.prompts}")
+    distinct = len(prompts)
     prompts = (prompts * ((args.batch_size + len(prompts) - 1) // len(prompts)))[: args.batch_size]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     gen = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
@@ -97,7 +98,8 @@ def cmd_generate(args) -> int:
     exact = (new_ref == new_out).all(dim=1).float().mean().item()
 
     skipped = summary.get("gate_steps_skipped", 0)
-    print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}  new tokens: {args.max_new_tokens}"
+    repeats = f" ({distinct} distinct prompts, repeated)" if len(prompts) > distinct else ""
+    print(f"model: {args.model}  policy: {cfg.policy}  batch: {len(prompts)}{repeats}  new tokens: {args.max_new_tokens}"
           f"  decode steps: {summary['decode_steps']}"
           + (f" (the cost gate kept the model's routing on {skipped} MoE layer-steps: layers x decode steps)"
              if skipped else ""))
@@ -157,8 +159,8 @@ def cmd_tune(args) -> int:
         on = [b for b, d in sorted(planned.decisions.items()) if d.on]
         shape = planned.shape
         print(f"  {layers} layer(s) N {shape.num_experts} k {shape.top_k} H {shape.hidden} I {shape.intermediate} "
-              f"{str(shape.expert_dtype or shape.dtype).removeprefix('torch.')}: on at "
-              f"{', '.join(map(str, on)) if on else 'no step size'} tokens ({planned.key.device}, "
+              f"{str(shape.expert_dtype or shape.dtype).removeprefix('torch.')}: "
+              f"{'on at ' + ', '.join(map(str, on)) + ' tokens' if on else 'off at every step size'} ({planned.key.device}, "
               f"{planned.key.threads} threads)")
     table.save(out)
     print(f"wrote {out} ({len(table.entries)} entries); use it with --gate-table {out} or "

@@ -735,7 +735,7 @@ def test_a_second_process_reads_the_first_ones_decisions(tmp_path):
     assert sources == ["cache", "cache", "measured"], sources
 
 
-def test_a_user_table_is_read_first_and_is_the_decision(tmp_path, fresh_store):
+def test_a_user_table_is_read_first_and_is_the_decision(tmp_path, fresh_store, capsys):
     """``lynx-hf tune`` writes a checkpoint's table; ``gate_table`` makes it the decision: edited to 'off' at every
     step size, the model decodes bit-identical to policy none, without measuring (the per-user cache holds nothing
     else of it); to 'on', as ``gate="always"``."""
@@ -747,6 +747,9 @@ def test_a_user_table_is_read_first_and_is_the_decision(tmp_path, fresh_store):
     table = json.loads(table_path.read_text())
     (digest, entry), = table["entries"].items()
     assert sorted(int(b) for b in entry["decisions"]) == list(gate.BUCKETS)
+    on_at = sorted(int(b) for b, d in entry["decisions"].items() if d["on"])  # what tune printed, in words
+    said = f"on at {', '.join(map(str, on_at))} tokens" if on_at else "off at every step size"
+    assert said in capsys.readouterr().out
     gate.STORE.reset()
     model = fam.build("qwen2_moe")  # the checkpoint's weights
     ids, mask = fam.prompts(8, 6)

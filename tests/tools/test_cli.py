@@ -36,6 +36,7 @@ def test_generate_prints_per_layer_table_and_writes_stats(checkpoint, tmp_path):
     assert res.returncode == 0, res.stderr
     assert "experts before" in res.stdout and "model.layers.0.mlp" in res.stdout and "model.layers.2.mlp" in res.stdout
     assert "token agreement" in res.stdout
+    assert "batch: 8 (4 distinct prompts, repeated)" in res.stdout  # the 4 prompts fill the batch of 8
     summary = json.loads(stats.read_text())
     assert summary["decode_steps"] == 3 and summary["num_moe_layers"] == 2
     assert summary["unique_experts_after"] <= summary["unique_experts_before"]
