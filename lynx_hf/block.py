@@ -120,6 +120,13 @@ class BlockRouting:
         if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
             register()
 
+    def prepare_telemetry(self) -> None:
+        """Allocate the telemetry accumulators on the router's device now, outside any compiled region
+        (:meth:`lynx_hf.telemetry.BlockTelemetry.ensure`; a router without parameters: left to the first step)."""
+        device = _param_device(self.router)
+        if device is not None:
+            self.telemetry.ensure(device)
+
     # -- resolution ----------------------------------------------------------------------------
     def resolve(self, device: torch.device | None = None) -> RoutePlan:
         """Resolve the plan for ``device`` (default: the router's): backend, policy parameters, kernels, decode-step

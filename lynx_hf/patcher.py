@@ -366,9 +366,7 @@ def _prepare_telemetry(state: ModelState) -> None:
     ``generate``: the model may have moved since), so that no compiled decode step creates them
     (:meth:`lynx_hf.telemetry.BlockTelemetry.ensure`)."""
     for block in state.blocks:
-        weight = next(block.router.parameters(), None) if isinstance(block.router, torch.nn.Module) else None
-        if weight is not None:
-            block.telemetry.ensure(weight.device)
+        block.prepare_telemetry()
 
 
 def _resolve(state: ModelState) -> None:
