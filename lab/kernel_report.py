@@ -107,6 +107,7 @@ def record_launches(models=MODELS, batches=BATCHES, dtypes=EXPERT_DTYPES, decode
                         routing.mass_greedy_grow(scores, idx, crit, k, 0.5, vote=vote, seed=seed, unit=unit)
                     current.update(base, call="oea k0=1")
                     routing.oea_critical_set(scores, 1, vote=vote, seed=seed)
+                _record_fused(current, model, T, N, k, rule, renorm, scale, alpha, beta, decode_masks)
                 current.update(model=model, T=T, dtype="fp32", masks="-", call=f"remap + {rule}")
                 routing.remap_topk(scores, crit, k, logits=scores, rule=rule, renormalize=renorm, scale=scale,
                                    check=False)
@@ -134,14 +135,59 @@ def record_launches(models=MODELS, batches=BATCHES, dtypes=EXPERT_DTYPES, decode
     return launches
 
 
+#: the fused device step's selection per model (``lynx_hf.kernels.step_spec.FusedSelection`` arguments): the
+#: DeepSeek-V3 router (sigmoid + bias, top-4 of 8 groups by the top-2 sum), the others plain logits
+FUSED_SELECTION = {"DeepSeek-V3": ("biased", "sigmoid", 8, 4, "top2_sum")}
+
+
+def _record_fused(current, model, T, N, k, rule, renorm, scale, alpha, beta, decode_masks):
+    """The fused device step's launches (``lynx_hf.kernels.fused_step.FusedStep``) at one model shape and step size,
+    bf16 router logits, full telemetry: the default policy, the paper rule and the telemetry-only ``keep`` with the
+    decode-path masks (decode / live / seed; without them too where ``decode_masks`` says so); on the first model
+    also OEA, XShare, the default's other price units, its counting mode, without telemetry and without masks."""
+    import torch
+
+    from lynx_hf.kernels import fused_step
+    from lynx_hf.kernels.step_spec import LOGITS, FusedPolicy, FusedSelection
+
+    meta = torch.device("meta")
+    logits = torch.empty(T, N, dtype=torch.bfloat16, device=meta)
+    idx = torch.empty(T, k, dtype=torch.int64, device=meta)
+    weights = torch.empty(T, k, dtype=torch.bfloat16, device=meta)
+    acc = torch.empty(13, dtype=torch.float64, device=meta)
+    rows = torch.empty(T, dtype=torch.bool, device=meta)
+    seed = torch.empty(N, dtype=torch.bool, device=meta)
+    spec = FUSED_SELECTION.get(model)
+    selection = LOGITS if spec is None else FusedSelection(*spec)
+    bias = torch.empty(N, dtype=torch.float32, device=meta) if spec is not None else None
+    default = FusedPolicy("lynx_mass", alpha, beta, price=0.5)
+    launches = [("default", default, True, {}), ("paper rule", FusedPolicy("lynx", alpha, beta, tau=1.0), True, {}),
+                ("keep (telemetry)", FusedPolicy("keep"), True, {})]
+    launches += [(f"{label}, no masks", policy, False, {}) for label, policy, _, _ in launches if False in decode_masks]
+    if model == next(iter(MODELS)):  # the rest of the policies and options at one shape (each compile takes seconds)
+        launches += [("oea k0=1", FusedPolicy("oea", k0=1), True, {}),
+                     ("xshare", FusedPolicy("xshare", budget=N // 2, warmup=1), True, {})]
+        launches += [(f"default, price unit {unit}", FusedPolicy("lynx_mass", alpha, beta, price=0.5, unit=unit), True,
+                      {}) for unit in ("batch", "sqrt")]
+        launches += [("default, no masks", default, False, {}),
+                     ("default, telemetry counts", default, True, {"counts_only": True}),
+                     ("default, telemetry off", default, True, {"acc": None})]
+    for label, policy, masked, kw in launches:
+        current.update(model=model, T=T, dtype="bf16", masks="decode+live+seed" if masked else "none",
+                       call=f"fused step: {label}, {rule}")
+        fused_step.FusedStep(policy, N, k)(logits, weights, idx, rule, renorm, scale, decode=rows if masked else None,
+                                           live=rows if masked else None, seed=seed if masked else None,
+                                           selection=selection, bias=bias, **{"acc": acc, **kw})
+
+
 def project_kernels() -> list[str]:
     """Names of every ``@triton.jit`` kernel (a launched function, not a helper) in lynx_hf.kernels."""
     from triton.runtime.jit import JITFunction
 
-    from lynx_hf.kernels import moe, routing
+    from lynx_hf.kernels import fused_step, moe, routing
 
     names = []
-    for mod in (routing, moe):
+    for mod in (routing, moe, fused_step):
         for name, obj in vars(mod).items():
             fn = getattr(obj, "fn", None) if not isinstance(obj, JITFunction) else obj  # triton.autotune wraps
             if isinstance(fn, JITFunction) and name.endswith("_kernel"):

@@ -34,6 +34,7 @@ from .errors import UnsupportedModelError
 from .experts import implementations, original_implementation, register, uses_interface
 from .gate import LayerShape
 from .kernels.backend import routing_ops
+from .kernels.step_spec import FusedSelection
 from .patches import SPECS
 from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
 from .patches.generic import AmbiguousRule
@@ -418,10 +419,27 @@ class BlockRouting:
 
     def _scores_fn(self):
         """``StepInputs.scores``: ``None`` where the scores are the router logits in fp32 (so the weight rule reuses
-        them), else :meth:`_selection_scores`."""
+        them), else a :class:`SelectionScores` of this block."""
         if self.selection is None and self.spec.selection_scores is fp32_logits:
             return None
-        return self._selection_scores
+        return SelectionScores(self)
+
+    def fused_selection(self, device: torch.device):
+        """This block's selection rule as data for the fused device step (``lynx_hf.core.device_step``):
+        ``(FusedSelection, bias tensor or None)``, or ``None`` where it cannot be described (the family spec gives no
+        ``fused_selection_of``) or its bias is not a resident ``[N]`` float tensor on ``device`` (an offloaded one):
+        the step then computes the scores with :meth:`_selection_scores`."""
+        rule = self.selection
+        if rule is None:
+            describe = self.spec.fused_selection_of
+            rule = describe(self.router) if describe is not None else None
+        if rule is None or isinstance(rule, FusedSelection):
+            return None if rule is None else (rule, None)
+        bias = rule.bias_tensor(self.router, self.block)
+        if bias is not None and (bias.device != device or not bias.is_floating_point()
+                                 or bias.numel() != self.num_experts or bias.shape[-1] != self.num_experts):
+            return None
+        return rule.fused(), bias
 
     def _selection_scores(self, logits: torch.Tensor) -> torch.Tensor:
         """fp32 selection scores ``[T, N]`` of the router logits ``[T, N]`` (``-inf``: an expert the model's own
@@ -430,6 +448,23 @@ class BlockRouting:
             bias = self.selection.bias(self.router, self.block, logits.shape[-1])
             return self.selection.selection_scores(logits, bias)
         return self.spec.selection_scores(self.router, logits)
+
+
+class SelectionScores:
+    """``StepInputs.scores`` of a block (``lynx_hf.core``): called, its fp32 selection scores ``[T, N]`` of the router
+    logits (:meth:`BlockRouting._selection_scores`); :meth:`fused`, the same rule as data for the fused device step
+    (:meth:`BlockRouting.fused_selection`)."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: BlockRouting) -> None:
+        self.state = state
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        return self.state._selection_scores(logits)
+
+    def fused(self, device: torch.device):
+        return self.state.fused_selection(device)
 
 
 def _digest(tensor: torch.Tensor) -> str:

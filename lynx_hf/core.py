@@ -9,7 +9,8 @@ plugins (``lynx_hf.vllm``) share, with no knowledge of transformers classes or o
 - :class:`RoutePlan` and :func:`make_plan`: everything one MoE layer resolves once per device, including the
   decode-step function (:attr:`RoutePlan.kernel`), chosen once like vLLM's ``CustomOp.dispatch_forward``:
   :func:`keep_routing` (the policy does not remap, or k = N), :func:`fused_step` (the policy's one-call CPU
-  path exists) or :func:`remap_step` (the general, sync-free path); around it the **stages** handed to
+  path exists), :func:`device_step` (the Triton backend: the whole step in one launch,
+  ``lynx_hf.kernels.fused_step``) or :func:`remap_step` (the general, sync-free path); around it the **stages** handed to
   ``make_plan(config, layer, stages=...)`` (:class:`Stage`), composed once like vLLM's modular kernel: the cost gate
   (``lynx_hf.gate``), the offload resident seed (``lynx_hf.offload``), the compiled-CPU op
   (``lynx_hf.compiled_cpu``). The core imports none of them; :meth:`RoutePlan.run` runs the composition;
@@ -34,6 +35,7 @@ import torch
 from . import policies
 from .kernels.backend import resolve_backend, routing_ops
 from .kernels.routing_torch import host_reads_allowed, union_mask
+from .kernels.step_spec import LOGITS, SCORES, FusedPolicy
 
 if TYPE_CHECKING:
     from .config import LynxConfig
@@ -100,7 +102,9 @@ class StepInputs(NamedTuple):
     model's own routing; ``rule``: the family's :class:`WeightRule`; ``host``: CPU tensors in eager mode (the caller's
     answer to :func:`host_reads_allowed`, asked once per step); ``scores``: ``scores(logits) -> [T, N]`` fp32 selection
     scores (``-inf``: an expert the model's routing forbids), called only when the policy runs, or ``None``: the
-    scores are the logits in fp32 (the weight rule then reuses that one cast); ``telemetry``: a
+    scores are the logits in fp32 (the weight rule then reuses that one cast); a ``scores`` object with a method
+    ``fused(device) -> (FusedSelection, bias tensor or None) or None`` describes its rule as data, which
+    :func:`device_step` computes inside its kernel (``None``: it calls ``scores``); ``telemetry``: a
     ``lynx_hf.telemetry.BlockTelemetry`` to record the step into (``None``: not recorded; its ``mode`` says how
     much); ``seed [N]`` bool or ``None``: experts free this step besides the prefill tokens' (resident offloaded
     experts, ``lynx_hf.offload``), which seed the critical set.
@@ -171,7 +175,10 @@ class RoutePlan:
     ``routing_backend``: ``"torch"`` or ``"triton"`` (resolved from ``LynxConfig.routing_backend``);
     ``params``: the policy's per-layer parameters (``Policy.resolve``); ``ops``: the sync-free routing ops;
     ``host_ops``: the ops for CPU tensors in eager mode (the numba twins where available, else ``ops``);
-    ``fused``: the policy's one-call CPU decode step (``Policy.fused_decode``) or ``None``; ``expert_ops``: the
+    ``fused``: the policy's one-call CPU decode step (``Policy.fused_decode``) or ``None``; ``fused_device``: the whole
+    decode step in one Triton launch (``lynx_hf.kernels.fused_step.FusedStep`` of ``Policy.device_policy``; the
+    policy ``"keep"`` where the plan keeps the routing: it records the telemetry) where the routing backend is Triton,
+    else ``None``; ``expert_ops``: the
     Triton ops namespace whose ``sparse_moe`` computes the routed experts (``LynxConfig.expert_path == "triton"``,
     or ``"auto"`` on CUDA), else ``None``; ``kernel_min_tokens``: the fewest decode tokens a step needs for that
     kernel to run (1 when chosen explicitly; :data:`AUTO_KERNEL_MIN_TOKENS` under ``"auto"``); ``kernel``: the
@@ -196,6 +203,8 @@ class RoutePlan:
     kernel_min_tokens: int = dataclasses.field(default=1, metadata={"key": "omit_default"})
     stages: tuple = dataclasses.field(default=(), compare=False)
     runner: Optional[Runner] = dataclasses.field(default=None, compare=False, repr=False)
+    # the cost gate's key has it through ``kernel`` (device_step); it holds per-thread buffers: not compared
+    fused_device: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def run(self, inputs: StepInputs) -> Routed:
         """One decode step of this layer (:class:`StepInputs` in, :class:`Routed` out): the stages, then
@@ -261,6 +270,14 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
     ops = routing_ops(backend)
     host_ops = routing_ops(backend, host=True) if device.type == "cpu" else ops
     fused = policy.fused_decode(params, host_ops) if device.type == "cpu" else None
+    fused_device = None
+    if backend == "triton" and device.type != "meta":
+        keeps = not policy.remaps or top_k >= num_experts
+        described = FusedPolicy("keep") if keeps else policy.device_policy(params)
+        if described is not None:
+            from .kernels.fused_step import FusedStep  # Triton: imported where the backend is Triton
+
+            fused_device = FusedStep(described, num_experts, top_k)
     expert_ops, kernel_min_tokens = None, 1
     if config.expert_path == "triton" and device.type != "meta":
         expert_ops = routing_ops(resolve_backend("triton", device))
@@ -270,10 +287,12 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
         kernel = keep_routing
     elif fused is not None:
         kernel = fused_step
+    elif fused_device is not None:
+        kernel = device_step
     else:
         kernel = remap_step
     plan = RoutePlan(device, backend, policy, params, ops, num_experts, top_k, kernel, host_ops=host_ops, fused=fused,
-                     expert_ops=expert_ops, kernel_min_tokens=kernel_min_tokens)
+                     expert_ops=expert_ops, kernel_min_tokens=kernel_min_tokens, fused_device=fused_device)
     runner, bound = decode_step, []
     for stage in reversed(tuple(stages)):  # innermost first: each stage wraps what is below it
         wrapped = stage.bind(plan, runner)
@@ -295,8 +314,11 @@ def decode_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
 
 
 def keep_routing(plan: RoutePlan, inputs: StepInputs) -> Routed:
-    """The model's own routing, unchanged (policy ``none``, k = N, a one-token step); the step is recorded."""
-    if inputs.telemetry is not None:
+    """The model's own routing, unchanged (policy ``none``, k = N, a one-token step); the step is recorded (by the
+    fused device step's kernel where the plan has one: one launch)."""
+    if inputs.telemetry is not None and plan.fused_device is not None:
+        _launch(plan, inputs, keep=True)
+    elif inputs.telemetry is not None:
         record_step(inputs.telemetry, plan.num_experts, inputs.step, inputs.idx, inputs.weights, inputs.idx, None,
                     host=inputs.host, masks=False)
     return Routed(inputs.weights, inputs.idx)
@@ -324,6 +346,32 @@ def fused_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
                 telemetry.add(row)
             return Routed(new_weights, new_idx)
     return _remap_and_record(plan, inputs, scores, logits)
+
+
+def device_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
+    """The whole decode step in one Triton launch (:attr:`RoutePlan.fused_device`, ``lynx_hf.kernels.fused_step``):
+    selection scores (in the kernel where ``inputs.scores`` describes its rule, else computed by it), the policy's
+    critical set, remap, weight rule, merge with the rows that keep their routing, telemetry. The same routing as
+    :func:`remap` + :func:`record_step`; no host read, no allocation after a step size's first step."""
+    return _launch(plan, inputs, keep=False)
+
+
+def _launch(plan: RoutePlan, inputs: StepInputs, keep: bool) -> Routed:
+    step, telemetry, rule = inputs.step, inputs.telemetry, inputs.rule
+    selection, bias, scores = LOGITS, None, None
+    if inputs.scores is not None and not keep:
+        fused = getattr(inputs.scores, "fused", None)
+        described = fused(inputs.logits.device) if fused is not None else None
+        if described is None:
+            selection, scores = SCORES, inputs.scores(inputs.logits)
+        else:
+            selection, bias = described
+    weights, idx = plan.fused_device(
+        inputs.logits, inputs.weights, inputs.idx, rule.kind, rule.renormalize, rule.scale, rule.renorm_eps,
+        decode=step.decode, live=step.live, seed=inputs.seed, selection=selection, bias=bias, scores=scores,
+        acc=None if telemetry is None else telemetry.buffer(inputs.idx.device),
+        counts_only=telemetry is not None and telemetry.counts_only, verify=step.kind == VERIFY, keep=keep)
+    return Routed(weights, idx)
 
 
 def _selection(inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -428,4 +476,4 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
 
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "StepInputs", "Routed",
            "Runner", "Stage", "MoELayer", "RoutePlan", "make_plan", "decode_step", "keep_routing", "remap_step",
-           "fused_step", "remap", "record_step", "host_reads_allowed"]
+           "fused_step", "device_step", "remap", "record_step", "host_reads_allowed"]

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels.step_spec import FusedSelection
+
 __all__ = ["BiasedSelection", "SCORE_FNS", "GROUP_SCORES"]
 
 #: score functions a selection-bias router applies to its logits before adding the bias
@@ -115,6 +117,17 @@ class BiasedSelection:
             return torch.zeros(num_experts, device=device)
         owner = router if self.owner == "router" else block
         return live_tensor(owner, self.path).detach().reshape(-1).float()
+
+    def fused(self) -> FusedSelection:
+        """This rule as data for the fused device step (``lynx_hf.kernels.fused_step``; its bias passed beside it)."""
+        return FusedSelection("biased", self.score, self.n_group, self.topk_group, self.group_score)
+
+    def bias_tensor(self, router: torch.nn.Module, block: torch.nn.Module | None) -> torch.Tensor | None:
+        """The live bias tensor itself (:func:`live_tensor`, no copy where it is resident), ``None`` for ``owner ==
+        "none"`` (zeros)."""
+        if self.owner == "none":
+            return None
+        return live_tensor(router if self.owner == "router" else block, self.path)
 
     def corrected(self, logits: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
         """``c [T, N]`` fp32 = ``score(logits) + bias``, the model's own ops."""

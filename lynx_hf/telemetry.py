@@ -91,6 +91,11 @@ class BlockTelemetry:
         self.acc = acc
         return acc
 
+    def buffer(self, device) -> torch.Tensor:
+        """The accumulators on ``device`` (fp64 ``[NUM_SLOTS]``, ``kernels.telemetry_slots`` order), for a kernel that
+        adds a step's row itself (``lynx_hf.kernels.fused_step``): the existing ones where they are there (no op)."""
+        return self._buf(torch.device(device) if not isinstance(device, torch.device) else device)
+
     @torch.no_grad()
     def add(self, row: torch.Tensor) -> None:
         """Add one step's precomputed row (fp64 ``[NUM_SLOTS]``, ``kernels.telemetry_slots`` order; e.g. from

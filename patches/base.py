@@ -65,6 +65,11 @@ class FamilySpec:
     #: what :attr:`selection_scores` reads of the router besides the logits (its grouping, its method), as a value the
     #: cost gate's key describes (``lynx_hf.gate.key``): two routers with equal values select with the same work
     selection_rule_of: Callable[[torch.nn.Module], object] | None = None
+    #: :attr:`selection_scores` as data for the fused device step (``lynx_hf.core.device_step``), from the router: a
+    #: ``lynx_hf.kernels.step_spec.FusedSelection`` or a ``lynx_hf.selection.BiasedSelection`` (its live bias is read
+    #: by the kernel), or ``None`` (the step computes the scores with :attr:`selection_scores`). ``None`` here: only
+    #: the default :attr:`selection_scores` (the fp32 logits) is described
+    fused_selection_of: Callable[[torch.nn.Module], object] | None = None
     check: Callable | None = None
     decode_forward: Callable | None = None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ModelConfigError
+from ..kernels.step_spec import LOGITS, FusedSelection
 from ..policies import get as get_policy
 from .base import FamilySpec, WeightRule
 
@@ -60,11 +61,20 @@ def selection_scores(gate, router_logits: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~allowed, float("-inf"))
 
 
+def fused_selection(gate) -> FusedSelection:
+    """:func:`selection_scores` as data for the fused device step: the logits, or (``group_limited_greedy``) the logits
+    outside the token's ``topk_group`` best groups by the max of ``softmax(logits)`` masked."""
+    if gate.topk_method != "group_limited_greedy":
+        return LOGITS
+    return FusedSelection("group_softmax_max", n_group=int(gate.num_group), topk_group=int(gate.topk_group))
+
+
 SPEC = FamilySpec(
     family="deepseek_v2",
     block_classes=(("transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe"),),
     weight_rule_of=lambda gate, block: WeightRule("softmax_all", scale=float(gate.routed_scaling_factor)),
     selection_scores=selection_scores,
+    fused_selection_of=fused_selection,
     selection_rule_of=lambda gate: {name: getattr(gate, name, None) for name in ("topk_method", "num_group",
                                                                                  "topk_group")},
     check=_check,

@@ -96,5 +96,6 @@ SPEC = FamilySpec(
                                                   scale=float(gate.routed_scaling_factor)),
     selection_scores=selection_scores,
     selection_rule_of=selection_rule,
+    fused_selection_of=selection_rule,
     check=_check,
 )

@@ -85,6 +85,12 @@ class Policy:
         :func:`lynx_hf.kernels.routing_cpu.lynx_mass_decode` without its keyword parameters."""
         return None
 
+    def device_policy(self, params):
+        """This policy under ``params`` as data for the fused device step (``lynx_hf.kernels.step_spec.FusedPolicy``:
+        the whole decode step in one Triton launch, ``lynx_hf.core.device_step``), or ``None`` (the default): the
+        Triton backend then runs the policy's ops one by one (``lynx_hf.core.remap_step``)."""
+        return None
+
 
 REGISTRY: dict[str, Policy] = {}
 

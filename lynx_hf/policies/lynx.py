@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from ..errors import LynxConfigError
 from ..kernels.routing_torch import PRICE_UNITS, default_lynx_bins
+from ..kernels.step_spec import FusedPolicy
 from .base import Policy, StepTensors, check_choice, check_int, check_number, register
 
 #: largest accepted ``beta``: the score term ``B ** -beta`` of a bin this low is already < 2**-64.
@@ -99,6 +100,15 @@ class LynxPolicy(Policy):
         if fn is None or p.mass_price is None or not math.isfinite(p.alpha):
             return None
         return functools.partial(fn, alpha=p.alpha, beta=p.beta, price=p.mass_price, unit=p.price_unit)
+
+    def device_policy(self, p: LynxParams):
+        """The default rule (``"lynx_mass"``) or the paper's (``"lynx"``, ``mass_price=None``) for the fused device
+        step; ``None`` for infinite bins (``alpha`` inf: k = N, nothing to reduce)."""
+        if not math.isfinite(p.alpha):
+            return None
+        if p.mass_price is None:
+            return FusedPolicy("lynx", alpha=p.alpha, beta=p.beta, tau=p.tau)
+        return FusedPolicy("lynx_mass", alpha=p.alpha, beta=p.beta, price=p.mass_price, unit=p.price_unit)
 
 
 register(LynxPolicy())

@@ -4,6 +4,7 @@ token "piggyback" on experts already in the set until it has k."""
 
 from __future__ import annotations
 
+from ..kernels.step_spec import FusedPolicy
 from .base import Policy, StepTensors, check_int, register
 
 
@@ -20,6 +21,9 @@ class OeaPolicy(Policy):
 
     def critical_set(self, params, ops, step: StepTensors):
         return ops.oea_critical_set(step.scores, params, vote=step.vote, seed=step.seed)
+
+    def device_policy(self, params):
+        return FusedPolicy("oea", k0=params)
 
 
 register(OeaPolicy())

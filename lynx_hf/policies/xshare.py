@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from ..errors import LynxConfigError
+from ..kernels.step_spec import FusedPolicy
 from .base import Policy, StepTensors, check_int, check_number, register
 
 
@@ -33,6 +34,10 @@ class XSharePolicy(Policy):
         budget, warmup = params
         return ops.xshare_critical_set(step.scores, step.topk_idx, step.top_k, budget, warmup,
                                        vote=step.vote, seed=step.seed)
+
+    def device_policy(self, params):
+        budget, warmup = params
+        return FusedPolicy("xshare", budget=budget, warmup=warmup)
 
 
 register(XSharePolicy())

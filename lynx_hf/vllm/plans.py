@@ -113,7 +113,10 @@ class PaddingRows:
     name: ClassVar[str] = "padding"
 
     def bind(self, plan: RoutePlan, inner):
-        """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``)."""
+        """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``); ``None`` (left out) for a plan whose decode step
+        is the fused device step (``RoutePlan.fused_device``): its kernel treats an id < 0 as a padding row itself."""
+        if plan.fused_device is not None:
+            return None
 
         def run(plan: RoutePlan, inputs: StepInputs) -> Routed:
             pad = padding_rows(inputs.idx, inputs.host)
