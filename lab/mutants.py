@@ -514,6 +514,40 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/gate/key.py", 'f.metadata.get("key") == "omit_default" and getattr', 'False and getattr'),),
         ("tests/policies/test_gate_shipped.py",),
     ),
+    # -- issue 56: the decision store, the rule's floor, mixed steps, rank agreement, the plugin's accounting, the
+    # flatness guard, the .data fingerprint (an independent probe found them breakable with every test green)
+    Mutant(
+        "gate_user_table_after_memory",
+        "the decision store reads the process's memory before the user's gate_table (a key measured earlier in the "
+        "process ignores the table)",
+        (("lynx_hf/gate/table.py",
+          "            if user_table is not None:\n                table = self._table(Path(user_table))\n",
+          "            if digest in self.memory:\n                return self.memory[digest]\n"
+          "            if user_table is not None:\n                table = self._table(Path(user_table))\n"),),
+        (GATE + "test_a_user_table_wins_over_what_this_process_measured_before",
+         GATE + "test_a_user_table_is_read_first_and_is_the_decision"),
+    ),
+    Mutant(
+        "gate_key_default_tuning",
+        "the gate's key is built from the default tuning (decision.TUNING) instead of the gate's own",
+        (("lynx_hf/gate/stage.py", "self.key = make_key(self.plan, shape, self.step_key, self.telemetry, tuning)",
+          "self.key = make_key(self.plan, shape, self.step_key, self.telemetry)"),),
+        (GATE + "test_the_key_holds_the_tuning_in_use_not_the_default",),
+    ),
+    Mutant(
+        "gate_rule_no_k_floor",
+        "the closed-form rule loses its floor of k experts per step (a one-token step 'saves' k - 1 experts)",
+        (("lynx_hf/gate/decision.py",
+          "after = min(before, max(float(top_k), expected_unique(num_experts, 1, num_tokens)))",
+          "after = min(before, expected_unique(num_experts, 1, num_tokens))"),),
+        (GATE + "test_the_rule_keeps_k_experts_per_step_hand_worked",),
+    ),
+    Mutant(
+        "gate_mixed_cached_by_tokens",
+        "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
+        (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
+        (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",),
+    ),
 )
 
 
