@@ -77,6 +77,7 @@ GEN = "tests/families/test_generic_probe_exactness.py::"
 ENTRY = "tests/decode/test_entry_points.py::"
 VLM = "tests/decode/test_vlm_wrappers.py::"
 PLUGIN = "tests/vllm_plugin/test_vllm_plugin.py::"
+GV = "tests/policies/test_gate_vllm.py::"  # the plugin's gate plumbing without vLLM (newest leg)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -547,6 +548,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
         (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
         (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",),
+    ),
+    Mutant(
+        "vllm_world_rank_sends",
+        "the vLLM plugin's rank agreement: rank 0 of the world sends, not rank 0 of each tensor-parallel group (DP x TP "
+        "and PP x TP engines refused or wrong)",
+        (("lynx_hf/vllm/ranks.py", "    mine = payload(gates) if group.rank_in_group == 0 else None",
+          "    mine = payload(gates) if group.rank == 0 else None"),),
+        (GV + "test_each_tensor_parallel_group_agrees_on_its_own_rank_0_not_the_worlds",),
+    ),
+    Mutant(
+        "vllm_bypass_skips_once",
+        "the vLLM plugin's bypassed layers count one skipped step per step size read, however many were skipped",
+        (("lynx_hf/vllm/plans.py", "                gate.count(num_tokens, decode_rows, steps)",
+          "                gate.count(num_tokens, decode_rows)"),),
+        (GV + "test_bypassed_layers_count_every_step_they_skip",),
+    ),
+    Mutant(
+        "vllm_depth_counts_drafter",
+        "the vLLM plugin's plan depth (the price's L) counts the drafter's MoE layers beside the target's",
+        (("lynx_hf/vllm/plans.py", "moe_layers=max(1, len(target_layers()))", "moe_layers=max(1, len(STATE.layers))"),),
+        (GV + "test_a_drafters_moe_layers_do_not_deepen_the_targets_plans",),
     ),
 )
 
