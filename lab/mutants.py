@@ -570,6 +570,25 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/vllm/plans.py", "moe_layers=max(1, len(target_layers()))", "moe_layers=max(1, len(STATE.layers))"),),
         (GV + "test_a_drafters_moe_layers_do_not_deepen_the_targets_plans",),
     ),
+    Mutant(
+        "flatness_warns_again",
+        "the router-flatness warning fires again after patched(policy='none') and back (the probe's figures "
+        "recomputed when the stages made anew report)",
+        (("lynx_hf/flatness.py", "            if self.figures is not None or not self.layers:",
+          "            if not self.layers:"),),
+        ("tests/policies/test_flatness.py::test_the_warning_fires_once_per_patch",),
+    ),
+    Mutant(
+        "flatness_below_gate",
+        "the router-flatness probe composed below the cost gate (a step the gate keeps the model's routing on is "
+        "never measured)",
+        (("lynx_hf/patcher.py",
+          "    flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured\n"
+          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
+          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
+          "    flatness.plan_stage,  # mutant: below the gate\n"),),
+        ("tests/policies/test_flatness.py::test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold",),
+    ),
 )
 
 
