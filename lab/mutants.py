@@ -589,6 +589,16 @@ MUTANTS: tuple[Mutant, ...] = (
           "    flatness.plan_stage,  # mutant: below the gate\n"),),
         ("tests/policies/test_flatness.py::test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold",),
     ),
+    Mutant(
+        "watch_values_prefill_only",
+        "a deferred block reads its watched bias's values only in a prefill call: a write through .data between CPU "
+        "decode steps goes unnoticed until the next prefill (C42)",
+        (("lynx_hf/block.py",
+          "        reads = self.step.kind == PREFILL or (isinstance(logits, torch.Tensor) and host_reads_allowed(logits))",
+          "        reads = self.step.kind == PREFILL"),),
+        ("tests/families/test_selection_bias.py::"
+         "test_C42_a_bias_written_through_data_between_cpu_decode_steps_is_noticed_at_the_next_decode_step",),
+    ),
 )
 
 
