@@ -547,7 +547,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "gate_mixed_cached_by_tokens",
         "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
         (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
-        (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",),
+        (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",
+         "tests/decode/test_decode_default_gate.py::"
+         "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows"),
     ),
     Mutant(
         "vllm_world_rank_sends",
