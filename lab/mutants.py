@@ -601,6 +601,20 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/families/test_selection_bias.py::"
          "test_C42_a_bias_written_through_data_between_cpu_decode_steps_is_noticed_at_the_next_decode_step",),
     ),
+    Mutant(
+        "telemetry_on_experts_device",
+        "each block's telemetry accumulators made on its experts' device instead of its router's",
+        (("lynx_hf/block.py", "        device = _param_device(self.router)\n        if device is not None:\n",
+          "        device = _param_device(self.experts)\n        if device is not None:\n"),),
+        ("tests/accelerator/test_compile.py::test_the_telemetry_is_made_on_each_routers_own_device",),
+    ),
+    Mutant(
+        "telemetry_on_cpu",
+        "each block's telemetry accumulators made on the CPU whatever its router's device",
+        (("lynx_hf/block.py", "        device = _param_device(self.router)\n        if device is not None:\n",
+          "        device = torch.device(\"cpu\")\n        if device is not None:\n"),),
+        ("tests/accelerator/test_compile.py::test_the_telemetry_is_made_on_each_routers_own_device",),
+    ),
 )
 
 
