@@ -77,6 +77,7 @@ GEN = "tests/families/test_generic_probe_exactness.py::"
 ENTRY = "tests/decode/test_entry_points.py::"
 VLM = "tests/decode/test_vlm_wrappers.py::"
 PLUGIN = "tests/vllm_plugin/test_vllm_plugin.py::"
+GV = "tests/policies/test_gate_vllm.py::"  # the plugin's gate plumbing without vLLM (newest leg)
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant(
@@ -513,6 +514,106 @@ MUTANTS: tuple[Mutant, ...] = (
         "RoutePlan.kernel_min_tokens described in the gate's key even at its default: every shipped table misses",
         (("lynx_hf/gate/key.py", 'f.metadata.get("key") == "omit_default" and getattr', 'False and getattr'),),
         ("tests/policies/test_gate_shipped.py",),
+    ),
+    # -- issue 56: the decision store, the rule's floor, mixed steps, rank agreement, the plugin's accounting, the
+    # flatness guard, the .data fingerprint (an independent probe found them breakable with every test green)
+    Mutant(
+        "gate_user_table_after_memory",
+        "the decision store reads the process's memory before the user's gate_table (a key measured earlier in the "
+        "process ignores the table)",
+        (("lynx_hf/gate/table.py",
+          "            if user_table is not None:\n                table = self._table(Path(user_table))\n",
+          "            if digest in self.memory:\n                return self.memory[digest]\n"
+          "            if user_table is not None:\n                table = self._table(Path(user_table))\n"),),
+        (GATE + "test_a_user_table_wins_over_what_this_process_measured_before",
+         GATE + "test_a_user_table_is_read_first_and_is_the_decision"),
+    ),
+    Mutant(
+        "gate_key_default_tuning",
+        "the gate's key is built from the default tuning (decision.TUNING) instead of the gate's own",
+        (("lynx_hf/gate/stage.py", "self.key = make_key(self.plan, shape, self.step_key, self.telemetry, tuning)",
+          "self.key = make_key(self.plan, shape, self.step_key, self.telemetry)"),),
+        (GATE + "test_the_key_holds_the_tuning_in_use_not_the_default",),
+    ),
+    Mutant(
+        "gate_rule_no_k_floor",
+        "the closed-form rule loses its floor of k experts per step (a one-token step 'saves' k - 1 experts)",
+        (("lynx_hf/gate/decision.py",
+          "after = min(before, max(float(top_k), expected_unique(num_experts, 1, num_tokens)))",
+          "after = min(before, expected_unique(num_experts, 1, num_tokens))"),),
+        (GATE + "test_the_rule_keeps_k_experts_per_step_hand_worked",),
+    ),
+    Mutant(
+        "gate_mixed_cached_by_tokens",
+        "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
+        (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
+        (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",
+         "tests/decode/test_decode_default_gate.py::"
+         "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows"),
+    ),
+    Mutant(
+        "vllm_world_rank_sends",
+        "the vLLM plugin's rank agreement: rank 0 of the world sends, not rank 0 of each tensor-parallel group (DP x TP "
+        "and PP x TP engines refused or wrong)",
+        (("lynx_hf/vllm/ranks.py", "    mine = payload(gates) if group.rank_in_group == 0 else None",
+          "    mine = payload(gates) if group.rank == 0 else None"),),
+        (GV + "test_each_tensor_parallel_group_agrees_on_its_own_rank_0_not_the_worlds",),
+    ),
+    Mutant(
+        "vllm_bypass_skips_once",
+        "the vLLM plugin's bypassed layers count one skipped step per step size read, however many were skipped",
+        (("lynx_hf/vllm/plans.py", "                gate.count(num_tokens, decode_rows, steps)",
+          "                gate.count(num_tokens, decode_rows)"),),
+        (GV + "test_bypassed_layers_count_every_step_they_skip",),
+    ),
+    Mutant(
+        "vllm_depth_counts_drafter",
+        "the vLLM plugin's plan depth (the price's L) counts the drafter's MoE layers beside the target's",
+        (("lynx_hf/vllm/plans.py", "moe_layers=max(1, len(target_layers()))", "moe_layers=max(1, len(STATE.layers))"),),
+        (GV + "test_a_drafters_moe_layers_do_not_deepen_the_targets_plans",),
+    ),
+    Mutant(
+        "flatness_warns_again",
+        "the router-flatness warning fires again after patched(policy='none') and back (the probe's figures "
+        "recomputed when the stages made anew report)",
+        (("lynx_hf/flatness.py", "            if self.figures is not None or not self.layers:",
+          "            if not self.layers:"),),
+        ("tests/policies/test_flatness.py::test_the_warning_fires_once_per_patch",),
+    ),
+    Mutant(
+        "flatness_below_gate",
+        "the router-flatness probe composed below the cost gate (a step the gate keeps the model's routing on is "
+        "never measured)",
+        (("lynx_hf/patcher.py",
+          "    flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured\n"
+          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
+          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
+          "    flatness.plan_stage,  # mutant: below the gate\n"),),
+        ("tests/policies/test_flatness.py::test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold",),
+    ),
+    Mutant(
+        "watch_values_prefill_only",
+        "a deferred block reads its watched bias's values only in a prefill call: a write through .data between CPU "
+        "decode steps goes unnoticed until the next prefill (C42)",
+        (("lynx_hf/block.py",
+          "        reads = self.step.kind == PREFILL or (isinstance(logits, torch.Tensor) and host_reads_allowed(logits))",
+          "        reads = self.step.kind == PREFILL"),),
+        ("tests/families/test_selection_bias.py::"
+         "test_C42_a_bias_written_through_data_between_cpu_decode_steps_is_noticed_at_the_next_decode_step",),
+    ),
+    Mutant(
+        "telemetry_on_experts_device",
+        "each block's telemetry accumulators made on its experts' device instead of its router's",
+        (("lynx_hf/block.py", "        device = _param_device(self.router)\n        if device is not None:\n",
+          "        device = _param_device(self.experts)\n        if device is not None:\n"),),
+        ("tests/accelerator/test_compile.py::test_the_telemetry_is_made_on_each_routers_own_device",),
+    ),
+    Mutant(
+        "telemetry_on_cpu",
+        "each block's telemetry accumulators made on the CPU whatever its router's device",
+        (("lynx_hf/block.py", "        device = _param_device(self.router)\n        if device is not None:\n",
+          "        device = torch.device(\"cpu\")\n        if device is not None:\n"),),
+        ("tests/accelerator/test_compile.py::test_the_telemetry_is_made_on_each_routers_own_device",),
     ),
 )
 

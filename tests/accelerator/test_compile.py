@@ -180,3 +180,24 @@ def test_compiled_decode_on_cuda_uses_grouped_mm_only_where_it_is_capturable(dty
     experts_mod._lynx_forward(experts, hidden, idx, weights)
     lynx_hf.unpatch(model)
     assert called == ["grouped", "grouped" if dtype == torch.bfloat16 else "batched"]
+
+
+def test_the_telemetry_is_made_on_each_routers_own_device():
+    """The accumulators made eagerly (patch time, each patched ``generate``) live on the block's router's device. A
+    CPU-only suite has two devices to tell apart, the CPU and ``meta`` (a module not materialized yet, skipped: its
+    accumulators wait), so the two blocks of a tiny Qwen2-MoE are split across them: block 0's router on the CPU and
+    its experts on meta (made, on the CPU), block 1's router on meta and its experts on the CPU (none yet). The test
+    above compares the CPU with the CPU (issue 56)."""
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    state = lynx_hf.state.state_of(model)
+    first, second = state.blocks
+    first.experts.to("meta")
+    second.router.to("meta")
+    for block in state.blocks:
+        block.telemetry.acc = None
+    lynx_hf.patcher._prepare_telemetry(state)
+    made = [block.telemetry.acc for block in state.blocks]
+    lynx_hf.unpatch(model)
+    assert made[0] is not None and made[0].device == torch.device("cpu") and not made[0].any()
+    assert made[1] is None

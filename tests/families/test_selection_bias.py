@@ -286,3 +286,42 @@ def test_C42_a_deferred_block_reads_the_bias_values_only_where_no_device_sync_is
     lynx_hf.unpatch(model)
     assert prefill_reads == deferred > 0  # the prefill: one read per deferred block
     assert len(reads) == prefill_reads  # the accelerator path: no host read of the bias in a decode step
+
+
+def test_C42_a_bias_written_through_data_between_cpu_decode_steps_is_noticed_at_the_next_decode_step():
+    """Issue 56: a write through ``.data`` (``buf.data.copy_(w)``: identity, version and address unchanged) after the
+    prefill, followed by decode steps only, on CPU in eager mode: the value check runs on the decode call (a host read
+    costs no device sync there), so the block is verified at the first decode step of at least ``probe_tokens`` rows
+    and routes it (its tokens counted), instead of waiting for the next prefill."""
+    if "kolibri1" not in CONFIG_MAPPING_NAMES:
+        pytest.skip("transformers ships no Kolibri-1")
+    from transformers import DynamicCache
+
+    model = _model("kolibri1")
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}  # the biases randn x 0.1 (fm.build)
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.zero_()
+    k = model.config.num_experts_per_tok
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lynx_hf.patch(model, policy="oea", oea_k0=k, gate="always")
+    blocks = _blocks(model)
+    rows = blocks[0].spec.probe_tokens
+    ids = fm._prompts(rows, 4)  # ids below the tiny vocabulary (96)
+    with torch.no_grad():
+        out = model(input_ids=ids, **fam.cache_kw(model, DynamicCache(config=model.config)), use_cache=True)
+        assert all(b.rule_status == "pending" for b in blocks)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.data.copy_(checkpoint[name])
+        status, tokens = [], []
+        for _ in range(2):  # decode steps only: no prefill after the write
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), **fam.cache_kw(model, fam.cache_of(out)),
+                        use_cache=True)
+            status.append([b.rule_status for b in blocks])
+            tokens.append(lynx_hf.stats(model).summary()["decode_tokens"])
+    lynx_hf.unpatch(model)
+    assert status[0] == ["verified"] * len(blocks) and all(b.selection.score == "logits" for b in blocks)
+    assert tokens == [rows, 2 * rows]  # both decode steps routed (a pending block routes nothing)

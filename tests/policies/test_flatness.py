@@ -3,8 +3,9 @@ the probe against telemetry and a torch reference, and the default configuration
 deep tiny Qwen2-MoE (8 MoE layers, 12 experts, top-3).
 
 The end-to-end tests run the default policy with ``gate="always"``: at these tiny shapes the cost gate keeps the
-model's own routing on a CPU (nothing is moved, so nothing is warned: ``test_nothing_moved_nothing_warned``), and
-the warning is about what the policy does where it runs."""
+model's own routing on a CPU (nothing is moved, so nothing is warned), and the warning is about what the policy does
+where it runs. The default gate itself (``test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold``)
+is forced on and off by decision tables, so both sides of the threshold are taken on any machine (issue 56)."""
 
 import math
 import warnings
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import lynx_hf
-from lynx_hf import flatness
+from lynx_hf import flatness, gate
 from tests.helpers import families as fam
 
 
@@ -109,13 +110,36 @@ def test_nothing_moved_nothing_warned():
     assert acc == [] and all(lay["router_flatness"]["steps"] == 0 for lay in layers)
 
 
-def test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold():
-    # the default configuration, gate "auto" included: whatever the gate decides on this machine, a step it keeps
-    # the model's routing on moves nothing, and the warning follows the figure
-    layers, acc = _run(_deep(0.5), None)
+def _table(model, path, on: bool) -> str:
+    """A decision table holding the keys of ``model``'s gates under the default configuration, on (a saving of 4 x
+    1 ms against 1 ms) or off (nothing saved) at every step size: the default's gate forced either way on any
+    machine (``gate_table`` is not a policy field: the configuration stays the default the probe watches)."""
+    lynx_hf.patch(model)
+    table = gate.DecisionTable()
+    for block in lynx_hf.patcher._state(model).blocks:
+        d = gate.decide(1.0, 4.0 if on else 0.0, 1.0, margin=gate.TUNING.margin)
+        table.put(gate.of(block.plan).key, {b: d for b in gate.BUCKETS}, "test table")
+    lynx_hf.unpatch(model)
+    return str(table.save(path))
+
+
+@pytest.mark.parametrize("decisions", ["measured", "table_on", "table_off"])
+def test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold(decisions, tmp_path):
+    # the default configuration, gate "auto" included: a step the gate keeps the model's routing on moves nothing, and
+    # the warning follows the figure. "measured": whatever this machine decided (on a CPU at this tiny shape: off, so
+    # both sides read 0 and False); the tables force each side on any machine: on, the flat routers move more than
+    # the threshold and it warns; off, the probe still counts every step (it sits above the gate) and reads 0
+    model = _deep(0.5)
+    table = None if decisions == "measured" else _table(model, tmp_path / "table.json", decisions == "table_on")
+    layers, acc = _run(model, None if table is None else lynx_hf.LynxConfig(gate_table=table))
     moved = sum(lay["router_flatness"]["routing_mass_moved"] for lay in layers)
     assert all(lay["router_flatness"]["steps"] == flatness.STEPS for lay in layers)
     assert (len(acc) == 1) == (moved > flatness.MOVED_THRESHOLD), (moved, acc)
+    if decisions == "table_on":
+        assert moved > flatness.MOVED_THRESHOLD and len(acc) == 1
+        assert all(lay["gate"]["source"] == f"table {table}" for lay in layers)
+    elif decisions == "table_off":
+        assert moved == pytest.approx(0.0, abs=1e-5) and acc == []   # 1 - a sum of fp32 weights: ~1e-8 per layer
 
 
 def test_a_configuration_the_user_chose_is_not_probed():
@@ -126,13 +150,35 @@ def test_a_configuration_the_user_chose_is_not_probed():
 
 
 def test_the_warning_fires_once_per_patch():
+    """Once per patch: not again on a second generate, nor after ``patched(model, policy="none")`` and back (what
+    ``lynx-hf generate`` does for its reference): the way back makes each layer's probe stage anew, and their figures
+    reach the model's probe again (every layer measured its steps again), which has warned already; a new patch
+    warns again."""
     model = _deep(0.5)
     ids, mask = fam.prompts(8, 6, left_pad=False)
+
+    def generate():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=flatness.STEPS + 2,
+                       min_new_tokens=flatness.STEPS + 2, do_sample=False)
+
+    def warned(got):
+        return sum(issubclass(w.category, lynx_hf.LynxAccuracyWarning) for w in got)
+
     lynx_hf.patch(model, ALWAYS)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         for _ in range(2):
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=flatness.STEPS + 2,
-                           min_new_tokens=flatness.STEPS + 2, do_sample=False)
-    assert sum(issubclass(w.category, lynx_hf.LynxAccuracyWarning) for w in got) == 1
+            generate()
+        with lynx_hf.patched(model, policy="none"):
+            generate()
+        generate()
+        steps = [lay["router_flatness"]["steps"] for lay in lynx_hf.stats(model).summary()["per_layer"]]
+    assert warned(got) == 1
+    assert steps == [flatness.STEPS] * 8   # the stages made on the way back measured (and reached the guard)
     lynx_hf.unpatch(model)
+    lynx_hf.patch(model, ALWAYS)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        generate()
+    lynx_hf.unpatch(model)
+    assert warned(got) == 1

@@ -750,7 +750,9 @@ def test_a_user_table_is_read_first_and_is_the_decision(tmp_path, fresh_store, c
     on_at = sorted(int(b) for b, d in entry["decisions"].items() if d["on"])  # what tune printed, in words
     said = f"on at {', '.join(map(str, on_at))} tokens" if on_at else "off at every step size"
     assert said in capsys.readouterr().out
-    gate.STORE.reset()
+    # the process's memory still holds what tune measured for this key: the table must win over it (issue 56)
+    assert gate.STORE.lookup(gate.GateKey(**{k: v for k, v in entry["key"].items() if k != "parts"},
+                                          parts=json.dumps(entry["key"]["parts"], sort_keys=True))) is not None
     model = fam.build("qwen2_moe")  # the checkpoint's weights
     ids, mask = fam.prompts(8, 6)
     with lynx_hf.patched(model, policy="none"):
@@ -842,3 +844,72 @@ def test_the_saving_is_timed_on_the_experts_path_the_step_size_runs(monkeypatch)
     timed.clear()
     gm.measure_bucket(no_kernel, 16, {}, gate.Tuning(confirm=0))  # the plan runs no kernel: the own path, always
     assert timed and all(fn is own for fn in timed)
+
+
+# -- issue 56: behaviours new since 2026-12-04 that could break with every test green ------------------------------
+def test_the_rule_keeps_k_experts_per_step_hand_worked():
+    """The closed-form rule's floor: every token still uses k experts, so a step loads at least k. N 64, k 8, one
+    expert 3 x 3584 x 2560 x 2 bytes at 20 GB/s on a CPU (2.75 ms: saving anything beats the 0.05 ms cost).
+    T = 1: before = 64 (1 - 56/64) = 8, after = max(8, 1) = 8: nothing saved, off (without the floor a lone token
+    "saves" 7 experts and turns the policy on). T = 2: before = 64 (1 - (56/64)^2) = 15, after = max(8, 64 (1 -
+    (63/64)^2) = 1.98) = 8: 7 saved (not 13.02)."""
+    one = gate.by_rule(64, 8, 3584, 2560, 2, 1, "cpu")
+    assert one.experts_before == pytest.approx(8.0) and one.experts_after == pytest.approx(8.0)
+    assert one.experts_saved == pytest.approx(0.0, abs=1e-9) and not one.on
+    two = gate.by_rule(64, 8, 3584, 2560, 2, 2, "cpu")
+    assert two.experts_before == pytest.approx(15.0) and two.experts_after == pytest.approx(8.0)
+    assert two.experts_saved == pytest.approx(7.0) and two.on
+    assert two.saving_ms == pytest.approx(7 * 3 * 3584 * 2560 * 2 / 20e9 * 1e3)
+
+
+def test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions():
+    """A mixed step's decision is derived once per (T, decode rows), not per T. Hand-worked as in
+    ``test_a_mixed_step_is_decided_on_its_decode_rows``: cost 1.0 ms at bucket 256; 4 decode rows (bucket 4) save
+    0.2 ms <= 1.25 x 1.0: off; 200 decode rows (bucket 256) save 50 x 0.1 = 5 ms > 1.25: on. Asked in both orders."""
+    d256 = gate.decide(1.0, 50.0, 0.1, margin=MARGIN)
+    d4 = gate.decide(0.01, 2.0, 0.1, margin=MARGIN)
+    for order in ((4, 200), (200, 4)):
+        g = gate.PlanGate(gate.LayerShape(64, 4, 16, 8), plan=_plan(64, 4),
+                          decisions={**{b: d256 for b in gate.BUCKETS}, 4: d4})
+        got = {rows: g.decision(256, decode_rows=rows) for rows in order}
+        assert not got[4].on and got[4].saving_ms == pytest.approx(0.2)
+        assert got[200].on and got[200].saving_ms == pytest.approx(5.0) and got[200].cost_ms == 1.0
+        assert [g.on(256, rows) for rows in (4, 200, 4)] == [False, True, False]
+
+
+def test_the_key_holds_the_tuning_in_use_not_the_default(fixed_gate):
+    """``PlanGate.tuning`` (a lab script's or a test's own constants) is what the key's ``tuning`` digest describes:
+    two gates of one layer under two tunings have two keys, each measured, each with its own tuning's digest (the
+    default's digest for a tuning that differs would reuse decisions measured with other constants)."""
+    calls = fixed_gate(True)
+    other = gate.Tuning(margin=1.5)
+    assert other.digest() != gate.TUNING.digest()
+    keys = []
+    for tuning in (gate.TUNING, other):
+        g = gate.PlanGate(gate.LayerShape(8, 2, 16, 8), tuning=tuning)
+        g.plan = _plan(8, 2)
+        g.resolve()
+        assert g.key.tuning == tuning.digest() and g.source.startswith("measured")
+        keys.append(g.key.digest())
+    assert keys[0] != keys[1] and len(calls) == 2
+
+
+def test_a_user_table_wins_over_what_this_process_measured_before(fixed_gate, tmp_path):
+    """``gate_table`` is read before the process's memory: a process that measured a layer (on at every step size)
+    and is then patched with a user table holding that key (off everywhere) runs the table's decisions. The user
+    table test above starts from an empty memory; this one does not."""
+    calls = fixed_gate(True)
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    measured = gate.of(lynx_hf.patcher._state(model).blocks[0].plan)
+    assert measured.source.startswith("measured") and all(d.on for d in measured.decisions.values())
+    lynx_hf.unpatch(model)
+    off = gate.decide(1.0, 0.0, 0.5, margin=MARGIN)
+    table = gate.DecisionTable()
+    table.put(measured.key, {b: off for b in gate.BUCKETS}, "a user's table")
+    path = table.save(tmp_path / "table.json")
+    lynx_hf.patch(model, policy="lynx", gate="auto", gate_table=str(path))
+    planned = gate.of(lynx_hf.patcher._state(model).blocks[0].plan)
+    lynx_hf.unpatch(model)
+    assert planned.key == measured.key and planned.source == f"table {path}"
+    assert not any(d.on for d in planned.decisions.values()) and len(calls) == 1
