@@ -603,81 +603,96 @@ class FusedStep:
         self.__dict__.update(state)
         self._local = threading.local()
 
-    def _buffers(self, num_tokens, idx, weights) -> _Buffers:
-        """This thread's buffers for a step of ``num_tokens`` tokens (made on first use, kept for :data:`MAX_SIZES`
-        sizes); fresh ones while ``torch.compile`` traces (the graph owns its memory)."""
-        key = (num_tokens, idx.device, idx.dtype, weights.dtype)
-        if torch.compiler.is_compiling():
-            return _Buffers(num_tokens, self.num_experts, self.top_k, self.policy, idx.dtype, weights.dtype,
-                            idx.device)
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
+    def _launch(self, key, num_tokens, idx, weights, kind, sel, rule, renormalize, scale, eps, flags) -> "_Launch":
+        """What a launch of this shape and these options passes besides its tensors (constexprs, scalars) and this
+        thread's buffers for it: made on first use, kept for :data:`MAX_SIZES` keys (least recently used dropped);
+        fresh while ``torch.compile`` traces (the graph owns its memory)."""
+        compiling = torch.compiler.is_compiling()
+        cache = None if compiling else getattr(self._local, "cache", None)
+        if cache is None and not compiling:
             cache = self._local.cache = OrderedDict()
-        buf = cache.get(key)
-        if buf is None:
-            buf = cache[key] = _Buffers(num_tokens, self.num_experts, self.top_k, self.policy, idx.dtype,
-                                        weights.dtype, idx.device)
+        launch = None if compiling else cache.get(key)
+        if launch is not None:
+            if len(cache) > 1:
+                cache.move_to_end(key)
+            return launch
+        policy, n, k = self.policy, self.num_experts, self.top_k
+        has_dec, has_live, has_seed, has_bias, telem, verify = flags
+        blk = block_sizes(num_tokens, n, k)
+        groups = sel.n_group if sel.kind in ("group_softmax_max", "biased") else 1
+        lynx = kind in ("lynx", "lynx_mass")
+        beta = policy.beta if lynx else 0
+        consts = dict(
+            K=k, BLOCK_K=blk["BLOCK_K"], BETA=beta, BLOCK_J=triton.next_power_of_2(beta + 1),
+            BLOCK_T=max(1, min(64, TILE.get(kind, 1024) // blk["BLOCK_N"])), BLOCK_N=blk["BLOCK_N"],
+            BLOCK_G=triton.next_power_of_2(groups), POLICY=POLICIES.index(kind), GROW=k if kind == "lynx" else 1,
+            KSEL=self._ksel, UNIT=PRICE_UNITS.index(policy.unit), SEL=SELECTIONS.index(sel.kind),
+            SCORE=BIAS_SCORES.index(sel.score), PER_GROUP=max(n // groups, 1), GROUPS=groups,
+            TOPK_GROUP=sel.topk_group, GSCORE=GROUP_SCORES.index(sel.group_score), HAS_BIAS=has_bias, HAS_DEC=has_dec,
+            HAS_LIVE=has_live, HAS_SEED=has_seed, RULE=_RULE_CODE[rule], RENORM=bool(renormalize), TELEM=telem,
+            VERIFY=verify, TINY=_TINY, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        scalars = (num_tokens, n, policy.alpha if lynx else 1.0, self._price, mass_grow_steps(num_tokens, n, k),
+                   policy.budget, float(scale), float(eps))
+        buf = _Buffers(num_tokens, n, k, policy, idx.dtype, weights.dtype, idx.device)
+        launch = _Launch(buf, scalars, consts)
+        if cache is not None:
+            cache[key] = launch
             while len(cache) > MAX_SIZES:
                 cache.popitem(last=False)
-        elif len(cache) > 1:
-            cache.move_to_end(key)
-        return buf
+        return launch
 
-    def __call__(self, logits, weights, idx, rule="softmax_all", renormalize=False, scale=1.0, eps=0.0, *, decode=None, live=None, seed=None, selection: FusedSelection = LOGITS,
-                 bias=None, scores=None, acc=None, counts_only: bool = False, verify: bool = False, keep: bool = False):
+    def __call__(self, logits, weights, idx, rule="softmax_all", renormalize=False, scale=1.0, eps=0.0, *, decode=None,
+                 live=None, seed=None, selection: FusedSelection = LOGITS, bias=None, scores=None, acc=None,
+                 counts_only: bool = False, verify: bool = False, keep: bool = False):
         """One step. ``logits [T, N]`` (any float dtype), ``weights [T, k]`` (any float dtype) / ``idx [T, k]``
         (int32 / int64, an id < 0 marks a padding row) the model's routing; the family's weight rule (``docs/design.md``
         "Family rules"; ``lynx_hf.core.WeightRule``): ``rule`` one of ``routing_torch.WEIGHT_RULES``, ``renormalize``,
-        ``scale``, ``eps``; ``decode`` / ``live [T]`` bool or
-        ``None`` (every row), ``seed [N]`` bool or ``None``; ``selection`` (:class:`FusedSelection`) with ``bias``
-        (``[N]`` elements, any float dtype, strided; ``None``: zeros) or ``scores [T, N]`` fp32 (``"scores"``);
-        ``acc``: the layer's telemetry accumulators (fp64 ``[NUM_SLOTS]``) or ``None`` (not recorded),
-        ``counts_only``: the counting mode; ``verify``: a verification forward; ``keep``: the model's routing stays
-        (only the telemetry is recorded).
+        ``scale``, ``eps``; ``decode`` / ``live [T]`` bool or ``None`` (every row), ``seed [N]`` bool or ``None``;
+        ``selection`` (:class:`FusedSelection`) with ``bias`` (``[N]`` elements, any float dtype, strided; ``None``:
+        zeros) or ``scores [T, N]`` fp32 (``"scores"``); ``acc``: the layer's telemetry accumulators (fp64
+        ``[NUM_SLOTS]``) or ``None`` (not recorded), ``counts_only``: the counting mode; ``verify``: a verification
+        forward; ``keep``: the model's routing stays (only the telemetry is recorded).
 
         Returns ``(weights [T, k] in weights.dtype, idx [T, k] in idx.dtype)``: buffers this step owns until its
-        next call of the same size on the same thread (the model's own tensors with ``keep``). Sync-free. Raises
-        ``ValueError`` for an unknown weight rule."""
-        num_tokens = idx.shape[0]
-        policy = self.policy
-        code = _RULE_CODE.get(rule)
-        if code is None:
-            raise ValueError(f"unknown weight rule {rule!r}; expected one of {WEIGHT_RULES}")
-        keep = keep or policy.kind == "keep"
+        next call of the same size on the same thread (the model's own tensors with ``keep``). Sync-free; after the
+        first call of a shape and options, one dictionary lookup and the launch. Raises ``ValueError`` for an unknown
+        weight rule."""
+        keep = keep or self.policy.kind == "keep"
         if keep and acc is None:
             return weights, idx
-        kind = "keep" if keep or policy.kind == "keep" else policy.kind
-        buf = self._buffers(num_tokens, idx, weights)
-        blk = block_sizes(num_tokens, self.num_experts, self.top_k)
+        if rule not in _RULE_CODE:
+            raise ValueError(f"unknown weight rule {rule!r}; expected one of {WEIGHT_RULES}")
         sel = selection if scores is None else SCORES
-        groups = sel.n_group if sel.kind in ("group_softmax_max", "biased") else 1
-        beta = policy.beta if kind in ("lynx", "lynx_mass") else 0
+        flags = (decode is not None, live is not None, seed is not None, bias is not None,
+                 0 if acc is None else (1 if counts_only else 2), bool(verify))
+        num_tokens = idx.shape[0]
+        key = (num_tokens, idx.device, idx.dtype, weights.dtype, keep, sel, rule, renormalize, scale, eps, flags)
+        launch = self._launch(key, num_tokens, idx, weights, "keep" if keep else self.policy.kind, sel, rule,
+                              renormalize, scale, eps, flags)
+        buf = launch.buffers
         dummy = buf.flags
-        _fused_step_kernel[(1,)](
+        _fused_step_kernel[_GRID](
             logits, idx, weights,
             dummy if decode is None else decode, dummy if live is None else live, dummy if seed is None else seed,
             dummy if bias is None else bias, dummy if scores is None else scores,
             buf.scores, buf.flags, buf.fixed, buf.lists, buf.powers, buf.params, dummy if acc is None else acc,
-            buf.idx, buf.weights,
-            num_tokens, self.num_experts, policy.alpha if beta or kind in ("lynx", "lynx_mass") else 1.0,
-            self._price, mass_grow_steps(num_tokens, self.num_experts, self.top_k), policy.budget, float(scale), float(eps),
+            buf.idx, buf.weights, *launch.scalars,
             logits.stride(0), logits.stride(1), idx.stride(0), idx.stride(1), weights.stride(0), weights.stride(1),
             0 if bias is None else bias.stride(-1), 0 if scores is None else scores.stride(0),
-            0 if scores is None else scores.stride(1),
-            K=self.top_k, BLOCK_K=blk["BLOCK_K"], BETA=beta, BLOCK_J=triton.next_power_of_2(beta + 1),
-            BLOCK_T=max(1, min(64, TILE.get(kind, 1024) // blk["BLOCK_N"])), BLOCK_N=blk["BLOCK_N"], BLOCK_G=triton.next_power_of_2(groups),
-            POLICY=POLICIES.index(kind), GROW=self.top_k if kind == "lynx" else 1, KSEL=self._ksel,
-            UNIT=PRICE_UNITS.index(policy.unit),
-            SEL=SELECTIONS.index(sel.kind), SCORE=BIAS_SCORES.index(sel.score),
-            PER_GROUP=max(self.num_experts // groups, 1), GROUPS=groups, TOPK_GROUP=sel.topk_group,
-            GSCORE=GROUP_SCORES.index(sel.group_score), HAS_BIAS=bias is not None,
-            HAS_DEC=decode is not None, HAS_LIVE=live is not None, HAS_SEED=seed is not None,
-            RULE=code, RENORM=bool(renormalize), TELEM=0 if acc is None else (1 if counts_only else 2),
-            VERIFY=bool(verify), TINY=_TINY, num_warps=NUM_WARPS, maxnreg=MAXNREG,
-        )
+            0 if scores is None else scores.stride(1), **launch.consts)
         if keep:
             return weights, idx
         return buf.weights, buf.idx
+
+
+_GRID = (1,)
+
+
+class _Launch:
+    __slots__ = ("buffers", "scalars", "consts")
+
+    def __init__(self, buffers: _Buffers, scalars: tuple, consts: dict):
+        self.buffers, self.scalars, self.consts = buffers, scalars, consts
 
 
 __all__ = ["POLICIES", "SELECTIONS", "FusedPolicy", "FusedSelection", "FusedStep", "LOGITS", "SCORES", "MAX_SIZES",
