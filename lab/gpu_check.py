@@ -37,7 +37,9 @@ Sections (run in this order; each is skipped with a printed note when the time b
 3. ``tpot`` — TPOT of ``model.generate`` for the 2-layer Qwen2-57B-A14B and DeepSeek-V2-Lite configs
    (bf16, vocab 4096), B = 1, 4, 16, 64: HF default (unpatched) vs LYNX default with transformers'
    ``grouped_mm`` experts (``routing_backend="torch"``) vs LYNX default with the Triton routing + sparse expert
-   kernel (``routing_backend="triton", expert_path="triton"``), interleaved rounds; unique experts per layer-step before / after.
+   kernel (``routing_backend="triton", expert_path="triton"``: the fused device step, one launch per layer-step) vs the
+   defaults with the gate forced on / as a user gets them vs LYNX off (policy ``none``) with the same sparse kernel,
+   interleaved rounds; unique experts per layer-step before / after.
    Prints, per shape, the expert path ``auto`` should take (the faster LYNX variant).
 4. ``graphs`` — CUDA-graph capture of compiled static-cache decode with LYNX: ``model.generate(...,
    cache_implementation="static", compile_config=CompileConfig(fullgraph=True, mode="reduce-overhead"))``
@@ -555,7 +557,9 @@ def section_tpot(args, dev, budget, models) -> None:
     # path each step size runs, with L2 flushed between calls; its decisions printed below)
     variants = {"hf": None, "lynx grouped_mm": dict(TORCH, expert_path="model"), "lynx triton": TRITON,
                 "lynx auto": dict(routing_backend="auto", expert_path="auto", gate="always"),  # (a re-patch keeps
-                "lynx default": dict(routing_backend="auto", expert_path="auto", gate="auto")}  # the fields not given)
+                "lynx default": dict(routing_backend="auto", expert_path="auto", gate="auto"),  # the fields not given)
+                # LYNX off with the same expert kernel as "lynx triton": what the policy itself buys or costs
+                "lynx off": dict(routing_backend="auto", expert_path="triton", gate="always", policy="none")}
     table = []
     for name, config in model_configs(args.dry_run).items():
         if not budget.allows(45 if not args.dry_run else 10, f"{name} TPOT", S):
@@ -575,7 +579,7 @@ def section_tpot(args, dev, budget, models) -> None:
                 if variants[v] is None:
                     lynx_hf.unpatch(model)
                 else:
-                    lynx_hf.patch(model, policy="lynx", **variants[v])
+                    lynx_hf.patch(model, **{"policy": "lynx", **variants[v]})
                     lynx_hf.reset_stats(model)
                 clock = StepClock(dev)
                 with torch.inference_mode():
@@ -605,7 +609,8 @@ def section_tpot(args, dev, budget, models) -> None:
                     f"({med['lynx grouped_mm'] / med['hf']:.2f}x) | LYNX triton {med['lynx triton']:.2f} ms "
                     f"({med['lynx triton'] / med['hf']:.2f}x) | LYNX auto {med['lynx auto']:.2f} ms "
                     f"({med['lynx auto'] / med['hf']:.2f}x) | LYNX default {med['lynx default']:.2f} ms "
-                    f"({med['lynx default'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
+                    f"({med['lynx default'] / med['hf']:.2f}x) | LYNX off, same kernel {med['lynx off']:.2f} ms "
+                    f"({med['lynx off'] / med['hf']:.2f}x) | unique experts/layer-step {_fmt(u[0])} -> {_fmt(u[1])} | "
                     f"faster: {'grouped_mm' if choice == 'lynx grouped_mm' else 'triton sparse kernel'}, "
                     f"auto picks: {picks}")
             note(S, f"{name} TPOT", line)
@@ -626,12 +631,13 @@ def section_tpot(args, dev, budget, models) -> None:
             lynx_hf.unpatch(model)
     if table:
         print("\n  TPOT summary (ms per decode step, median of interleaved rounds):", flush=True)
-        print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | LYNX auto | unique experts | faster |",
-              flush=True)
-        print("  |---|---|---|---|---|---|---|---|", flush=True)
+        print("  | model | B | HF default | LYNX grouped_mm | LYNX triton | LYNX auto | LYNX default | LYNX off "
+              "(same kernel) | unique experts | faster |", flush=True)
+        print("  |---|---|---|---|---|---|---|---|---|---|", flush=True)
         for name, B, med, choice, u in table:
             print(f"  | {name} | {B} | {med['hf']:.2f} | {med['lynx grouped_mm']:.2f} | {med['lynx triton']:.2f} | "
-                  f"{med['lynx auto']:.2f} | {_fmt(u[0])} -> {_fmt(u[1])} | "
+                  f"{med['lynx auto']:.2f} | {med['lynx default']:.2f} | {med['lynx off']:.2f} | "
+                  f"{_fmt(u[0])} -> {_fmt(u[1])} | "
                   f"{'grouped_mm' if choice == 'lynx grouped_mm' else 'triton'} |", flush=True)
 
 

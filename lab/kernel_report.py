@@ -3,8 +3,8 @@
 
 Triton compiles without a device when it is given the target (``triton.compile(ASTSource(...),
 target=GPUTarget("cuda", 90, 32))``; ``ptxas`` and ``cuobjdump`` ship in the triton wheel). This script
-does not re-state any block size: it runs the **real launchers** of :mod:`lynx_hf.kernels.routing` and
-:mod:`lynx_hf.kernels.moe` on ``meta`` tensors of the real shapes with ``JITFunction.run`` replaced by
+does not re-state any block size: it runs the **real launchers** of :mod:`lynx_hf.kernels.routing`,
+:mod:`lynx_hf.kernels.moe` and :mod:`lynx_hf.kernels.fused_step` (the fused device decode step) on ``meta`` tensors of the real shapes with ``JITFunction.run`` replaced by
 a recorder, so it compiles exactly the (kernel, constexprs, launch options) each launch site would use
 (block sizes from :func:`lynx_hf.kernels.routing.block_sizes` / :func:`lynx_hf.kernels.moe.moe_block_config`);
 the signature and the integer / alignment specialisation come from Triton's own binder for that

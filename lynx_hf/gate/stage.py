@@ -91,6 +91,11 @@ class PlanGate:
     source: str = ""
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
+    #: on CUDA, for an engine that steps eagerly (``shape.captured`` False, no mixed steps: transformers), the same
+    #: layer's gate timed as a CUDA-graph replay (``LayerShape.captured``): the decisions a step traced by
+    #: ``torch.compile`` takes (transformers' compiled static-cache ``generate`` replays its decode step from CUDA
+    #: graphs, where the routing step costs no per-launch host time); ``None`` elsewhere
+    replayed: "PlanGate | None" = field(default=None, repr=False)
     #: decisions derived on first use: above the largest bucket (by rule), mixed steps (T, decode rows)
     _derived: dict = field(default_factory=dict, repr=False)
     _lock: object = field(default_factory=threading.Lock, repr=False)
@@ -136,6 +141,12 @@ class PlanGate:
                 found = self.store.decisions(
                     self.key, lambda: measure_layer(self, self.store.expert_times, tuning), self.table)
         self.decisions, self.source = dict(found[0]), found[1]
+        self.replayed = None
+        if not shape.captured and not shape.mixed_steps and torch.device(self.plan.device).type == "cuda":
+            twin = PlanGate(replace(shape, captured=True), self.telemetry, self.extra_expert_ms, self.expert_fn,
+                            self.kernel_fn, self.route_fn, self.selection, self.step_key, self.table, tuning,
+                            self.store, self.plan, self.inner)
+            self.replayed = twin.resolve()
         return self
 
     def adopt(self, decisions: dict, source: str) -> None:
@@ -146,6 +157,8 @@ class PlanGate:
             self._derived.clear()
 
     def _run(self, plan: RoutePlan, inputs: StepInputs) -> Routed:
+        if self.replayed is not None and torch.compiler.is_compiling():  # traced: replayed from a CUDA graph
+            return self.replayed._run(plan, inputs)
         num_tokens = inputs.idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
         if plan.keeps(num_tokens):  # a lone token keeps its routing; the bucket's figure says whose experts run
             out = self.inner(plan, inputs)

@@ -120,7 +120,7 @@ def test_finished_rows_and_left_padding(monkeypatch):
 # -- the count (lab.step_ops): ops + launches one patched layer adds to a decode step ----------------------------
 @pytest.mark.parametrize("label,family,overrides", [m for m in step_ops.MODELS if m[1] != "llama4"],
                          ids=[m[0] for m in step_ops.MODELS if m[1] != "llama4"])
-def test_a_patched_layer_adds_at_most_four_ops_per_decode_step(label, family, overrides):
+def test_C65_a_patched_layer_adds_at_most_four_ops_per_decode_step(label, family, overrides):
     """Qwen2-MoE, Mixtral, DeepSeek-V2 (greedy, group-limited), DeepSeek-V3 at N 64, k 8, B 16, the model's own
     experts on both sides: the default policy, the paper rule and OEA add at most 4 dispatched ops + Triton launches
     (one launch: the fused step) to one block forward; the step-by-step path added 70-130."""
@@ -134,7 +134,7 @@ def test_a_patched_layer_adds_at_most_four_ops_per_decode_step(label, family, ov
     assert before > 40
 
 
-def test_llama4_routing_adds_at_most_four_ops_per_decode_step():
+def test_C65_llama4_routing_adds_at_most_four_ops_per_decode_step():
     """Llama-4's block forward is replaced in decode (HF computes every expert densely), so the block counts differ by
     the expert computation; its routing adds the router's own top-k and gather (HF's router does not return the ids)
     and the fused step's launch: policy ``none`` (the dense experts kept) adds exactly that, and LYNX's further ops
