@@ -356,8 +356,12 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
     offload.install(state)  # offloaded experts read per expert in decode
-    _resolve(state)
-    _prepare_telemetry(state)
+    try:
+        _resolve(state)
+        _prepare_telemetry(state)
+    except BaseException:  # never a half-patched model (docs/cases.md C56): everything installed above is undone
+        unpatch(inner)
+        raise
     return model
 
 
@@ -399,13 +403,20 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
         return
     for block in state.blocks:  # the new config's checks; each block keeps the routing rule resolved at patch time
         block.spec.validate(block.block, block.name, cfg)
-    state.config = cfg
+    previous, state.config = state.config, cfg
     state.tracker.reset_counts()
     for block in state.blocks:
         block.telemetry.reset()  # telemetry describes one config
-    _sync_experts_impl(state)
-    offload.install(state)  # again: the cache budget or offload path may have changed
-    _resolve(state)
+    try:
+        _sync_experts_impl(state)
+        offload.install(state)  # again: the cache budget or offload path may have changed
+        _resolve(state)
+    except BaseException:  # the model keeps running the config it had (docs/cases.md C56)
+        state.config = previous
+        _sync_experts_impl(state)
+        offload.install(state)
+        _resolve(state)
+        raise
 
 
 def _sync_experts_impl(state: ModelState) -> None:
@@ -432,11 +443,13 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
 
 
 def _check_gate_table(cfg: LynxConfig) -> None:
-    """A ``gate_table`` that is missing or not a decision table fails here, before anything changes."""
+    """A ``gate_table`` that is missing, not a decision table, of another format or holding one entry that is not a
+    valid decision (every entry is checked: ``lynx_hf.gate.table.decode_entry``) fails here, before anything changes
+    (docs/cases.md C56)."""
     if cfg.gate_table is None:
         return
     try:
-        gate.DecisionTable.load(cfg.gate_table)
+        gate.STORE.user_table(cfg.gate_table)
     except (OSError, ValueError) as exc:
         raise LynxConfigError(f"LynxConfig.gate_table={cfg.gate_table!r}: {exc}") from exc
 
