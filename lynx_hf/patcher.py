@@ -407,6 +407,7 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
     state.tracker.reset_counts()
     for block in state.blocks:
         block.telemetry.reset()  # telemetry describes one config
+        block.carried_gate = None  # a copy's decisions were its original's config's: a new config decides anew
     try:
         _sync_experts_impl(state)
         offload.install(state)  # again: the cache budget or offload path may have changed

@@ -290,3 +290,64 @@ def test_C58_a_child_forked_during_a_measurement_patches_and_generates(fresh_gat
             pytest.fail("the forked child hung in patch (the store's lock held by a thread it does not have)")
         time.sleep(0.2)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_C56_a_measurement_that_fails_leaves_the_model_untouched(fresh_gate_store, monkeypatch):
+    """Whatever raises while the plans are resolved (here the measurement itself) is raised by ``patch`` with the model
+    as it was: no hook, no ``generate``, not patched (before: the state stayed attached, ``generate`` raised too)."""
+    def broken(planned, expert_times, tuning=gate.TUNING):
+        raise RuntimeError("measurement failed")
+
+    monkeypatch.setattr(gs, "measure_layer", broken)
+    model = fam.build("qwen2_moe")
+    with pytest.raises(RuntimeError, match="measurement failed"):
+        lynx_hf.patch(model, policy="lynx", gate="auto")
+    assert _untouched(model)
+
+
+# -- C59: copies keep their decisions ------------------------------------------------------------------------------
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_C59_a_copy_at_another_thread_count_keeps_the_originals_decisions(how, fresh_gate_store, monkeypatch):
+    """CASES C59: the measurement here decides by the thread count (1 thread: on from 4 tokens; else off everywhere).
+    The model is patched at 1 thread, then copied and used at 2: the copy runs the original's decisions (on at a
+    4-token step), measures nothing in its first ``generate``, and gives the original's tokens at that thread count.
+    Before: the copy's plan was resolved again under a 2-thread key, measured inside ``generate``, and ran off."""
+    import copy
+    import io
+    import pickle
+
+    calls = []
+
+    def by_threads(planned, expert_times, tuning=gate.TUNING):
+        calls.append(torch.get_num_threads())
+        return {b: _decision(b >= 4 and torch.get_num_threads() == 1) for b in tuning.buckets}
+
+    monkeypatch.setattr(gs, "measure_layer", by_threads)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = fam.build("qwen2_moe")
+        lynx_hf.patch(model, policy="lynx", gate="auto")
+        assert calls == [1] and _gate(model).decisions[4].on
+        torch.set_num_threads(2)
+        if how == "deepcopy":
+            clone = copy.deepcopy(model)
+        elif how == "pickle":
+            clone = pickle.loads(pickle.dumps(model))
+        else:
+            buf = io.BytesIO()
+            torch.save(model, buf)
+            buf.seek(0)
+            clone = torch.load(buf, weights_only=False)
+        ids, mask = fam.prompts(4, 5)
+        gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        want = model.generate(**gen)
+        got = clone.generate(**gen)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [1]  # nothing measured by the copy
+    planned = _gate(clone)
+    assert planned.decisions == _gate(model).decisions and planned.decisions[4].on
+    assert planned.source.endswith("(carried by a copy)")
+    assert torch.equal(got, want)
+    assert lynx_hf.stats(clone).summary()["per_layer"][0]["gate"]["by_tokens"][4]["steps_skipped"] == 0
