@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
 import types
 import warnings
@@ -379,6 +380,29 @@ def _resolve(state: ModelState) -> None:
     for block in state.blocks:
         block.resolve()
     _note_gate(state)
+    _note_table(state)
+
+
+def _note_table(state: ModelState) -> None:
+    """Warn when the user's decision table (``LynxConfig.gate_table``) holds no entry for any layer of the model: its
+    decisions were measured for another key (dtype, thread count, device, policy, ...; ``lynx-hf tune`` prints the
+    key's), so every layer's come from elsewhere (docs/cases.md C60)."""
+    table = state.config.gate_table
+    gates = [g for g in (gate.of(b.plan) for b in state.blocks) if g is not None and g.key is not None]
+    if table is None or not gates or any(g.source == f"table {table}" for g in gates):
+        return
+    try:
+        entries = gate.STORE.user_table(table).entries.values()
+        seen = sorted({(str(e.get("key", {}).get("parts", {}).get("shape", {}).get("dtype")),
+                        e.get("key", {}).get("threads")) for e in entries if isinstance(e, dict)}, key=str)
+    except (OSError, ValueError, AttributeError):
+        seen = []
+    mine = sorted({(str(json.loads(g.key.parts)["shape"].get("dtype")), g.key.threads) for g in gates}, key=str)
+    words = lambda pairs: ", ".join(f"{d.removeprefix('torch.')} at {t} threads" for d, t in pairs) or "none"  # noqa: E731
+    warnings.warn(f"lynx_hf: the gate table {table} matches none of this model's {len(gates)} gated MoE layers, so "
+                  f"their decisions come from elsewhere ({gates[0].source}); its entries are for {words(seen)}, this "
+                  f"model's layers are {words(mine)} (lynx-hf tune --dtype / torch.set_num_threads make the table "
+                  f"for the key the model runs with)", UserWarning, stacklevel=4)
 
 
 def _note_gate(state: ModelState) -> None:

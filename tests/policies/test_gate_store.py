@@ -351,3 +351,33 @@ def test_C59_a_copy_at_another_thread_count_keeps_the_originals_decisions(how, f
     assert planned.source.endswith("(carried by a copy)")
     assert torch.equal(got, want)
     assert lynx_hf.stats(clone).summary()["per_layer"][0]["gate"]["by_tokens"][4]["steps_skipped"] == 0
+
+
+# -- C60: tune keys its table by the dtype the model runs in -----------------------------------------------------
+def test_C60_tune_makes_the_table_a_from_pretrained_model_reads(fixed_gate, tmp_path, capsys):
+    """CASES C60: a bf16 checkpoint; ``lynx-hf tune --model CKPT`` (no --dtype) and then ``from_pretrained(CKPT)`` (its
+    default: the checkpoint's dtype): the patch reads the table (before: tune loaded float32, the table was keyed by
+    float32 and never read). tune prints the dtype and the thread count of its key. The same table given to the model
+    in float32 matches none of its layers and the patch says so (dtypes and threads of both sides)."""
+    from transformers import AutoModelForCausalLM
+
+    from lynx_hf import cli
+
+    fam.build("qwen2_moe").to(torch.bfloat16).save_pretrained(tmp_path / "ckpt")
+    fam.tokenizer().save_pretrained(tmp_path / "ckpt")
+    table = tmp_path / "table.json"
+    assert cli.main(["tune", "--model", str(tmp_path / "ckpt"), "--out", str(table)]) == 0
+    out = capsys.readouterr().out
+    assert f"dtype: bfloat16 (the checkpoint's, as from_pretrained loads it)  threads: {torch.get_num_threads()}" in out
+
+    gate.STORE.reset()
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    lynx_hf.patch(model, policy="lynx", gate_table=str(table))
+    assert _gate(model).source == f"table {table}"
+
+    as_float = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    threads = torch.get_num_threads()
+    with pytest.warns(UserWarning, match=f"matches none of this model's 2 gated MoE layers.*entries are for bfloat16 "
+                                         f"at {threads} threads, this model's layers are float32 at {threads} threads"):
+        lynx_hf.patch(as_float, policy="lynx", gate_table=str(table))
