@@ -287,8 +287,10 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     container that is never called (its decode steps could not be classified), :class:`ModelConfigError` when a
     block's routing settings are inconsistent or refuse the policy (``docs/cases.md`` C10, C26),
     :class:`LynxConfigError` for a bad config (a config file: also when it is not JSON or has an unknown
-    field; ``FileNotFoundError`` when it is missing) or a routing backend / expert path that cannot run on the
-    model's device.
+    field; ``FileNotFoundError`` when it is missing; a ``gate_table`` that is missing, of another format or holds an
+    entry that is not a valid decision) or a routing backend / expert path that cannot run on the
+    model's device. Every error leaves the model as it was: one raised while the plans are made (the cost gate's
+    measurement included) undoes the patch; on a patched model the config it ran keeps running.
     """
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
