@@ -219,8 +219,8 @@ def file_lock(path: Path):
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")
-    except PermissionError:
-        f = open(path)  # read-only: another user's lock file, or a folder this user may only read
+    except OSError:  # no write access (another user's lock file, a read-only folder or file system): read-only
+        f = open(path)
     with f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
@@ -372,7 +372,11 @@ class DecisionStore:
             self._warn_once(path, f"lynx_hf: {exc}; that file is left as it is (another lynx_hf build's) and these "
                                   f"decisions are kept in memory")
             return None
-        except (OSError, ValueError) as exc:
+        except OSError as exc:  # a file this user may not read: not this process's to move
+            self._warn_once(path, f"lynx_hf: the gate's decision cache {path} cannot be read ({exc}); decisions are "
+                                  f"kept in memory")
+            return None
+        except ValueError as exc:
             aside = path.with_name(path.name + ".unreadable")
             try:
                 os.replace(path, aside)
