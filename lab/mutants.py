@@ -76,6 +76,7 @@ OFF = "tests/offload/test_offload.py::"
 GEN = "tests/families/test_generic_probe_exactness.py::"
 ENTRY = "tests/decode/test_entry_points.py::"
 VLM = "tests/decode/test_vlm_wrappers.py::"
+STORE = "tests/policies/test_gate_store.py::"
 PLUGIN = "tests/vllm_plugin/test_vllm_plugin.py::"
 GV = "tests/policies/test_gate_vllm.py::"  # the plugin's gate plumbing without vLLM (newest leg)
 
@@ -323,6 +324,39 @@ MUTANTS: tuple[Mutant, ...] = (
           "            hit = None if table is None or self._refreshed is not None else table.get(digest)",
           "            hit = None"),),
         (GATE + "test_a_second_process_reads_the_first_ones_decisions",),
+    ),
+    Mutant(
+        "gate_table_entries_unchecked",
+        "a user's decision table with a bad entry is read leniently (the patch half-installs, or runs without it) (C56)",
+        (("lynx_hf/gate/table.py", "                if strict:\n                    raise ValueError(",
+          "                if False:\n                    raise ValueError("),),
+        (STORE + "test_C56_a_user_table_with_a_bad_entry_is_refused_before_the_model_changes",),
+    ),
+    Mutant(
+        "gate_foreign_cache_moved",
+        "a decision cache of another format (another build's) is treated as unreadable and replaced (C56)",
+        (("lynx_hf/gate/table.py", "            raise ForeignTableError(", "            raise ValueError("),),
+        (STORE + "test_C56_a_cache_file_of_another_build_is_left_as_it_is",),
+    ),
+    Mutant(
+        "gate_lock_inherited_by_fork",
+        "the decision store's lock is not re-created in a forked child (C58)",
+        (("lynx_hf/gate/table.py", "    os.register_at_fork(after_in_child=_after_fork)", "    pass"),),
+        (STORE + "test_C58_a_child_forked_during_a_measurement_patches_and_generates",),
+    ),
+    Mutant(
+        "gate_copy_decides_anew",
+        "a copy of a patched model does not carry its layers' decisions (C59)",
+        (("lynx_hf/block.py",
+          '            state["carried_gate"] = (planned.key, dict(planned.decisions), planned.source)',
+          "            pass"),),
+        (STORE + "test_C59_a_copy_at_another_thread_count_keeps_the_originals_decisions",),
+    ),
+    Mutant(
+        "compiled_vlm_ids_dropped",
+        "a compiled decode step of a VLM wrapper reads no token ids (finished rows vote again) (C61)",
+        (("lynx_hf/detection.py", "            self._traced_ids = ids\n", "            pass\n"),),
+        (VLM + "test_C61_compiled_static_cache_generate_of_a_vlm_wrapper_equals_eager",),
     ),
     Mutant(
         "vllm_ranks_not_agreed",

@@ -92,6 +92,9 @@ class BlockRouting:
         # the cost gate kept the model's own routing on the last decode step (lynx_hf.gate: Routed.gated_off), so the
         # "lynx" experts implementation runs the model's own (lynx_hf.experts); set by the router hook every decode step
         self.gated_off = False
+        # a copy's cost-gate decisions (key, decisions, source) from the block it was copied from (__getstate__),
+        # taken by its gate where the copy's key differs from that one at most in the thread count (lynx_hf.gate)
+        self.carried_gate = None
 
     @property
     def kernel_allowed(self) -> bool:
@@ -106,6 +109,11 @@ class BlockRouting:
     def __getstate__(self):  # pickle / deepcopy: the family spec by family name, the plan re-resolved on first use
         state = dict(self.__dict__)
         state["spec"] = self.spec.family
+        # the cost gate's decisions travel with the copy (docs/cases.md C59): resolved again at another thread count
+        # the copy would look up or measure another key inside its first generate and could decide otherwise
+        planned = gate.of(self.plan)
+        if planned is not None and planned.key is not None:
+            state["carried_gate"] = (planned.key, dict(planned.decisions), planned.source)
         state["plan"] = None
         state["experts_impls"] = (None, None, None)  # functions local to transformers' decorator: resolved again
         return state
@@ -114,7 +122,8 @@ class BlockRouting:
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
         # a state pickled before these attributes existed
         for name, value in (("selection", None), ("offload", None), ("offload_reason", None), ("extra_expert_ms", 0.0),
-                            ("gated_off", False), ("pending_reason", None), ("watch", ()), ("watched", None)):
+                            ("gated_off", False), ("pending_reason", None), ("watch", ()), ("watched", None),
+                            ("carried_gate", None)):
             state.setdefault(name, value)
         self.__dict__.update(state)
         self.experts_impls = (None, None, None)  # resolved again on first use (a state pickled with two entries too)
@@ -486,7 +495,8 @@ def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
         return None
     return gate.for_config(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms,
                            expert_fn=block.expert_fn(), route_fn=block.gate_probe, selection=block._scores_fn(),
-                           step_key=block.step_key(), kernel_fn=block.kernel_fn())
+                           step_key=block.step_key(), kernel_fn=block.kernel_fn(),
+                           carried=getattr(block, "carried_gate", None))
 
 
 def _param_device(module) -> torch.device | None:

@@ -63,8 +63,9 @@ def _load(model_path: Path, dtype: str):
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
-    return model, tokenizer
+    # "auto": the checkpoint's own dtype, as from_pretrained loads it by default
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    return model.eval(), tokenizer
 
 
 def cmd_generate(args) -> int:
@@ -153,7 +154,10 @@ def cmd_tune(args) -> int:
     if not keys:
         raise CliError(f"policy {cfg.policy!r} has no cost gate on this model (nothing remaps, or the layers' sizes "
                        "are unknown): nothing to tune")
-    print(f"model: {args.model}  device: {args.device}  policy: {cfg.policy}  measured in {seconds:.1f} s")
+    loaded = str(next(model.parameters()).dtype).removeprefix("torch.")
+    print(f"model: {args.model}  device: {args.device}  dtype: {loaded}"
+          f"{' (the checkpoint' + chr(39) + 's, as from_pretrained loads it)' if args.dtype == 'auto' else ''}  "
+          f"threads: {torch.get_num_threads()}  policy: {cfg.policy}  measured in {seconds:.1f} s")
     for planned, layers in keys.values():
         table.put(planned.key, planned.decisions, planned.source)
         on = [b for b, d in sorted(planned.decisions.items()) if d.on]
@@ -164,7 +168,8 @@ def cmd_tune(args) -> int:
               f"{planned.key.threads} threads)")
     table.save(out)
     print(f"wrote {out} ({len(table.entries)} entries); use it with --gate-table {out} or "
-          f"LynxConfig(gate_table={str(out)!r})")
+          f"LynxConfig(gate_table={str(out)!r}); its entries hold for the model in {loaded} at {torch.get_num_threads()} "
+          f"threads on this device (a model in another dtype or at another thread count reads none of them)")
     return 0
 
 
@@ -298,8 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "to a decision table (LynxConfig.gate_table)", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("--model", default=str(DEFAULT_MODEL), help="local checkpoint folder (default: the committed fixture)")
     t.add_argument("--out", default="lynx_gate_table.json", help="decision table to write (merged into if it exists)")
-    t.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype the model is loaded in (part of the decisions' key)")
+    t.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="dtype the model is loaded in (part of the decisions' key); auto: the checkpoint's own, as "
+                   "from_pretrained loads it by default")
     t.add_argument("--device", default="cpu", help="device the model runs on (cpu, cuda, cuda:1, ...)")
     t.add_argument("--config", default=None, metavar="FILE", help="LynxConfig JSON file; the --<field> options below "
                    "override its fields (the gate is always 'auto' here)")

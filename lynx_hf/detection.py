@@ -368,9 +368,13 @@ def compiled_step(args, kwargs, config, tracker) -> Step:
             return PREFILL_STEP
         return Step(VERIFY, decode=decoding.expand(batch * q_len))
     decode = decoding.expand(batch)
-    if not data.stops or x.dtype.is_floating_point or data.finished.shape[0] != batch:
+    tokens = x
+    ids = getattr(tracker, "_traced_ids", None)
+    if x.dtype.is_floating_point and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[0] == batch:
+        tokens = ids  # embeddings from a wrapper (a VLM): the ids its traced forward was given (docs/cases.md C61)
+    if not data.stops or tokens.dtype.is_floating_point or data.finished.shape[0] != batch:
         return Step(DECODE, decode=decode)
-    fed = torch.isin(x[:, 0], data.eos) & decode
+    fed = torch.isin(tokens[:, 0], data.eos) & decode
     data.finished.logical_or_(fed)
     return Step(DECODE, decode=decode, live=~data.finished)
 
@@ -421,6 +425,9 @@ class StepTracker:
     def _init_runtime(self) -> None:
         self._var: contextvars.ContextVar = contextvars.ContextVar(f"lynx_step_{id(self)}", default=None)
         self._traced: Step = PREFILL_STEP
+        # the token ids of the generating model's forward being traced (a VLM wrapper whose backbone receives
+        # embeddings): what compiled_step reads the stop tokens from, as the eager step reads Generation.ids
+        self._traced_ids: torch.Tensor | None = None
         self._managers: weakref.WeakSet = weakref.WeakSet()
         self._managers_lock = threading.Lock()  # watch() in the caller's thread, reads in the engine's thread
         self.reset_counts()
@@ -559,6 +566,7 @@ class StepTracker:
     def _post_hook(self, module, args, kwargs, output):
         if torch.compiler.is_compiling():
             self._traced = PREFILL_STEP
+            self._traced_ids = None
             return None
         frame = self._var.get()
         if frame is not None:
@@ -569,15 +577,19 @@ class StepTracker:
     def _ids_hook(self, module, args, kwargs):
         """Pre-hook on the generating model where it is not the backbone (a VLM's ``...ForConditionalGeneration``,
         whose text backbone receives ``inputs_embeds``): records the token ids of this forward for the finished-row
-        detection of the backbone forward inside it (:attr:`Generation.ids`; ``docs/cases.md`` C45)."""
+        detection of the backbone forward inside it (:attr:`Generation.ids`; ``docs/cases.md`` C45). Traced by
+        ``torch.compile`` (transformers' compiled static-cache decode of the wrapper): the ids go to a plain attribute
+        the traced backbone pre-hook reads (:func:`compiled_step`; ``docs/cases.md`` C61)."""
+        ids = kwargs.get("input_ids")
+        if ids is None and args and isinstance(args[0], torch.Tensor):
+            ids = args[0]
+        ids = ids if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point else None
         if torch.compiler.is_compiling():
+            self._traced_ids = ids
             return None
         generation = self._generation()
         if generation is not None:
-            ids = kwargs.get("input_ids")
-            if ids is None and args and isinstance(args[0], torch.Tensor):
-                ids = args[0]
-            generation.ids = ids if isinstance(ids, torch.Tensor) and not ids.dtype.is_floating_point else None
+            generation.ids = ids
         return None
 
     def attach(self, backbone: torch.nn.Module) -> None:

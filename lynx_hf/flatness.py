@@ -44,6 +44,10 @@ from .kernels.routing_torch import relative_weights
 NAME = "router_flatness"
 #: decode steps measured per layer
 STEPS = 8
+#: decode steps (of more than one token) a layer sees before the model's figures are taken over the layers that ran,
+#: whether or not every registered layer has its :data:`STEPS` (a layer that never runs, e.g. vision experts on text,
+#: must not keep the warning off for the whole model)
+DECIDE_AFTER = 2 * STEPS
 #: above this routing mass moved per token, summed over the MoE layers, the warning fires (tokens' worth of top-k
 #: routing weight; between the fixtures where the default keeps ΔCE <= 1 % and D / D2: module docstring)
 MOVED_THRESHOLD = 2.0
@@ -92,19 +96,27 @@ class ModelFlatness:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def layer_done(self) -> None:
+    def layer_done(self, force: bool = False) -> None:
+        """Take the model's figures (and warn) once every layer has its :data:`STEPS` steps, or, ``force`` (a layer
+        has seen :data:`DECIDE_AFTER` decode steps), over the layers that measured at least one step."""
         with self._lock:
             if self.figures is not None or not self.layers:
                 return
-            if any(s.steps < STEPS for s in self.layers.values()):
+            if not force and any(s.steps < STEPS for s in self.layers.values()):
                 return
-            share, moved = zip(*(s.value() for s in self.layers.values()))
-            self.figures = {"moved": sum(moved), "share": sum(share) / len(share), "layers": len(moved)}
+            ran = [s for s in self.layers.values() if s.steps > 0]
+            if not ran:
+                return
+            share, moved = zip(*(s.value() for s in ran))
+            self.figures = {"moved": sum(moved), "share": sum(share) / len(share), "layers": len(moved),
+                            "registered": len(self.layers)}
         f = self.figures
+        over = f"its {f['layers']}" if f["layers"] == f["registered"] else \
+            f"the {f['layers']} of its {f['registered']} (the others did not run)"
         if f["moved"] > MOVED_THRESHOLD:
             warnings.warn(LynxAccuracyWarning(
                 f"lynx_hf: on the first {STEPS} decode steps of {self.where} the default policy moved "
-                f"{f['moved']:.2f} tokens' worth of top-k routing weight per token, summed over its {f['layers']} MoE "
+                f"{f['moved']:.2f} tokens' worth of top-k routing weight per token, summed over {over} MoE "
                 f"layers (per layer {min(moved):.2f}-{max(moved):.2f}; router top-1 excess share {f['share']:.2f}). "
                 f"The default's ΔCE <= 1 % was measured where this stays below {MOVED_THRESHOLD} (fixtures: 0.1-1.1); "
                 f"at 7.1 (a 30-layer real-weights fixture, its price not scaled by depth) it cost +7.1 % "
@@ -126,6 +138,7 @@ class FlatnessStage:
     def __init__(self, model: ModelFlatness, layer: str) -> None:
         self.model, self.layer = model, layer
         self.steps = 0
+        self.passed = 0  # steps passed through after the first STEPS, until the model's figures are taken
         self.sums: torch.Tensor | None = None   # [share, moved, tokens]
         self._value: tuple[float, float] | None = None
 
@@ -136,6 +149,11 @@ class FlatnessStage:
 
         def run(p, inputs: StepInputs):
             if self.steps >= STEPS or inputs.idx.shape[0] < 2 or _traced(inputs.logits):
+                if self.steps >= STEPS and self.model.figures is None and not _traced(inputs.logits) \
+                        and inputs.idx.shape[0] >= 2:
+                    self.passed += 1
+                    if self.steps + self.passed >= DECIDE_AFTER:  # some layer never ran: decide without it
+                        self.model.layer_done(force=True)
                 return inner(p, inputs)
             out = inner(p, inputs)
             self.add(inputs, out.idx)

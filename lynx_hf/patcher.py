@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import json
 import os
 import types
 import warnings
@@ -286,8 +287,10 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     container that is never called (its decode steps could not be classified), :class:`ModelConfigError` when a
     block's routing settings are inconsistent or refuse the policy (``docs/cases.md`` C10, C26),
     :class:`LynxConfigError` for a bad config (a config file: also when it is not JSON or has an unknown
-    field; ``FileNotFoundError`` when it is missing) or a routing backend / expert path that cannot run on the
-    model's device.
+    field; ``FileNotFoundError`` when it is missing; a ``gate_table`` that is missing, of another format or holds an
+    entry that is not a valid decision) or a routing backend / expert path that cannot run on the
+    model's device. Every error leaves the model as it was: one raised while the plans are made (the cost gate's
+    measurement included) undoes the patch; on a patched model the config it ran keeps running.
     """
     if not isinstance(model, torch.nn.Module):
         raise UnsupportedModelError(f"patch expects a torch.nn.Module (a transformers model), got {type(model).__name__}")
@@ -356,8 +359,12 @@ def patch(model: torch.nn.Module, config: LynxConfig | dict | str | os.PathLike 
     object.__setattr__(generating, MODEL_ATTR, state)
     _sync_experts_impl(state)
     offload.install(state)  # offloaded experts read per expert in decode
-    _resolve(state)
-    _prepare_telemetry(state)
+    try:
+        _resolve(state)
+        _prepare_telemetry(state)
+    except BaseException:  # never a half-patched model (docs/cases.md C56): everything installed above is undone
+        unpatch(inner)
+        raise
     return model
 
 
@@ -375,6 +382,29 @@ def _resolve(state: ModelState) -> None:
     for block in state.blocks:
         block.resolve()
     _note_gate(state)
+    _note_table(state)
+
+
+def _note_table(state: ModelState) -> None:
+    """Warn when the user's decision table (``LynxConfig.gate_table``) holds no entry for any layer of the model: its
+    decisions were measured for another key (dtype, thread count, device, policy, ...; ``lynx-hf tune`` prints the
+    key's), so every layer's come from elsewhere (docs/cases.md C60)."""
+    table = state.config.gate_table
+    gates = [g for g in (gate.of(b.plan) for b in state.blocks) if g is not None and g.key is not None]
+    if table is None or not gates or any(g.source == f"table {table}" for g in gates):
+        return
+    try:
+        entries = gate.STORE.user_table(table).entries.values()
+        seen = sorted({(str(e.get("key", {}).get("parts", {}).get("shape", {}).get("dtype")),
+                        e.get("key", {}).get("threads")) for e in entries if isinstance(e, dict)}, key=str)
+    except (OSError, ValueError, AttributeError):
+        seen = []
+    mine = sorted({(str(json.loads(g.key.parts)["shape"].get("dtype")), g.key.threads) for g in gates}, key=str)
+    words = lambda pairs: ", ".join(f"{d.removeprefix('torch.')} at {t} threads" for d, t in pairs) or "none"  # noqa: E731
+    warnings.warn(f"lynx_hf: the gate table {table} matches none of this model's {len(gates)} gated MoE layers, so "
+                  f"their decisions come from elsewhere ({gates[0].source}); its entries are for {words(seen)}, this "
+                  f"model's layers are {words(mine)} (lynx-hf tune --dtype / torch.set_num_threads make the table "
+                  f"for the key the model runs with)", UserWarning, stacklevel=4)
 
 
 def _note_gate(state: ModelState) -> None:
@@ -399,13 +429,21 @@ def _reconfigure(state: ModelState, cfg: LynxConfig) -> None:
         return
     for block in state.blocks:  # the new config's checks; each block keeps the routing rule resolved at patch time
         block.spec.validate(block.block, block.name, cfg)
-    state.config = cfg
+    previous, state.config = state.config, cfg
     state.tracker.reset_counts()
     for block in state.blocks:
         block.telemetry.reset()  # telemetry describes one config
-    _sync_experts_impl(state)
-    offload.install(state)  # again: the cache budget or offload path may have changed
-    _resolve(state)
+        block.carried_gate = None  # a copy's decisions were its original's config's: a new config decides anew
+    try:
+        _sync_experts_impl(state)
+        offload.install(state)  # again: the cache budget or offload path may have changed
+        _resolve(state)
+    except BaseException:  # the model keeps running the config it had (docs/cases.md C56)
+        state.config = previous
+        _sync_experts_impl(state)
+        offload.install(state)
+        _resolve(state)
+        raise
 
 
 def _sync_experts_impl(state: ModelState) -> None:
@@ -432,11 +470,13 @@ def _check_backend(cfg: LynxConfig, model: torch.nn.Module) -> None:
 
 
 def _check_gate_table(cfg: LynxConfig) -> None:
-    """A ``gate_table`` that is missing or not a decision table fails here, before anything changes."""
+    """A ``gate_table`` that is missing, not a decision table, of another format or holding one entry that is not a
+    valid decision (every entry is checked: ``lynx_hf.gate.table.decode_entry``) fails here, before anything changes
+    (docs/cases.md C56)."""
     if cfg.gate_table is None:
         return
     try:
-        gate.DecisionTable.load(cfg.gate_table)
+        gate.STORE.user_table(cfg.gate_table)
     except (OSError, ValueError) as exc:
         raise LynxConfigError(f"LynxConfig.gate_table={cfg.gate_table!r}: {exc}") from exc
 

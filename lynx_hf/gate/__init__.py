@@ -33,13 +33,14 @@ from .measure import (
 )
 from .report import off_line, patch_note
 from .stage import NAME, LayerShape, PlanGate, for_config, of
-from .table import CACHE_ENV, SHIPPED_DIR, STORE, DecisionStore, DecisionTable, cache_dir
+from .table import CACHE_ENV, SHIPPED_DIR, STORE, DecisionStore, DecisionTable, ForeignTableError, cache_dir, cache_name
 
 #: the step sizes (tokens) measured per layer (``TUNING.buckets``)
 BUCKETS = TUNING.buckets
 
 __all__ = ["ENV", "NAME", "BUCKETS", "TUNING", "Tuning", "GateDecision", "LayerShape", "PlanGate", "GateKey",
-           "DecisionTable", "DecisionStore", "STORE", "CACHE_ENV", "SHIPPED_DIR", "cache_dir", "decide", "always_on",
+           "DecisionTable", "DecisionStore", "ForeignTableError", "STORE", "CACHE_ENV", "SHIPPED_DIR", "cache_dir",
+           "cache_name", "decide", "always_on",
            "by_rule", "expected_unique", "bucket_of", "describe", "device_kind", "make_key", "cannot_measure",
            "measure_bucket", "measure_layer", "measure_routing", "measure_expert_ms", "measure_module_expert_ms",
            "synthetic_routing", "off_line", "patch_note", "for_config", "of"]

@@ -87,15 +87,29 @@ class GateDecision:
 
     @classmethod
     def from_dict(cls, values: dict) -> "GateDecision":
-        """The inverse of :meth:`to_dict`. Raises ``KeyError`` / ``TypeError`` for a malformed entry."""
+        """The inverse of :meth:`to_dict`, checked field by field: ``on`` a JSON boolean; ``cost_ms``, ``saving_ms``,
+        ``experts_saved`` and ``expert_ms`` present, each a number or ``null`` (``nan``), as the optional
+        ``extra_expert_ms`` (default 0), ``experts_before`` / ``experts_after`` (default ``nan``); ``reason`` a string
+        (default empty). Raises ``KeyError`` for a missing field, ``TypeError`` for a value of another type (a hand
+        edit's ``"on": 1``, ``"cost_ms": "3"``, ``"cost_ms": true``), ``ValueError`` for a non-number."""
+        if not isinstance(values, dict):
+            raise TypeError(f"gate decision: expected an object, got {type(values).__name__}")
         nan = float("nan")
         fields = {k: values[k] for k in ("on", "cost_ms", "saving_ms", "experts_saved", "expert_ms")}
         fields.update({k: values.get(k, d) for k, d in (("extra_expert_ms", 0.0), ("experts_before", nan),
                                                         ("experts_after", nan), ("reason", ""))})
-        floats = {k: nan if v is None else float(v) for k, v in fields.items() if k not in ("on", "reason")}
         if not isinstance(fields["on"], bool):
             raise TypeError(f"gate decision: 'on' must be true or false, got {fields['on']!r}")
-        return cls(fields["on"], reason=str(fields["reason"]), **floats)
+        if not isinstance(fields["reason"], str):
+            raise TypeError(f"gate decision: 'reason' must be a string, got {fields['reason']!r}")
+        floats = {}
+        for k, v in fields.items():
+            if k in ("on", "reason"):
+                continue
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise TypeError(f"gate decision: {k!r} must be a number or null, got {v!r}")
+            floats[k] = nan if v is None else float(v)
+        return cls(fields["on"], reason=fields["reason"], **floats)
 
 
 def decide(cost_ms: float, experts_saved: float, expert_ms: float, extra_expert_ms: float = 0.0,

@@ -22,8 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from .decision import TUNING, Tuning
+from .measure import VERSION as MEASURE_VERSION
 
-#: bumped when the meaning of a stored key or decision changes (every stored entry then misses)
+#: the layout of a stored key and decision (and of a decision file, ``lynx_hf.gate.table``): bumped when it changes;
+#: every stored entry then misses and each format has its own per-user cache file, so two builds never share one
 FORMAT = 1
 
 
@@ -101,17 +103,24 @@ def device_kind(device) -> str:
 class GateKey:
     """The key of one layer's decisions (one per bucket): ``device`` (:func:`device_kind`), ``threads`` (torch's
     intra-op threads on a CPU, else 0), ``parts`` (the JSON of :func:`describe` of the plan, the layer shape, the
-    engine's step and the telemetry mode), ``tuning`` (:meth:`Tuning.digest`) and ``format`` (:data:`FORMAT`)."""
+    engine's step and the telemetry mode), ``tuning`` (:meth:`Tuning.digest`), ``format`` (:data:`FORMAT`) and
+    ``measure`` (the measuring code's version, ``lynx_hf.gate.measure.VERSION``)."""
 
     device: str
     threads: int
     parts: str
     tuning: str
     format: int = FORMAT
+    measure: int = MEASURE_VERSION
 
     def digest(self) -> str:
-        """A stable hash of the whole key (hex, 20 characters): the decision tables' index."""
-        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """A stable hash of the whole key (hex, 20 characters): the decision tables' index. ``measure`` is left out
+        while it is 1, the version every key had before the field existed (the shipped tables and the caches written
+        then keep their digests)."""
+        fields = dataclasses.asdict(self)
+        if fields["measure"] == 1:
+            del fields["measure"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:20]
 
     def to_dict(self) -> dict:
@@ -131,4 +140,4 @@ def make_key(plan, shape, step: object, telemetry, tuning: Tuning = TUNING) -> G
     parts = json.dumps({"plan": plan_part, "shape": describe(shape), "step": describe(step),
                         "telemetry": describe(telemetry)}, sort_keys=True)
     threads = torch.get_num_threads() if device.type == "cpu" else 0
-    return GateKey(device_kind(device), int(threads), parts, tuning.digest())
+    return GateKey(device_kind(device), int(threads), parts, tuning.digest(), FORMAT, MEASURE_VERSION)

@@ -28,6 +28,10 @@ from ..core import DECODE, MIXED, Step, StepInputs, WeightRule, host_reads_allow
 from ..telemetry import BlockTelemetry, mode_of
 from .decision import TUNING, GateDecision, Tuning, by_rule, decide
 
+#: the version of this measuring code, part of every decision key (``lynx_hf.gate.key.GateKey.measure``): bumped when
+#: what is timed or how a bucket is decided changes, so the decisions an older measurement stored miss (and stay in the
+#: files for the builds that wrote them) while every other part of a key, the tables' format and the file names stay
+VERSION = 1
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":

@@ -62,7 +62,10 @@ class PlanGate:
     ``fn(logits [T, N]) -> [T, N]`` fp32, ``-inf`` where its routing forbids an expert, so the synthetic routing
     measured is one the model could produce; ``None``: the logits); ``step_key`` (the engine's description of what
     else its step runs: selection and weight rule, experts implementation and storage; part of the key);
-    ``table`` (``LynxConfig.gate_table``: a user's decision table, or ``None``); ``tuning``; ``store``.
+    ``table`` (``LynxConfig.gate_table``: a user's decision table, or ``None``); ``tuning``; ``store``; ``carried``
+    (a copied model's ``(GateKey, decisions, source)`` from the layer it was copied from, or ``None``: taken instead of
+    any lookup where this gate's key differs from that key at most in the thread count, so a copy made or used at
+    another thread count decides as the original; ``docs/cases.md`` C59).
 
     Set when bound: ``plan`` (a view of the plan whose runner is the step below the gate), ``key``
     (``lynx_hf.gate.key.GateKey``), ``decisions`` (bucket -> :class:`GateDecision`) and ``source`` (where they came
@@ -84,6 +87,7 @@ class PlanGate:
     table: str | None = None
     tuning: Tuning = TUNING
     store: DecisionStore = field(default=STORE, repr=False)
+    carried: tuple | None = field(default=None, repr=False)
     plan: object = None
     inner: object = None
     key: GateKey | None = None
@@ -132,6 +136,11 @@ class PlanGate:
             self.decisions, self.source = {b: d for b in tuning.buckets}, "sizes unknown"
             return self
         self.key = make_key(self.plan, shape, self.step_key, self.telemetry, tuning)
+        if self.carried is not None and replace(self.key, threads=self.carried[0].threads) == self.carried[0]:
+            suffix = " (carried by a copy)"
+            source = self.carried[2] if self.carried[2].endswith(suffix) else self.carried[2] + suffix
+            self.decisions, self.source = dict(self.carried[1]), source
+            return self
         found = self.store.lookup(self.key, self.table)
         if found is None:
             why = cannot_measure(self.plan.device)
@@ -257,7 +266,7 @@ class PlanGate:
 
 
 def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
-               selection=None, step_key: object = None, kernel_fn=None) -> PlanGate | None:
+               selection=None, step_key: object = None, kernel_fn=None, carried: tuple | None = None) -> PlanGate | None:
     """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): ``None``
     unless ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` (the other arguments are its
     fields) reading ``config.gate_table`` first. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
@@ -265,7 +274,7 @@ def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_f
         return None
     return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
                     kernel_fn=kernel_fn, route_fn=route_fn, selection=selection, step_key=step_key,
-                    table=config.gate_table, tuning=TUNING)
+                    table=config.gate_table, tuning=TUNING, carried=carried)
 
 
 def of(plan: RoutePlan | None) -> PlanGate | None:

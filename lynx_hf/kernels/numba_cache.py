@@ -39,22 +39,42 @@ except (ImportError, AttributeError):  # pragma: no cover - without numba, or a 
 
 
 class LockedFunctionCache(_BASE):
-    """numba's ``FunctionCache`` whose save (exclusive) and load (shared) hold a file lock beside the index."""
+    """numba's ``FunctionCache`` whose save (exclusive) and load (shared) hold a file lock beside the index.
+
+    A cache folder this user may only read (one user filled it for everyone, docs/cases.md C57): the lock file is
+    opened read-only (``flock`` needs no write access); where it cannot be opened at all, a load reads without the
+    lock (as numba alone does) and a save is skipped. A save that fails with ``OSError`` keeps the compiled function
+    in memory: the disk cache never raises into a decode step."""
 
     @contextlib.contextmanager
     def _locked(self, mode):
-        os.makedirs(self._cache_path, exist_ok=True)
         index = getattr(self._cache_file, "_index_path", None) or os.path.join(self._cache_path, "numba-index")
-        fd = os.open(index + ".lock", os.O_RDWR | os.O_CREAT, 0o666)
+        fd = None
+        for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+            try:
+                if flags & os.O_CREAT:
+                    os.makedirs(self._cache_path, exist_ok=True)
+                fd = os.open(index + ".lock", flags, 0o666)
+                break
+            except OSError:
+                continue
+        if fd is None:
+            yield False
+            return
         try:
             fcntl.flock(fd, mode)
-            yield
+            yield True
         finally:
             os.close(fd)  # releases the lock
 
     def save_overload(self, sig, data):
-        with self._locked(fcntl.LOCK_EX):
-            super().save_overload(sig, data)
+        with self._locked(fcntl.LOCK_EX) as locked:
+            if not locked:  # no lock: never write racily (the compiled function stays in memory)
+                return
+            try:
+                super().save_overload(sig, data)
+            except OSError:  # a folder that cannot be written
+                pass
 
     def load_overload(self, sig, target_context):
         with self._locked(fcntl.LOCK_SH):

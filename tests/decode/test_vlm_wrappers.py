@@ -398,3 +398,52 @@ def test_C45_a_generation_mixin_holding_a_causal_lm_is_patched_where_generate_is
                                                prompt_lookup_num_tokens=3))
     _same(vgot, vwant)
     assert vgot_n == vwant_n and vgot_n["verify_tokens"] > 0
+
+
+# -- compiled static-cache generate of a wrapper whose backbone receives embeddings (CASES C61) ----------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["qwen3_vl_moe", "llama4"])
+def test_C61_compiled_static_cache_generate_of_a_vlm_wrapper_equals_eager(model_type):
+    """CASES C61: the wrapper's text backbone gets ``inputs_embeds``, so in a compiled decode step the stop tokens are
+    read from the ids the wrapper's traced forward was given (as the eager step reads them). Two rows finish early
+    (their stop tokens taken from the unpatched run). Expected: the eager ``decode_tokens`` are the live rows' tokens
+    counted from the sequences, and the compiled static-cache ``generate`` gives the same tokens and the same counts.
+    Before: the compiled step had no live mask (Qwen3-VL-MoE: 30 decode tokens compiled where eager counts 17,
+    finished 0 vs 13). transformers 5.25 never compiles a Llama-4 model's decode (``get_compiled_call`` returns
+    ``__call__`` for it): there the wrapper's call is compiled as ``get_compiled_call`` compiles any other model's."""
+    from transformers import CompileConfig
+
+    _, vlm = build_pair(model_type)
+    ids = _ids(6, 5, 1)
+    gen = dict(input_ids=ids, max_new_tokens=NEW, do_sample=False, pad_token_id=0, cache_implementation="static")
+    plain = vlm.generate(**gen)
+    eos = [int(plain[1, 6]), int(plain[4, 7])]  # rows 1 and 4 (at least) finish early
+    config = CompileConfig(fullgraph=False)
+    config._compile_all_devices = True  # transformers compiles on CUDA-like devices only, unless asked
+    own, used, forced = vlm.get_compiled_call, [], []
+
+    def compiled_call(cfg):  # what generate runs its decode forwards with (recorded: the compiled path really ran)
+        fn = own(cfg)
+        if fn == vlm.__call__:  # Llama-4 on transformers 5.25
+            if not forced:
+                forced.append(torch.compile(vlm.__call__, **cfg.to_dict()))
+            fn = forced[0]
+        used.append(fn)
+        return fn
+
+    vlm.get_compiled_call = compiled_call
+    with lynx_hf.patched(vlm, **NO_CONSENSUS):
+        eager = vlm.generate(**gen, eos_token_id=eos)
+        want = _counts(vlm)
+        lynx_hf.reset_stats(vlm)
+        torch._dynamo.reset()
+        compiled = vlm.generate(**gen, eos_token_id=eos, compile_config=config)
+        got = _counts(vlm)
+    vlm.__dict__.pop("get_compiled_call", None)
+    assert used and all(fn != vlm.__call__ for fn in used)
+    steps = NEW - 1
+    live = _live_tokens(eager, ids.shape[1], eos)
+    assert 0 < live < 6 * steps
+    assert (want["decode_tokens"], want["finished_row_tokens"]) == (live, 6 * steps - live)
+    assert torch.equal(compiled, eager)
+    assert got == want

@@ -80,3 +80,48 @@ def test_two_processes_compiling_different_signatures_leave_a_cache_both_can_loa
     assert (report["hits"], report["misses"]) == (2, 0), report  # both signatures in the index, each its own code
     data = sorted(p.name for p in (tmp_path / "cache").rglob("*.nbc"))
     assert len(data) == 2, data
+
+
+FIRST_USER = '''
+import json
+import numpy as np
+import racy
+print(json.dumps(float(racy.twice_plus_one(np.array([3], dtype=np.int64)))))
+'''
+
+OTHER_USER = '''
+import json, os
+real_open = os.open
+def as_other_user(path, flags, *args, **kwargs):  # the first user's folder: this one may only read its lock file
+    if str(path).endswith(".lock") and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+        raise PermissionError(13, "Permission denied", str(path))
+    return real_open(path, flags, *args, **kwargs)
+os.open = as_other_user
+import numpy as np
+import racy
+f = racy.twice_plus_one
+out = float(f(np.array([3], dtype=np.int64)))
+print(json.dumps({"out": out, "hits": sum(f.stats.cache_hits.values()), "misses": sum(f.stats.cache_misses.values())}))
+'''
+
+
+@pytest.mark.parametrize("lock_file", ["kept", "removed"])
+def test_C57_a_numba_cache_another_user_filled_is_read_without_write_access(tmp_path, lock_file):
+    """CASES C57: a numba cache folder one user filled (``NUMBA_CACHE_DIR`` shared, or a package's ``__pycache__``);
+    another user may not write its lock file (simulated: tests run as root, so ``os.open`` of the lock file for writing
+    raises ``PermissionError``). That user's call loads the cached code (one hit, no compile) and computes 3 * 2 + 1
+    = 7: with the lock file opened read-only, or, where there is none and none can be made, without the lock as numba
+    alone reads it. Before: ``PermissionError`` out of the call (a decode step)."""
+    (tmp_path / "racy.py").write_text(MODULE)
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    first = subprocess.run([sys.executable, "-c", FIRST_USER], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert first.returncode == 0 and json.loads(first.stdout) == 7.0, first.stderr[-2000:]
+    locks = list((tmp_path / "cache").rglob("*.lock"))
+    assert len(locks) == 1
+    if lock_file == "removed":
+        locks[0].unlink()
+    other = subprocess.run([sys.executable, "-c", OTHER_USER], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert other.returncode == 0, other.stderr[-2000:]
+    assert json.loads(other.stdout) == {"out": 7.0, "hits": 1, "misses": 0}

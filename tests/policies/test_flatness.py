@@ -182,3 +182,36 @@ def test_the_warning_fires_once_per_patch():
         generate()
     lynx_hf.unpatch(model)
     assert warned(got) == 1
+
+
+def test_a_layer_that_never_runs_does_not_keep_the_warning_off():
+    """Issue 53: four registered layers, three of which run (each step: 2 live decode tokens, top-3 weights 8:1:1, the
+    policy keeping experts {3, 2, 1}: moved 1 - (0.1 + 0.1) = 0.8 per token, top-1 excess share (0.8 - 1/3) / (2/3)
+    = 0.7), the fourth never (vision experts on text). After DECIDE_AFTER decode steps the figures are taken over the
+    three that ran: moved 3 x 0.8 = 2.4 > MOVED_THRESHOLD, so the warning fires, once, naming "3 of its 4". Before:
+    the probe waited for the fourth layer's steps forever, no figure, no warning."""
+    from types import SimpleNamespace
+
+    from lynx_hf.core import DECODE, Routed, Step, StepInputs, WeightRule
+
+    probe = flatness.ModelFlatness("the test model")
+    plan = SimpleNamespace(kernel=object())   # a plan that remaps (not keep_routing)
+    scores = torch.tensor([[math.log(8.0), 0.0, 0.0, -3.0]] * 2)
+    own, kept = torch.tensor([[0, 1, 2]] * 2), torch.tensor([[3, 2, 1]] * 2)
+    inputs = StepInputs(Step(DECODE), scores, torch.full((2, 3), 1 / 3), own, WeightRule("softmax_all"), True)
+    runs = [flatness.FlatnessStage(probe, f"layer{i}").bind(plan, lambda p, x: Routed(x.weights, kept))
+            for i in range(3)]
+    flatness.FlatnessStage(probe, "vision").bind(plan, lambda p, x: Routed(x.weights, kept))   # never runs
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for step in range(flatness.DECIDE_AFTER):
+            assert probe.figures is None, step
+            for run in runs:
+                run(plan, inputs)
+        for run in runs:  # later steps: nothing more
+            run(plan, inputs)
+    assert probe.figures is not None
+    assert probe.figures["layers"] == 3 and probe.figures["registered"] == 4
+    assert probe.figures["moved"] == pytest.approx(2.4) and probe.figures["share"] == pytest.approx(0.7)
+    acc = [w for w in got if issubclass(w.category, lynx_hf.LynxAccuracyWarning)]
+    assert len(acc) == 1 and "moved 2.40 tokens' worth" in str(acc[0].message) and "3 of its 4" in str(acc[0].message)
