@@ -531,8 +531,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "telemetry_lazy",
         "the telemetry accumulators made lazily in the first decode step again (inside a compiled one on CUDA)",
-        (("lynx_hf/patcher.py", "    _resolve(state)\n    _prepare_telemetry(state)\n    return model",
-          "    _resolve(state)\n    return model"),
+        (("lynx_hf/patcher.py", "        _resolve(state)\n        _prepare_telemetry(state)\n    except BaseException:",
+          "        _resolve(state)\n    except BaseException:"),
          ("lynx_hf/patcher.py", "    _prepare_telemetry(state)  # before generate may compile",
           "    pass  # before generate may compile")),
         ("tests/accelerator/test_compile.py::test_compiled_generate_first_keeps_the_telemetry_made_at_patch_time",),
@@ -556,9 +556,9 @@ MUTANTS: tuple[Mutant, ...] = (
         "the decision store reads the process's memory before the user's gate_table (a key measured earlier in the "
         "process ignores the table)",
         (("lynx_hf/gate/table.py",
-          "            if user_table is not None:\n                table = self._table(Path(user_table))\n",
+          "            if user_table is not None:\n                hit = self.user_table(user_table).get(digest)\n",
           "            if digest in self.memory:\n                return self.memory[digest]\n"
-          "            if user_table is not None:\n                table = self._table(Path(user_table))\n"),),
+          "            if user_table is not None:\n                hit = self.user_table(user_table).get(digest)\n"),),
         (GATE + "test_a_user_table_wins_over_what_this_process_measured_before",
          GATE + "test_a_user_table_is_read_first_and_is_the_decision"),
     ),
@@ -648,6 +648,28 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/block.py", "        device = _param_device(self.router)\n        if device is not None:\n",
           "        device = torch.device(\"cpu\")\n        if device is not None:\n"),),
         ("tests/accelerator/test_compile.py::test_the_telemetry_is_made_on_each_routers_own_device",),
+    ),
+    Mutant(
+        "fused_finished_rows_vote",
+        "the fused device step lets finished (not live) rows vote for the critical set",
+        (("lynx_hf/kernels/fused_step.py", "        vote = dec & finite & live\n", "        vote = dec & finite\n"),),
+        ("tests/kernels/test_fused_step.py::test_fused_step_equals_the_step_by_step_path",),
+    ),
+    Mutant(
+        "fused_step_not_planned",
+        "make_plan keeps the step-by-step path on the Triton backend (no fused device step)",
+        (("lynx_hf/core.py", "    elif fused_device is not None:\n        kernel = device_step\n",
+          "    elif fused_device is not None:\n        kernel = remap_step\n"),),
+        ("tests/accelerator/test_device_step.py::test_the_triton_backend_plans_the_fused_step_and_the_torch_backend_"
+         "does_not", "tests/accelerator/test_device_step.py::test_C65_a_patched_layer_adds_at_most_four_ops_per_decode_"
+         "step"),
+    ),
+    Mutant(
+        "gate_replay_ignored",
+        "a step traced by torch.compile on CUDA takes the eager gate decisions, not the CUDA-graph replay's",
+        (("lynx_hf/gate/stage.py", "        if self.replayed is not None and torch.compiler.is_compiling():",
+          "        if False:"),),
+        ("tests/policies/test_gate_replayed.py::test_a_traced_step_on_cuda_takes_the_replayed_decisions",),
     ),
 )
 

@@ -152,9 +152,10 @@ class PlanGate:
         self.decisions, self.source = dict(found[0]), found[1]
         self.replayed = None
         if not shape.captured and not shape.mixed_steps and torch.device(self.plan.device).type == "cuda":
-            twin = PlanGate(replace(shape, captured=True), self.telemetry, self.extra_expert_ms, self.expert_fn,
-                            self.kernel_fn, self.route_fn, self.selection, self.step_key, self.table, tuning,
-                            self.store, self.plan, self.inner)
+            twin = PlanGate(replace(shape, captured=True), telemetry=self.telemetry,
+                            extra_expert_ms=self.extra_expert_ms, expert_fn=self.expert_fn, kernel_fn=self.kernel_fn,
+                            route_fn=self.route_fn, selection=self.selection, step_key=self.step_key, table=self.table,
+                            tuning=tuning, store=self.store, plan=self.plan, inner=self.inner)
             self.replayed = twin.resolve()
         return self
 
