@@ -671,7 +671,9 @@ class FusedStep:
                               renormalize, scale, eps, flags)
         buf = launch.buffers
         dummy = buf.flags
-        _fused_step_kernel[_GRID](
+        compiling = torch.compiler.is_compiling()
+        kernel = _FUSED_TRACED if compiling else _fused_step_kernel
+        kernel[_GRID](
             logits, idx, weights,
             dummy if decode is None else decode, dummy if live is None else live, dummy if seed is None else seed,
             dummy if bias is None else bias, dummy if scores is None else scores,
@@ -679,7 +681,7 @@ class FusedStep:
             buf.idx, buf.weights, *launch.scalars,
             logits.stride(0), logits.stride(1), idx.stride(0), idx.stride(1), weights.stride(0), weights.stride(1),
             0 if bias is None else bias.stride(-1), 0 if scores is None else scores.stride(0),
-            0 if scores is None else scores.stride(1), **launch.consts)
+            0 if scores is None else scores.stride(1), **(launch.traced if compiling else launch.consts))
         if keep:
             return weights, idx
         return buf.weights, buf.idx
@@ -689,10 +691,21 @@ _GRID = (1,)
 
 
 class _Launch:
-    __slots__ = ("buffers", "scalars", "consts")
+    """``consts``: the constexprs and launch options of an eager launch; ``traced``: the constexprs alone (the launch
+    options come from :data:`_FUSED_TRACED`'s one config)."""
+
+    __slots__ = ("buffers", "scalars", "consts", "traced")
 
     def __init__(self, buffers: _Buffers, scalars: tuple, consts: dict):
         self.buffers, self.scalars, self.consts = buffers, scalars, consts
+        self.traced = {k: v for k, v in consts.items() if k not in ("num_warps", "maxnreg")}
+
+
+#: the kernel as ``torch.compile`` traces it (transformers' compiled static-cache generate): its launch options as a
+#: one-config ``triton.autotune``, the form the routing kernels use under compile (checked on an H200); eager launches
+#: pass them as keywords and skip the autotuner's per-launch work
+_FUSED_TRACED = triton.autotune(configs=[triton.Config({}, num_warps=NUM_WARPS, maxnreg=MAXNREG)], key=[])(
+    _fused_step_kernel)
 
 
 __all__ = ["POLICIES", "SELECTIONS", "FusedPolicy", "FusedSelection", "FusedStep", "LOGITS", "SCORES", "MAX_SIZES",

@@ -117,6 +117,21 @@ def test_finished_rows_and_left_padding(monkeypatch):
     assert stats["triton"][1]["unique_experts_after"] == stats["torch"][1]["unique_experts_after"]
 
 
+def test_verify_steps_of_prompt_lookup_decoding():
+    """Assisted decoding's verification forwards (q_len > 1, every token decode work, ``Step.kind == "verify"``)."""
+    model = fam.build("mixtral")
+    ids, mask = fam.prompts(1, 8, left_pad=False)
+    ids = torch.cat([ids, ids[:, :4]], dim=1)  # a repeat for the prompt lookup to find
+    out = {}
+    for backend in ("torch", "triton"):
+        with lynx_hf.patched(model, routing_backend=backend, q_max=4, **ALWAYS):
+            seq = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, prompt_lookup_num_tokens=3)
+            out[backend] = (seq, lynx_hf.stats(model).summary())
+    assert torch.equal(out["torch"][0], out["triton"][0])
+    assert out["triton"][1]["verify_tokens"] == out["torch"][1]["verify_tokens"] > 0
+    assert out["triton"][1]["unique_experts_after"] == out["torch"][1]["unique_experts_after"]
+
+
 # -- the count (lab.step_ops): ops + launches one patched layer adds to a decode step ----------------------------
 @pytest.mark.parametrize("label,family,overrides", [m for m in step_ops.MODELS if m[1] != "llama4"],
                          ids=[m[0] for m in step_ops.MODELS if m[1] != "llama4"])

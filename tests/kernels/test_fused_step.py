@@ -267,3 +267,20 @@ def test_bad_arguments_are_value_errors():
     w, i = torch.softmax(logits, -1).topk(2)
     with pytest.raises(ValueError, match="weight rule"):
         step_fn(logits, w, i, "softmax_everything")
+
+
+def test_the_launch_torch_compile_traces_equals_the_eager_one(monkeypatch):
+    """While ``torch.compile`` traces (transformers' compiled static-cache generate on a GPU) the step launches the
+    kernel through its one-config autotuner (its launch options as a config, as the routing kernels do) into fresh
+    outputs: the same routing and telemetry as the eager launch."""
+    c = draw_case(13)
+    _, step_fn, _ = plan_for("lynx", {}, c["n"], c["k"])
+    eager = [x.clone() for x in run_fused(step_fn, c)]
+    launches = []
+    real = fs._FUSED_TRACED.run
+    monkeypatch.setattr(fs._FUSED_TRACED, "run", lambda *a, **k: launches.append(k) or real(*a, **k))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    traced = run_fused(step_fn, c)
+    assert launches and "num_warps" not in launches[0]
+    assert traced[1].data_ptr() != eager[1].data_ptr()  # fresh outputs: the graph owns its memory
+    assert_same(traced, eager)
