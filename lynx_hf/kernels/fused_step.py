@@ -586,6 +586,9 @@ class FusedStep:
             raise ValueError(f"FusedStep needs 1 <= top_k < num_experts, got top_k={top_k}, num_experts={num_experts}")
         self.policy, self.num_experts, self.top_k = policy, int(num_experts), int(top_k)
         self._local = threading.local()
+        #: launches captured into CUDA graphs (key -> launch), kept for the graphs' lifetime (bounded by the sizes an
+        #: engine captures)
+        self.pinned: dict = {}
         price = 0
         if policy.kind == "lynx_mass":  # routing_torch.batch_threshold's integer, clamped to a range no gain reaches
             price = math.ceil(policy.price * MASS_UNIT) if math.isfinite(policy.price) else 2**62
@@ -597,6 +600,7 @@ class FusedStep:
     def __getstate__(self):  # buffers are per process and thread: not copied
         state = dict(self.__dict__)
         state.pop("_local")
+        state["pinned"] = {}
         return state
 
     def __setstate__(self, state):
@@ -606,15 +610,19 @@ class FusedStep:
     def _launch(self, key, num_tokens, idx, weights, kind, sel, rule, renormalize, scale, eps, flags) -> "_Launch":
         """What a launch of this shape and these options passes besides its tensors (constexprs, scalars) and this
         thread's buffers for it: made on first use, kept for :data:`MAX_SIZES` keys (least recently used dropped);
-        fresh while ``torch.compile`` traces (the graph owns its memory)."""
+        fresh while ``torch.compile`` traces (the graph owns its memory). A launch captured into a CUDA graph (a vLLM
+        engine's captured sizes) is kept for good (:attr:`pinned`): the graph replays into its buffers, which must
+        never be freed and reused for anything else."""
         compiling = torch.compiler.is_compiling()
         cache = None if compiling else getattr(self._local, "cache", None)
         if cache is None and not compiling:
             cache = self._local.cache = OrderedDict()
-        launch = None if compiling else cache.get(key)
+        launch = None if compiling else cache.get(key) or self.pinned.get(key)
         if launch is not None:
-            if len(cache) > 1:
+            if key in cache and len(cache) > 1:
                 cache.move_to_end(key)
+            if key not in self.pinned and _capturing(idx):
+                self.pinned[key] = launch
             return launch
         policy, n, k = self.policy, self.num_experts, self.top_k
         has_dec, has_live, has_seed, has_bias, telem, verify = flags
@@ -635,7 +643,9 @@ class FusedStep:
                    policy.budget, float(scale), float(eps))
         buf = _Buffers(num_tokens, n, k, policy, idx.dtype, weights.dtype, idx.device)
         launch = _Launch(buf, scalars, consts)
-        if cache is not None:
+        if cache is not None and _capturing(idx):
+            self.pinned[key] = launch
+        elif cache is not None:
             cache[key] = launch
             while len(cache) > MAX_SIZES:
                 cache.popitem(last=False)
@@ -688,6 +698,11 @@ class FusedStep:
 
 
 _GRID = (1,)
+
+
+def _capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``t``'s (CUDA) stream now."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 class _Launch:

@@ -284,3 +284,20 @@ def test_the_launch_torch_compile_traces_equals_the_eager_one(monkeypatch):
     assert launches and "num_warps" not in launches[0]
     assert traced[1].data_ptr() != eager[1].data_ptr()  # fresh outputs: the graph owns its memory
     assert_same(traced, eager)
+
+
+def test_a_launch_captured_into_a_cuda_graph_keeps_its_buffers(monkeypatch):
+    """A size captured into a CUDA graph (a vLLM engine's captured sizes) is never evicted: the graph replays into its
+    buffers, which must stay allocated whatever other sizes run later."""
+    c = draw_case(10)
+    _, step_fn, _ = plan_for("lynx", {}, c["n"], c["k"])
+    monkeypatch.setattr(fs, "_capturing", lambda t: True)
+    captured = run_fused(step_fn, c)[1]
+    monkeypatch.setattr(fs, "_capturing", lambda t: False)
+    for size in range(1, fs.MAX_SIZES + 3):  # more eager sizes than the cache keeps
+        if size != c["idx"].shape[0]:
+            run_fused(step_fn, dict(c, logits=c["logits"][:size], weights=c["weights"][:size],
+                                    idx=c["idx"][:size], step=core.Step(core.DECODE), pad=None))
+    assert len(step_fn.pinned) == 1
+    again = run_fused(step_fn, c)[1]
+    assert again.data_ptr() == captured.data_ptr()  # the captured size's buffers, still the same memory
