@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing import _splat_flag, block_sizes
+from .routing import _bins_f, _mass_greedy, _splat_flag, block_sizes
 from .routing_torch import MASS_UNIT, PRICE_UNITS, WEIGHT_RULES, batch_base_powers, mass_grow_steps
 from .step_spec import (
     BIAS_SCORES,
@@ -312,7 +312,7 @@ def _fused_step_kernel(
             tm = offs_t < T
             vote = tl.load(fl_ptr + offs_t, mask=tm, other=0) == 7
             s = tl.load(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None], other=float("-inf"))
-            b = tl.where(vote[:, None], _bins(s, alpha, cand_b), float("-inf"))
+            b = tl.where(vote[:, None], _bins_f(s, alpha, cand_b), float("-inf"))
             for j in tl.static_range(BETA + 1):
                 c = tl.sum(tl.where(b == -j, 1.0, 0.0), axis=0).to(tl.int32)
                 counts += tl.where(offs_j[:, None] == j, c[None, :], 0)
@@ -329,7 +329,7 @@ def _fused_step_kernel(
             tm = offs_t < T
             vote = tl.load(fl_ptr + offs_t, mask=tm, other=0) == 7
             s = tl.load(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None], other=float("-inf"))
-            bin0 = (_bins(s, alpha, cand_b) == 0) & vote[:, None]
+            bin0 = (_bins_f(s, alpha, cand_b) == 0) & vote[:, None]
             ck = tl.where(bin0, key[None, :], -1.0)
             has = tl.max(bin0.to(tl.int32), axis=1) > 0
             m = tl.max(ck, axis=1)
@@ -347,8 +347,8 @@ def _fused_step_kernel(
             crit = tl.where((offs_n == sel) & _splat_flag((i < missing) & (m >= 0.0), offs_n), 1, crit)
             gkey = tl.where(offs_n == sel, float("-inf"), gkey)
     if POLICY == 0:
-        crit = _mass_greedy(wf_ptr, lst_ptr, crit, cand_b, T, K, price, steps, voters, offs_n, nmask, BLOCK_T,
-                            BLOCK_N, BLOCK_K, UNIT)
+        crit = _mass_greedy(wf_ptr, BLOCK_N, lst_ptr, crit, cand_b, T, K, K, price, steps, voters, offs_n, nmask,
+                            BLOCK_T, BLOCK_N, BLOCK_K, UNIT)
     if POLICY == 2:
         crit = tl.maximum(crit, pick)
     if POLICY == 3:  # the warm-up picks, then the candidates by batch mass until |S| >= max(budget, k)
@@ -470,78 +470,6 @@ def _fused_step_kernel(
         smask = offs_s < 13
         acc = tl.load(acc_ptr + offs_s, mask=smask, other=0.0)
         tl.store(acc_ptr + offs_s, acc + row, mask=smask)
-
-
-@triton.jit
-def _bins(s, alpha, ok_cols):
-    """Float bins ``ceil((s - rowmax) * alpha)`` (``routing_torch.lynx_bins``); ``-inf`` where ``s`` is not finite or
-    the column not ok."""
-    rowmax = tl.max(s, axis=1)
-    rowmax = tl.where(rowmax == float("-inf"), 0.0, rowmax)
-    b = tl.ceil((s - rowmax[:, None]) * alpha)
-    finite = (s == s) & (tl.abs(s) != float("inf"))
-    return tl.where(finite & ok_cols[None, :], b, float("-inf"))
-
-
-@triton.jit
-def _mass_greedy(wf_ptr, lst_ptr, crit, cand_b, T, K: tl.constexpr, price, steps, voters, offs_n, nmask,
-                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNIT: tl.constexpr):
-    """``routing_torch.mass_greedy_grow`` on the fixed-point weights in ``wf_ptr [T, BLOCK_N]`` (0 on rows that do not
-    vote): the candidate with the largest integer gain joins while the gain reaches the threshold or ``|S| < k``.
-    ``lst_ptr [T, BLOCK_K]`` scratch: per row the k largest weights inside S, descending (-1 padded)."""
-    offs_k = tl.arange(0, BLOCK_K).to(tl.int64)
-    for t0 in range(0, T, BLOCK_T):
-        offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        tm = offs_t < T
-        w = tl.load(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None] & nmask[None, :], other=0)
-        vals = tl.where((crit > 0)[None, :] & nmask[None, :], tl.maximum(w, -1), -2)
-        lst = tl.full([BLOCK_T, BLOCK_K], -1, dtype=tl.int64)
-        for i in tl.static_range(K):
-            m = tl.max(vals, axis=1)
-            sel = tl.min(tl.where(vals == m[:, None], offs_n[None, :], BLOCK_N), axis=1)
-            vals = tl.where(offs_n[None, :] == sel[:, None], -2, vals)
-            lst = tl.where(offs_k[None, :] == i, tl.maximum(m, -1)[:, None], lst)
-        tl.store(lst_ptr + offs_t[:, None] * BLOCK_K + offs_k[None, :], lst, mask=tm[:, None])
-    tl.debug_barrier()
-    price = price + tl.zeros([], dtype=tl.int64)
-    if UNIT == 1:
-        price = price * voters
-    elif UNIT == 2:
-        price = tl.ceil(tl.sqrt(voters.to(tl.float64)) * price.to(tl.float64)).to(tl.int64)
-    size = tl.sum(crit, axis=0)
-    it = tl.zeros([], dtype=tl.int32)
-    go = it < steps
-    while go:
-        gain = tl.zeros([BLOCK_N], dtype=tl.int64)
-        for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tm = offs_t < T
-            w = tl.load(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None] & nmask[None, :],
-                        other=0)
-            kth = tl.maximum(tl.load(lst_ptr + offs_t * BLOCK_K + (K - 1), mask=tm, other=0), 0)
-            gain += tl.sum(tl.maximum(w - kth[:, None], 0), axis=0)
-        g = tl.where(cand_b & (crit == 0) & nmask, gain, -1)
-        best_gain = tl.max(g, axis=0)
-        best = tl.min(tl.where(g == best_gain, offs_n, BLOCK_N), axis=0)
-        add = (best_gain >= price) | ((best_gain >= 0) & (size < K))
-        crit = tl.where((offs_n == best) & _splat_flag(add, offs_n), 1, crit)
-        size += add.to(tl.int32)
-        for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tm = offs_t < T
-            x = tl.load(wf_ptr + offs_t * BLOCK_N + best, mask=tm & _splat_flag(add, tm), other=-1)
-            x = tl.maximum(x, -1)
-            lm = tm[:, None] & (offs_k[None, :] < K)
-            cur = tl.load(lst_ptr + offs_t[:, None] * BLOCK_K + offs_k[None, :], mask=lm, other=-1)
-            prev = tl.load(lst_ptr + offs_t[:, None] * BLOCK_K + offs_k[None, :] - 1,
-                           mask=lm & (offs_k[None, :] >= 1), other=9223372036854775807)
-            new = tl.maximum(cur, tl.minimum(prev, x[:, None]))
-            tl.debug_barrier()
-            tl.store(lst_ptr + offs_t[:, None] * BLOCK_K + offs_k[None, :], new, mask=lm)
-        tl.debug_barrier()
-        it += 1
-        go = add & (it < steps)
-    return crit
 
 
 # ---------------------------------------------------------------------------------------------------------------

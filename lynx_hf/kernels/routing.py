@@ -396,34 +396,23 @@ def oea_critical_set(scores: torch.Tensor, top_k0: int, vote: torch.Tensor | Non
 # routing-mass greedy growth
 
 
-@functools.partial(_single_program, config=SINGLE_PROGRAM_WIDE)
 @triton.jit
-def _mass_greedy_kernel(
-    w_ptr, idx_ptr, vote_ptr, seed_ptr, crit_ptr, lst_ptr, out_ptr,
-    T, N, top_k, kk, price, steps,
-    stride_wt, stride_it, stride_ik, stride_v, stride_sd, stride_c,
-    K: tl.constexpr, KK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_VOTE: tl.constexpr, HAS_SEED: tl.constexpr, UNIT: tl.constexpr,
-):
-    # w [T, N] int64 fixed-point weights (0 on non-voting rows); lst [T, KK] int64 scratch: per row, the
-    # KK largest W of the experts in S (descending, -1 padded): the k-th one is the row's threshold.
-    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
-    nmask = offs_n < N
+def _mass_greedy(w_ptr, stride_wt, lst_ptr, crit, cand_b, T, top_k, kk, price, steps, voters, offs_n, nmask,
+                 BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, KK: tl.constexpr, UNIT: tl.constexpr):
+    """The routing-mass greedy (``routing_torch.mass_greedy_grow``) on fixed-point weights ``w [T, N]`` int64 (0 on
+    rows that do not vote; row stride ``stride_wt``), from the critical set ``crit [BLOCK_N]`` int32 over the
+    candidates ``cand_b``: the candidate with the largest integer gain joins while the gain reaches the threshold
+    (``price`` in fixed point; ``UNIT`` 1: x ``voters``, 2: x sqrt(``voters``) rounded up) or ``|S| < top_k``, at most
+    ``steps`` times, stopping on the device at the first idle step. ``lst [T, KK]`` int64 scratch: per row, the KK
+    largest W of the experts in S (descending, -1 padded); the ``kk``-th is the row's threshold. Returns ``crit``."""
     offs_k = tl.arange(0, KK).to(tl.int64)
-    seeded = _seed_mask(seed_ptr, offs_n, nmask, stride_sd, HAS_SEED)
-    cand = tl.maximum(_voters_union(idx_ptr, vote_ptr, T, offs_n, stride_it, stride_ik, stride_v,
-                                    K, HAS_VOTE, BLOCK_P), seeded)
-    crit = (tl.load(crit_ptr + offs_n * stride_c, mask=nmask, other=0) != 0).to(tl.int32)
-    crit = tl.maximum(crit, seeded)
-
     # Initial lists: the KK largest W (clamped at -1, which changes no threshold) of the experts in S.
     for t0 in range(0, T, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         tm = offs_t < T
         w = tl.load(w_ptr + offs_t[:, None] * stride_wt + offs_n[None, :],
                     mask=tm[:, None] & nmask[None, :], other=0)
-        vals = tl.where((crit > 0)[None, :], tl.maximum(w, -1), -2)  # -2: not in S / already listed
+        vals = tl.where((crit > 0)[None, :] & nmask[None, :], tl.maximum(w, -1), -2)  # -2: not in S / listed
         lst = tl.full([BLOCK_T, KK], -1, dtype=tl.int64)
         for i in tl.static_range(KK):
             m = tl.max(vals, axis=1)
@@ -434,17 +423,11 @@ def _mass_greedy_kernel(
     tl.debug_barrier()
 
     price = price + tl.zeros([], dtype=tl.int64)  # (an int arg equal to 1 arrives as a constexpr)
-    if UNIT != 0:  # threshold from the number of voting tokens B (counted on the device): 1 = P x B, 2 = ceil(P sqrt B)
-        voters = tl.zeros([], dtype=tl.int64)
-        for t0 in range(0, T, BLOCK_T):
-            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-            tm = offs_t < T
-            voters += tl.sum((_row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE) & tm).to(tl.int64), axis=0)
-        if UNIT == 1:
-            price = price * voters
-        else:
-            # fp64 sqrt is correctly rounded (PTX has no approximate f64 sqrt: sqrt.rn.f64), as torch's / numba's
-            price = tl.ceil(tl.sqrt(voters.to(tl.float64)) * price.to(tl.float64)).to(tl.int64)
+    if UNIT == 1:
+        price = price * voters
+    elif UNIT == 2:
+        # fp64 sqrt is correctly rounded (PTX has no approximate f64 sqrt: sqrt.rn.f64), as torch's / numba's
+        price = tl.ceil(tl.sqrt(voters.to(tl.float64)) * price.to(tl.float64)).to(tl.int64)
     size = tl.sum(crit, axis=0)
     it = tl.zeros([], dtype=tl.int32)
     go = it < steps
@@ -459,7 +442,7 @@ def _mass_greedy_kernel(
             kth = tl.load(lst_ptr + offs_t * KK + (kk - 1), mask=tm, other=0)
             kth = tl.maximum(kth, 0)
             gain += tl.sum(tl.maximum(w - kth[:, None], 0), axis=0)
-        elig = (cand > 0) & (crit == 0) & nmask
+        elig = cand_b & (crit == 0) & nmask
         g = tl.where(elig, gain, -1)
         best_gain = tl.max(g, axis=0)
         best = tl.min(tl.where(g == best_gain, offs_n, BLOCK_N), axis=0)
@@ -483,6 +466,37 @@ def _mass_greedy_kernel(
         tl.debug_barrier()
         it += 1
         go = add & (it < steps)
+    return crit
+
+
+@functools.partial(_single_program, config=SINGLE_PROGRAM_WIDE)
+@triton.jit
+def _mass_greedy_kernel(
+    w_ptr, idx_ptr, vote_ptr, seed_ptr, crit_ptr, lst_ptr, out_ptr,
+    T, N, top_k, kk, price, steps,
+    stride_wt, stride_it, stride_ik, stride_v, stride_sd, stride_c,
+    K: tl.constexpr, KK: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
+    HAS_VOTE: tl.constexpr, HAS_SEED: tl.constexpr, UNIT: tl.constexpr,
+):
+    # w [T, N] int64 fixed-point weights (0 on non-voting rows); lst [T, KK] int64 scratch: per row, the
+    # KK largest W of the experts in S (descending, -1 padded): the k-th one is the row's threshold.
+    offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
+    nmask = offs_n < N
+    seeded = _seed_mask(seed_ptr, offs_n, nmask, stride_sd, HAS_SEED)
+    cand = tl.maximum(_voters_union(idx_ptr, vote_ptr, T, offs_n, stride_it, stride_ik, stride_v,
+                                    K, HAS_VOTE, BLOCK_P), seeded)
+    crit = (tl.load(crit_ptr + offs_n * stride_c, mask=nmask, other=0) != 0).to(tl.int32)
+    crit = tl.maximum(crit, seeded)
+
+    voters = tl.zeros([], dtype=tl.int64)
+    if UNIT != 0:  # the threshold depends on the number of voting tokens B (counted on the device)
+        for t0 in range(0, T, BLOCK_T):
+            offs_t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+            tm = offs_t < T
+            voters += tl.sum((_row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE) & tm).to(tl.int64), axis=0)
+    crit = _mass_greedy(w_ptr, stride_wt, lst_ptr, crit, cand > 0, T, top_k, kk, price, steps, voters, offs_n, nmask,
+                        BLOCK_T, BLOCK_N, KK, UNIT)
     tl.store(out_ptr + offs_n, crit.to(tl.int8), mask=nmask)
 
 
