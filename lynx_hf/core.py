@@ -275,9 +275,7 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
         keeps = not policy.remaps or top_k >= num_experts
         described = FusedPolicy("keep") if keeps else policy.device_policy(params)
         if described is not None:
-            from .kernels.fused_step import FusedStep  # Triton: imported where the backend is Triton
-
-            fused_device = FusedStep(described, num_experts, top_k)
+            fused_device = ops.fused_step(described, num_experts, top_k)
     expert_ops, kernel_min_tokens = None, 1
     if config.expert_path == "triton" and device.type != "meta":
         expert_ops = routing_ops(resolve_backend("triton", device))
