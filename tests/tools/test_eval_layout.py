@@ -16,6 +16,9 @@ PRIVATE_IN_USE = {
     # publishes a decode step on a patched model's step tracker around a bare router call (what the backbone's
     # pre-hook does in a forward): the tracker's step frame and context variable, and the step compiled code reads
     "lab/bench_step.py": {"lynx_hf.detection._Frame", "._var", "._traced"},
+    # times the Python around the fused device step's launch on a machine without a GPU: the kernel replaced by a
+    # no-op for the timing (the library has no launch hook)
+    "lab/step_ops.py": {"lynx_hf.kernels.fused_step._fused_step_kernel"},
 }
 
 
