@@ -302,9 +302,10 @@ class DecisionStore:
         return out
 
     def user_table(self, path) -> DecisionTable:
-        """The user's table ``path`` (``LynxConfig.gate_table``), every entry checked. Raises ``FileNotFoundError`` /
-        ``ValueError`` (naming the file and the entry) for a missing or bad table."""
-        return self._table(Path(path))
+        """The user's table ``path`` (``LynxConfig.gate_table``; ``~`` and ``$VAR`` expanded as for the cache folder),
+        every entry checked. Raises ``FileNotFoundError`` / ``ValueError`` (naming the file and the entry) for a
+        missing or bad table."""
+        return self._table(Path(_expand(str(path))))
 
     def cache_file(self, key: GateKey) -> Path | None:
         """The per-user cache file of ``key``'s device kind in this build's format (:func:`cache_name`), or ``None``

@@ -20,7 +20,7 @@ ROUTING_BACKENDS = ("auto", "torch", "triton")
 #: ``LynxConfig.expert_path`` values: what computes the routed experts in decode
 EXPERT_PATHS = ("auto", "model", "triton")
 #: the modules whose ``@triton.jit`` kernels are defined at import (each records ``_INTERPRET`` then)
-_KERNEL_MODULES = ("lynx_hf.kernels.routing", "lynx_hf.kernels.moe")
+_KERNEL_MODULES = ("lynx_hf.kernels.routing", "lynx_hf.kernels.moe", "lynx_hf.kernels.fused_step")
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:

@@ -33,7 +33,9 @@ allocated in the traced graph instead (inductor plans their memory).
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import threading
 from collections import OrderedDict
 
@@ -55,6 +57,11 @@ from .step_spec import (
 )
 from .telemetry_slots import NUM_SLOTS
 
+#: the interpreter (CPU tests) is chosen when triton is first imported; read once, like triton does
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+#: Triton's interpreter patches ``triton.language`` for the length of each launch, which two threads launching at once
+#: break ("Did you forget to add @triton.jit?"): interpreted launches take turns (compiled ones never wait)
+_INTERPRETER_LOCK = threading.Lock() if _INTERPRET else contextlib.nullcontext()
 #: distinct step sizes whose buffers one thread keeps per :class:`FusedStep` (least recently used dropped)
 MAX_SIZES = 8
 #: elements of one [BLOCK_T, BLOCK_N] tile of the fused kernel per policy (default 1024), its warps and registers
@@ -195,6 +202,18 @@ def _topk_union(s, rows, offs_n, nmask, KSEL: tl.constexpr):
         taken = taken | hit
         union = tl.maximum(union, tl.max((hit & rows[:, None]).to(tl.int32), axis=0))
     return union
+
+
+@triton.jit
+def _cast_rtne(x, dtype: tl.constexpr):
+    """fp32 ``x`` in ``dtype`` rounded to nearest even, as ``torch``'s ``.to(dtype)``; bf16 by hand on the bits (the
+    interpreter's fp32 -> bf16 cast truncates; a GPU rounds to nearest even: both paths give the same bits)."""
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
 
 
 @triton.jit
@@ -416,7 +435,7 @@ def _fused_step_kernel(
                 w = w / tl.where(remap, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1) + eps, 1.0)[:, None]
             w = w * scale
             new = tl.where(remap[:, None], out, new)
-            new_w = tl.where(remap[:, None], w.to(own_w.dtype), own_w)
+            new_w = tl.where(remap[:, None], _cast_rtne(w, own_w.dtype), own_w)
         if POLICY != 4:  # keep: the caller returns the model's own tensors
             tl.store(oidx_ptr + offs_t[:, None] * K + offs_k[None, :], new.to(own.dtype), mask=km)
             tl.store(ow_ptr + offs_t[:, None] * K + offs_k[None, :], new_w, mask=km)
@@ -611,15 +630,16 @@ class FusedStep:
         dummy = buf.flags
         compiling = torch.compiler.is_compiling()
         kernel = _FUSED_TRACED if compiling else _fused_step_kernel
-        kernel[_GRID](
-            logits, idx, weights,
-            dummy if decode is None else decode, dummy if live is None else live, dummy if seed is None else seed,
-            dummy if bias is None else bias, dummy if scores is None else scores,
-            buf.scores, buf.flags, buf.fixed, buf.lists, buf.powers, buf.params, dummy if acc is None else acc,
-            buf.idx, buf.weights, *launch.scalars,
-            logits.stride(0), logits.stride(1), idx.stride(0), idx.stride(1), weights.stride(0), weights.stride(1),
-            0 if bias is None else bias.stride(-1), 0 if scores is None else scores.stride(0),
-            0 if scores is None else scores.stride(1), **(launch.traced if compiling else launch.consts))
+        with _INTERPRETER_LOCK:
+            kernel[_GRID](
+                logits, idx, weights,
+                dummy if decode is None else decode, dummy if live is None else live, dummy if seed is None else seed,
+                dummy if bias is None else bias, dummy if scores is None else scores,
+                buf.scores, buf.flags, buf.fixed, buf.lists, buf.powers, buf.params, dummy if acc is None else acc,
+                buf.idx, buf.weights, *launch.scalars,
+                logits.stride(0), logits.stride(1), idx.stride(0), idx.stride(1), weights.stride(0), weights.stride(1),
+                0 if bias is None else bias.stride(-1), 0 if scores is None else scores.stride(0),
+                0 if scores is None else scores.stride(1), **(launch.traced if compiling else launch.consts))
         if keep:
             return weights, idx
         return buf.weights, buf.idx

@@ -84,6 +84,12 @@ def test_generate_with_the_fused_step_equals_the_torch_path(family, policy, kw):
     assert stats["decode_steps"] > 0
 
 
+def test_bf16_weights_round_as_torch_casts_them():
+    """A bf16 model: the fused step's routing weights are rounded to nearest even as the torch path's ``.to(bf16)``
+    (the interpreter's own fp32 -> bf16 cast truncates: tokens drifted apart before)."""
+    _assert_same_generation(fam.build("qwen2_moe", dtype=torch.bfloat16), policy="lynx")
+
+
 @pytest.mark.parametrize("model_type", [t for t in ("glm4_moe", "ernie4_5_moe", "minimax_m2", "kolibri1")
                                         if t in CONFIG_MAPPING_NAMES])
 def test_generic_selection_bias_routers_run_their_rule_in_the_kernel(model_type, monkeypatch):

@@ -199,6 +199,27 @@ def test_C57_cache_paths_resolve_as_huggingface_hub_and_torch_hub_do(monkeypatch
     assert gate.cache_dir() is None
 
 
+@pytest.mark.parametrize("written", ["~/tables/table.json", "$LYNX_TEST_TABLES/table.json"])
+def test_C57_a_gate_table_path_is_expanded_as_the_cache_path_is(written, fixed_gate, tmp_path, monkeypatch):
+    """CASES C57 for a user's table: ``gate_table="~/..."`` or ``"$VAR/..."`` (as a Docker ``ENV`` or a ``.env`` file
+    writes it) names the file under the home folder / the variable's folder (before: taken literally, "No such file
+    or directory: '~/table.json'")."""
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="auto")
+    planned = _gate(model)
+    table = gate.DecisionTable()
+    flipped = {b: _decision(not d.on) for b, d in planned.decisions.items()}
+    table.put(planned.key, flipped, "test")
+    (tmp_path / "tables").mkdir()
+    table.save(tmp_path / "tables" / "table.json")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LYNX_TEST_TABLES", str(tmp_path / "tables"))
+    lynx_hf.patch(model, policy="lynx", gate_table=written)
+    assert _gate(model).source == f"table {written}"
+    assert {b: d.on for b, d in _gate(model).decisions.items()} == {b: d.on for b, d in flipped.items()}
+    lynx_hf.unpatch(model)
+
+
 def test_C57_no_home_keeps_decisions_in_memory_with_one_warning(fixed_gate, monkeypatch):
     """No cache folder can be named: the patch measures, keeps the decisions in memory, says so once; a second model
     of the key reads them from memory (before: ``RuntimeError: Could not determine home directory``)."""
