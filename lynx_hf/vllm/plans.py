@@ -54,7 +54,7 @@ DECODE_STEP = Step(_DECODE_KIND)
 
 __all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan",
            "install_plan", "step_key", "step_buckets", "gated_off_everywhere", "set_bypass", "settle_bypass",
-           "route", "step_inputs", "skip_bypassed", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
+           "route", "step_inputs", "skip_bypassed", "PENDING_MAX", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
            "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
            "ROW_ATTRIBUTES", "torch_backend_layers"]
@@ -248,9 +248,18 @@ def skip_bypassed(num_tokens: int, decode_rows: int | None = None) -> None:
     """A step of ``num_tokens`` tokens of which ``decode_rows`` decode (> 0): each bypassed layer's gate counts it
     as a step it kept vLLM's routing on (the step size seen, one step skipped), as the op body does for a step the
     gate skips. Counted once per step here (``STATE.pending_skips``) and into each bypassed layer's gate when read
-    (:func:`flush_skips`): a per-layer gate call per step cost ~8 us per layer."""
+    (:func:`flush_skips`): a per-layer gate call per step cost ~8 us per layer. Bounded: past
+    :data:`PENDING_MAX` distinct (tokens, decode rows) the pending steps are counted into the gates at once (a
+    long-running server's steps take many distinct shapes: ``docs/cases.md`` C64)."""
     if STATE.bypassed:
-        STATE.pending_skips[(num_tokens, decode_rows)] += 1
+        pending = STATE.pending_skips
+        pending[(num_tokens, decode_rows)] += 1
+        if len(pending) > PENDING_MAX:
+            flush_skips()
+
+
+#: most distinct (tokens, decode rows) :func:`skip_bypassed` keeps pending before counting them into the gates
+PENDING_MAX = 64
 
 
 def flush_skips() -> None:

@@ -304,3 +304,36 @@ def test_frozen_reads_the_compilation_config():
     assert plans.frozen(_ModelRunner(mode=0, cudagraphs="FULL_AND_PIECEWISE"))
     assert not plans.frozen(_ModelRunner(mode=0))
     assert not plans.frozen(_ModelRunner(mode=3, eager=True))
+
+
+@pytest.mark.vllm_code
+def test_n11_gate_caches_stay_bounded_over_many_step_shapes(attached):
+    """Issue 54 N11 (cases C64): a long-running server's steps take many distinct (tokens, decode rows). 10^4 distinct
+    mixed steps through the step mask (``steps.write_kinds``, as the model runners' input preparation calls it) on a
+    layer the gate bypasses (off everywhere: the pending skips), and 10^4 distinct mixed shapes asked of a gate that is
+    on somewhere, half of them above the largest bucket: the pending skips and the derived decisions stay bounded,
+    every step is still counted, and a decision within the buckets is the buckets' (no per-(T, rows) entry)."""
+    router, one = attached({"policy": "lynx", "gate": "auto"}, set())
+    STATE.capacity = 200
+    plans.before_forward(_ModelRunner(mode=3))
+    assert one.bypass
+    shapes = [(t, r) for t in range(2, 200) for r in range(1, t)][:10_000]
+    assert len(shapes) == 10_000
+    for t, r in shapes:
+        steps.write_kinds([DECODE] * r + [PREFILL] * (t - r), "cpu")
+        steps.end_step()
+        assert len(STATE.pending_skips) <= 256  # plans.PENDING_MAX: 64
+    entry = telemetry.snapshot()["layers"][0]["gate"]
+    assert entry["steps_skipped"] == 10_000
+
+    router, one = attached({"policy": "lynx", "gate": "auto"}, {8})
+    planned = gate.of(plans.plan_for(one, torch.device("cpu"), torch.float32, STATE.config.lynx))
+    top = planned.tuning.buckets[-1]
+    within = [(t, r) for t in range(2, top + 1) for r in range(1, t)][:5_000]
+    above = [(top + 1 + i, 1 + i % 7) for i in range(5_000)]
+    for t, r in within + above:
+        planned.decision(t, r)
+        assert len(planned._derived) <= 512  # gate.stage.DERIVED_MAX: 256
+    # within the buckets a mixed step's decision is its two buckets' (the same object for every (T, rows) in them)
+    assert planned.decision(9, 3) is planned.decision(15, 4)
+
