@@ -21,7 +21,7 @@ from . import config as plugin_config
 from .op import remap_routing
 from .state import STATE, Layer, resolve_config, target_layers
 
-__all__ = ["attach", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
+__all__ = ["attach", "expert_parallel_size", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
            "HOST_FIELDS"]
 
 
@@ -52,6 +52,18 @@ def logical_experts(runner) -> int:
     return int(logical) if isinstance(logical, int) and logical > 0 else int(runner.router.global_num_experts)
 
 
+def expert_parallel_size(moe_config) -> int:
+    """The expert-parallel ranks a layer's experts are split over (``FusedMoEConfig.ep_size`` where ``use_ep``; 1
+    without expert parallelism or where the config does not say): each rank runs N / that many of them, so the cost
+    gate weighs the experts this rank saves (``LayerShape.ep_size``)."""
+    parallel = getattr(moe_config, "moe_parallel_config", None)
+    use_ep = getattr(parallel, "use_ep", None)
+    size = getattr(parallel, "ep_size", None)
+    if use_ep is None or size is None:
+        use_ep, size = getattr(moe_config, "use_ep", False), getattr(moe_config, "ep_size", 1)
+    return max(1, int(size)) if isinstance(use_ep, bool) and use_ep and isinstance(size, int) else 1
+
+
 def attach(runner) -> None:
     """A vLLM ``MoERunner`` was built (its ``__init__`` returned): when the plugin is configured in this engine, its
     router's rules are derived (:func:`lynx_hf.vllm.routers.derive`, refusing routing the plugin cannot reproduce),
@@ -80,7 +92,8 @@ def attach(runner) -> None:
     moe = getattr(runner, "moe_config", None)
     hidden, inter = getattr(moe, "hidden_dim", None), getattr(moe, "intermediate_size_per_partition", None)
     layer.gate_shape = plans.layer_shape(layer.num_experts, layer.top_k, int(hidden) if hidden else None,
-                                         int(inter) if inter and inter > 0 else None, getattr(moe, "in_dtype", None))
+                                         int(inter) if inter and inter > 0 else None, getattr(moe, "in_dtype", None),
+                                         ep_size=expert_parallel_size(moe))
     STATE.layers.append(layer)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         STATE.rank = torch.distributed.get_rank()

@@ -72,9 +72,11 @@ def remaps(cfg) -> bool:
     return get_policy(cfg.lynx.policy).remaps
 
 
-def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, expert_dtype=None) -> LayerShape:
-    """The cost gate's shape of a layer (H and I unknown: the gate cannot measure and keeps the policy on)."""
-    return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype)
+def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, expert_dtype=None,
+                ep_size: int = 1) -> LayerShape:
+    """The cost gate's shape of a layer (H and I unknown: the gate cannot measure and keeps the policy on); under
+    expert parallelism over ``ep_size`` ranks the gate weighs the experts this rank saves (``LayerShape.ep_size``)."""
+    return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype, ep_size=ep_size)
 
 
 # --------------------------------------------------------------------------- padding rows: a stage of the plan
@@ -175,7 +177,7 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu",
                        # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
-                       captured=bool(STATE.start.captured) and device.type == "cuda")
+                       captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
     stages = [PaddingRows()]
     if cfg.gate == "auto":
         stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),

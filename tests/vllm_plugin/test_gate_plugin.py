@@ -337,3 +337,40 @@ def test_n11_gate_caches_stay_bounded_over_many_step_shapes(attached):
     # within the buckets a mixed step's decision is its two buckets' (the same object for every (T, rows) in them)
     assert planned.decision(9, 3) is planned.decision(15, 4)
 
+
+
+@pytest.mark.vllm_code
+def test_n12_under_expert_parallelism_the_gate_weighs_this_ranks_experts(plugin_state, fresh_store, monkeypatch):
+    """Issue 54 N12: under expert parallelism (vLLM's ``FusedMoEParallelConfig`` with ``use_ep`` and ``ep_size`` 4) each
+    rank runs N / 4 of the layer's experts, so it saves a quarter of the experts the policy avoids. The layer hooked
+    on a vLLM ``CPURouter`` carries the EP size into the gate's shape (and its key); the measured decision counts
+    (before - after) / 4 experts saved, as the rule above the largest bucket does. With a routing cost of 1 ms, 8
+    experts avoided per step and 0.25 ms per expert: on without EP (2 ms > 1 ms), off under EP = 4 (0.5 ms)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from lynx_hf.gate import decision as gate_decision
+    from lynx_hf.gate import measure as gate_measure
+
+    monkeypatch.setattr(gate_measure, "measure_routing", lambda *a, **k: (1.0, 12.0, 4.0))
+    monkeypatch.setattr(gate_measure, "measure_expert_ms", lambda *a, **k: 0.25)
+    held, got = [], {}
+    for ep in (1, 4):
+        parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=ep, ep_size=ep, tp_rank=0, pcp_rank=0,
+                                          dp_rank=0, ep_rank=0, sp_size=1, use_ep=ep > 1, all2all_backend="naive",
+                                          enable_eplb=False)
+        plugin_state({"policy": "lynx", "gate": "auto", "phase": "auto"}, capacity=16)
+        gate.STORE.reset()
+        runner = _MoERunner(CPURouter(top_k=2, global_num_experts=64))
+        runner.moe_config = moe_config(moe_parallel_config=parallel, hidden_dim=64, intermediate_size_per_partition=32)
+        held.append(runner)
+        layers.attach(runner)
+        one = STATE.layers[-1]
+        planned = gate.of(plans.plan_for(one, torch.device("cpu"), torch.float32, STATE.config.lynx))
+        got[ep] = planned
+        assert planned.decision(8).experts_saved == pytest.approx(8.0 / ep)
+        ruled = gate_measure.rule_at(planned, 1000, "", planned.tuning)
+        plain = gate_decision.by_rule(64, 2, 64, 32, 4, 1000, "cpu", 0.0, "", planned.tuning)
+        assert ruled.experts_saved == pytest.approx(plain.experts_saved / ep)
+    assert got[1].decision(8).on and not got[4].decision(8).on
+    assert got[1].key != got[4].key  # a rank under EP never reads a decision measured without it
