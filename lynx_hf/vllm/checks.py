@@ -301,42 +301,48 @@ def after_worker_step(worker, scheduler_output, seen_before: int) -> None:
 
 
 def op_calls() -> dict:
-    """Each target layer's op call count now (``Layer.calls``), by index: :func:`check_warmup` compares it."""
-    return {layer.index: layer.calls for layer in target_layers()}
+    """Each target layer's op call count and runner run count now (``Layer.calls``, ``Layer.runs``), by index:
+    :func:`check_warmup` compares them."""
+    return {layer.index: (layer.calls, layer.runs) for layer in target_layers()}
 
 
-def _missing(layers: list, ran) -> list:
-    """The layers of ``layers`` (target, not bypassed) that did not run where ``ran`` (layer -> bool) says any did."""
-    if not any(ran(layer) for layer in layers):
-        return []
-    return [layer for layer in layers if not ran(layer)]
+def _missing(layers: list, called, ran) -> list:
+    """The layers of ``layers`` (target, not bypassed) whose op was not called (``called``: layer -> bool) where they
+    should have been: a layer whose runner's runs are counted (``Layer.runs``) where its runner ran (``ran``) and its
+    op did not (a layer whose MoE forward did not run this time, such as a VLM's vision experts in a text-only step,
+    is not); a layer whose runs are not counted where any layer's op was called."""
+    any_called = any(called(layer) for layer in layers)
+    return [layer for layer in layers if not called(layer) and
+            (ran(layer) if layer.runs is not None else any_called)]
 
 
 def check_layer_calls() -> None:
     """After a worker step with decode tokens: every hooked layer that is not bypassed (the cost gate keeps vLLM's
-    routing, no op) must have been called (its router reached the plugin). On an engine whose forward is captured
-    in device graphs (``STATE.start.captured``) a step in which no layer's op ran is a replay (no op body runs) and is
-    not counted; a step in which some ran (an eager step: a size above the largest graph, a mixed step, a capture) is,
-    so a layer routed around the hooked router stops a captured engine as it stops an eager one. The drafter's layers
-    run in another forward (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps
-    without a call of a layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes
-    through the hooked router)."""
+    routing, no op) must have been called (its router reached the plugin) where its ``MoERunner`` ran
+    (``Layer.runs``; a layer whose MoE forward did not run in the step, e.g. a VLM's vision experts on text-only steps,
+    is not counted: ``docs/cases.md`` C63). A layer whose runner's runs are not counted (``Layer.runs`` ``None``) is
+    judged by the others: on an engine whose forward is captured in device graphs (``STATE.start.captured``) a step in
+    which no layer's op ran is a replay (no op body runs) and is not counted; a step in which some ran (an eager step:
+    a size above the largest graph, a mixed step, a capture) is. The drafter's layers run in another forward
+    (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps without a call of a
+    layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes through the hooked
+    router)."""
     layers = [layer for layer in target_layers() if not layer.bypass]
-    replay = STATE.start.captured and not any(layer.calls != layer.seen_calls for layer in layers)
+    any_called = any(layer.calls != layer.seen_calls for layer in layers)
+    replay = STATE.start.captured and not any_called
     missed = []
     for layer in layers:
-        if replay:
-            pass  # a replayed step: nothing to learn
-        elif layer.calls != layer.seen_calls:
+        if layer.calls != layer.seen_calls:
             layer.misses = 0
-        else:
+        elif (layer.runs != layer.seen_runs) if layer.runs is not None else not replay:
             layer.misses += 1
             if layer.misses >= LIVENESS_STEPS:
                 missed.append(layer.name)
         layer.seen_calls = layer.calls
+        layer.seen_runs = layer.runs or 0
     for layer in target_layers():
         if layer.bypass:
-            layer.misses, layer.seen_calls = 0, layer.calls
+            layer.misses, layer.seen_calls, layer.seen_runs = 0, layer.calls, layer.runs or 0
     if missed:
         raise LynxHookError(
             f"lynx_hf.vllm: {len(missed)} of {len(target_layers())} hooked MoE layers were not routed through the "
@@ -347,19 +353,22 @@ def check_layer_calls() -> None:
 
 def check_warmup(before: dict) -> None:
     """After one of the model runner's ``_dummy_run`` s (profiling, a capture warm-up, a capture; ``before``: the
-    :func:`op_calls` before it): where any target layer's op ran in it, every one that is not bypassed must have run
-    too, else :class:`~lynx_hf.LynxHookError` at once, naming them (a layer routed outside the hooked router, found at
-    engine start; a dummy run with no op call at all, a replay, says nothing)."""
+    :func:`op_calls` before it): a target layer that is not bypassed whose runner ran in it while its op was not called
+    (:func:`_missing`; a layer whose runner's runs are not counted: where any other layer's op ran) ->
+    :class:`~lynx_hf.LynxHookError` at once, naming them (a layer routed outside the hooked router, found at engine
+    start). A layer whose MoE forward did not run in the warm-up (a VLM's vision experts on a text-only dummy batch)
+    is not flagged; a dummy run with no op call at all (a replay) says nothing of the uncounted ones."""
     if STATE.config is None or STATE.config.lynx.phase == "decode":
         return
     layers = [layer for layer in target_layers() if not layer.bypass and layer.index in before]
-    missed = _missing(layers, lambda layer: layer.calls != before[layer.index])
+    missed = _missing(layers, lambda layer: layer.calls != before[layer.index][0],
+                      lambda layer: layer.runs != before[layer.index][1])
     if missed:
         names = [layer.name for layer in missed]
         raise LynxHookError(
-            f"lynx_hf.vllm: in a warm-up run of the model {len(names)} of {len(layers)} hooked MoE layers were not "
-            "routed through the plugin "
-            f"while the others were ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
+            f"lynx_hf.vllm: in a warm-up run of the model {len(names)} of {len(layers)} hooked MoE layers ran "
+            "without being routed through the plugin "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
             "not call the router the plugin hooked, so they would run without the policy; stopping at engine start.")
 
 

@@ -111,6 +111,26 @@ def attach(runner) -> None:
 
     _compute_routing.__wrapped__ = original
     router._compute_routing = _compute_routing
+    _count_runs(runner, layer)
+
+
+def _count_runs(runner, layer: Layer) -> None:
+    """Count the runs of ``runner`` itself (``Layer.runs``): its ``_forward_impl`` (vLLM 0.32 to 0.34: what the
+    ``moe_forward`` / ``moe_forward_shared`` ops call, by the layer's name) wrapped on the instance, counting where the
+    forward is not being traced by ``torch.compile`` (a traced count would be a guard on a Python int). A runner
+    without it is left as it is (``Layer.runs`` stays ``None``)."""
+    impl = getattr(runner, "_forward_impl", None)
+    if not callable(impl):
+        return
+    layer.runs = 0
+
+    def _forward_impl(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            layer.runs += 1
+        return impl(*args, **kwargs)
+
+    _forward_impl.__wrapped__ = impl
+    runner._forward_impl = _forward_impl
 
 
 def _process_config():

@@ -367,6 +367,65 @@ def _worker_step(first, second):
     return worker_step
 
 
+class _RunnerWithForward(_Runner):
+    """A runner stand-in with vLLM's ``MoERunner._forward_impl`` (what ``moe_forward`` calls): it routes through its
+    router (``routes=False``: a layer whose MoE forward routes around the hooked router)."""
+
+    def __init__(self, *args, routes=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routes = routes
+
+    def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+        if self.routes:
+            self.router._compute_routing(hidden_states, router_logits, None)
+        return hidden_states
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("policy", ["none", "lynx"])
+def test_n9_layers_that_run_only_on_some_steps_start_and_serve(plugin_state, policy):
+    """Issue 54 N9 (cases C63): a VLM-MoE whose vision experts never run in a text-only warm-up or text-only steps
+    (ERNIE-4.5-VL-MoE): the liveness rules judge a layer by its ``MoERunner``'s own runs (vLLM's
+    ``MoERunner._forward_impl``, counted by ``layers.attach``), so the engine starts and serves, under policy none too.
+    A layer whose runner runs without reaching the hooked router is still stopped, at the warm-up and in serving."""
+    assert callable(getattr(MoERunner, "_forward_impl", None))  # what the plugin counts, in this vLLM
+    plugin_state({"policy": policy, "gate": "always"})
+    text, vision = (_RunnerWithForward(CPURouter(2, 8, renormalize=True), name=f"model.layers.0.mlp.{kind}_experts")
+                    for kind in ("text", "vision"))
+    layers.attach(text)
+    layers.attach(vision)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def warm_up(*runners):
+        def original(self, *args, **kwargs):
+            for one in runners:
+                one._forward_impl(None, logits, None)
+        return install._dummy_run(original, runner, 4)
+
+    def worker_step(*runners):
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)
+        for one in runners:
+            one._forward_impl(None, logits, None)
+        steps.end_step()
+        checks.after_worker_step(types.SimpleNamespace(model_runner=None), None, seen)
+
+    warm_up(text)  # the profiling run of a text-only dummy batch: the vision experts never run
+    warm_up(text)
+    for _ in range(3 * checks.LIVENESS_STEPS):
+        worker_step(text)  # text-only serving
+    worker_step(text, vision)  # an image request: both run, both remapped
+    assert [layer.misses for layer in STATE.layers] == [0, 0]
+
+    vision.routes = False  # its runner now runs without reaching the hooked router
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*vision_experts"):
+        warm_up(text, vision)
+    with pytest.raises(LynxHookError, match=r"1 of 2 hooked MoE layers.*vision_experts"):
+        for _ in range(checks.LIVENESS_STEPS):
+            worker_step(text, vision)
+
+
 # ------------------------------------------------------------------ issue 44: the paths a GPU takes by default
 
 
