@@ -241,7 +241,8 @@ def check_captured(cfg) -> None:
 def start_forward(model_runner) -> None:
     """Before this worker's first forward (hooked on the model runners' ``_dummy_run`` and ``execute_model``; once):
     :func:`mark_drafters`, :func:`check_layers`, the plans (:func:`lynx_hf.vllm.plans.before_forward`), then
-    :func:`check_captured`. Raises what those raise."""
+    :func:`check_captured`; on an engine captured in device graphs, then each layer's step run once at every captured
+    size before any capture (:func:`lynx_hf.vllm.plans.warm_up`). Raises what those raise."""
     if STATE.start.started:
         return
     cfg = STATE.config
@@ -250,6 +251,8 @@ def start_forward(model_runner) -> None:
         check_layers(cfg)
     plans.before_forward(model_runner)
     check_captured(cfg)
+    if cfg is not None and STATE.start.captured:
+        plans.warm_up(plans.capture_sizes(model_runner))  # kernels and buffers before the first capture
 
 
 def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:

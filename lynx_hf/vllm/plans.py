@@ -30,6 +30,7 @@ tensors in eager mode (``host``: ``lynx_hf.core.host_reads_allowed``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -57,7 +58,7 @@ __all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "p
            "route", "step_inputs", "skip_bypassed", "PENDING_MAX", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
            "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
-           "ROW_ATTRIBUTES", "torch_backend_layers"]
+           "ROW_ATTRIBUTES", "torch_backend_layers", "capture_sizes", "warm_up"]
 
 
 def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
@@ -522,3 +523,63 @@ def before_forward(model_runner) -> None:
                        "layers run vLLM's own routing path without the plugin's op (stats: layers[i]['gate']). "
                        "gate='always' or LYNX_HF_GATE=always runs the policy on every decode step",
                        len(STATE.bypassed), len(target_layers()), step_buckets()[-1])
+
+
+# --------------------------------------------------------------------------- before the first capture
+
+
+def capture_sizes(model_runner) -> tuple:
+    """The step sizes ``model_runner``'s forward is captured at (``compilation_config.cudagraph_capture_sizes``, up to
+    the engine's tokens per step), largest first; the engine's tokens per step alone where the runner does not say."""
+    sizes = getattr(getattr(model_runner, "compilation_config", None), "cudagraph_capture_sizes", None) or ()
+    cap = STATE.capacity if STATE.capacity > 0 else None
+    out = sorted({int(t) for t in sizes if int(t) > 0 and (cap is None or int(t) <= cap)}, reverse=True)
+    return tuple(out) if out else ((cap,) if cap else ())
+
+
+def warm_up(sizes, seed: int = 0) -> int:
+    """Before the first CUDA-graph capture (``lynx_hf.vllm.checks.start_forward`` after the plans are made and the
+    captured forward's refusals passed, every rank; issue 54 N8, ``docs/cases.md`` C62):
+    the step buffer made at the largest size, and each layer's step *below its cost gate* (the padding rows and the
+    decode-step function: the fused device step's one launch and its buffers per size, or the routing kernels, and
+    the telemetry accumulators; the fused step's launches kept for good, ``kernels.fused_step.pinning``) run once at
+    each of ``sizes`` on synthetic masked inputs, as a capture describes its
+    rows (the step buffer's masks, no decode-row count), whatever the gate decides there. So no capture launches a
+    kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)
+    and layers whose rows the mask does not describe are left out. The layers' telemetry and counters are zeroed
+    afterwards (in place). Returns the layer-steps run."""
+    from .steps import buffer
+
+    cfg = STATE.config
+    if cfg is None or not sizes:
+        return 0
+    device, dtype = STATE.start.device, STATE.start.dtype
+    buffer(device, max(sizes))
+    generator = torch.Generator().manual_seed(seed)
+    ran = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if any(layer.plan is not None and layer.plan.fused_device is not None for layer in target_layers()):
+            from ..kernels.fused_step import pinning  # Triton: only where a plan runs the fused device step
+
+            stack.enter_context(pinning())  # every captured size's launch kept for good (more than MAX_SIZES)
+        for layer in target_layers():
+            plan = layer.plan
+            if plan is None or layer.bypass or unmasked(layer):
+                continue
+            if cfg.lynx.telemetry:
+                layer.telemetry.ensure(device)
+            gate = gate_of(plan)
+            for t in sizes:
+                logits = torch.randn(t, layer.num_experts, generator=generator).to(device=device, dtype=dtype)
+                values, ids = torch.topk(logits.float(), layer.top_k, dim=-1)
+                weights = torch.softmax(values, dim=-1)
+                kinds = torch.full((t,), DECODE, dtype=torch.int8, device=device)
+                inputs = step_inputs(layer, masked_step(kinds), logits, weights, ids.to(torch.int32), False)
+                if gate is not None and gate.inner is not None:
+                    gate.inner(gate.plan, inputs)
+                else:
+                    plan.run(inputs)
+                ran += 1
+            reset_layer(layer)
+    return ran

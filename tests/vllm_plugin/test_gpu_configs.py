@@ -624,7 +624,7 @@ def test_xpu_graphs_count_as_captured():
 
 @pytest.mark.vllm_code
 @pytest.mark.parametrize("device", ["cuda", "xpu"])
-def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device):
+def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device, monkeypatch):
     """Issue 44 item 5: ``routing_backend="torch"`` on an engine captured in device graphs is refused before the first
     forward (``LynxConfigError`` naming ``routing_backend`` and the fixes): its decode step used to copy Python scalars
     host-to-device, which a CUDA-graph capture fails on; that copy is gone (lab.gpu_check torch_capture on an H200), but
@@ -639,7 +639,10 @@ def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_s
     checks.start_forward(_graph_runner(device, eager=True))
     plugin_state({"policy": "none", "routing_backend": "torch"})
     layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
+    warmed = []
+    monkeypatch.setattr(plans, "warm_up", warmed.append)  # the device is a stand-in: nothing can run on it here
     checks.start_forward(_graph_runner(device))
+    assert warmed  # a started captured engine warms its steps up before the first capture (issue 54 N8)
 
 
 class _ModuleRunner(torch.nn.Module):
@@ -769,3 +772,78 @@ def test_stats_every_writes_without_a_host_read_in_the_step(one_layer, tmp_path,
 
     written = json.loads(path.read_text())
     assert written["layers"][0]["decode_steps"] == 2 and written["summary"]["decode_tokens"] == 8
+
+
+# ------------------------------------------------------------------ issue 54: before the first capture
+
+
+@pytest.mark.vllm_code
+def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fixed_gate, monkeypatch):
+    """Issue 54 N8 (cases C62): vLLM's own warm-up / capture sequence (``GPUModelRunner._warmup_and_capture`` per
+    capture size, largest first, after the profiling run), driven on CPU through the hooked ``_dummy_run`` with
+    ``torch.cuda.is_current_stream_capturing`` True from the first capture on and the op taking its device path. The
+    cost gate is off at the captured sizes 1, 2 and 4 and on at 8. Before the first capture, on this rank: the step
+    below the gate ran at every captured size (its kernels launched and buffers made there, not inside a capture), and
+    the step buffer and the telemetry accumulators exist; no capture makes either anew; the warm-up left no counts."""
+    from vllm.forward_context import BatchDescriptor
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from lynx_hf import gate
+
+    fixed_gate({8})
+    plugin_state({"policy": "lynx", "gate": "auto", "phase": "auto", "telemetry": True}, capacity=8)
+    first = _Runner(CPURouter(2, 8, renormalize=True))
+    layers.attach(first)
+    STATE.layers[0].gate_shape = gate.LayerShape(8, 2, 32, 16)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    # the device path on CPU tensors: captured engine, no host shortcut, the host's counts only outside a capture
+    monkeypatch.setattr(plans, "captured", lambda runner, device: True)
+    monkeypatch.setattr(plans, "torch_backend_layers", lambda: [])
+    monkeypatch.setattr(plans, "host_reads_allowed", lambda tensor: False)
+    monkeypatch.setattr(op, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
+    below = []  # (T, capturing) of each call of the step below the gate
+    make = plans.make_layer_plan
+
+    def recorded(*args, **kwargs):
+        plan = make(*args, **kwargs)
+        planned = gate.of(plan)
+        inner = planned.inner
+
+        def record(view, inputs):
+            below.append((int(inputs.idx.shape[0]), capturing["now"]))
+            return inner(view, inputs)
+
+        planned.inner = record
+        return plan
+
+    monkeypatch.setattr(plans, "make_layer_plan", recorded)
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(6))
+    sizes = [8, 4, 2, 1]
+    model_runner = types.SimpleNamespace(
+        device=torch.device("cpu"), model_config=types.SimpleNamespace(dtype=torch.float32, enforce_eager=False),
+        compilation_config=types.SimpleNamespace(mode=3, cudagraph_mode=CUDAGraphMode.FULL,
+                                                 cudagraph_capture_sizes=sizes, cudagraph_num_of_warmups=1))
+    seen = {}
+
+    def original(self, num_tokens, *args, is_graph_capturing=False, **kwargs):
+        if is_graph_capturing and not capturing["now"]:
+            capturing["now"] = True  # from the first capture on
+            seen["kind"], seen["acc"] = STATE.step.kind, STATE.layers[0].telemetry.acc
+            seen["below"] = list(below)
+        first.router._compute_routing(None, logits[:num_tokens], None)
+
+    model_runner._dummy_run = lambda *args, **kwargs: install._dummy_run(original, model_runner, *args, **kwargs)
+    model_runner._dummy_run(8)  # the profiling run: the plans are made (and the warm-up run) before it
+    assert telemetry.snapshot()["layers"][0]["decode_steps"] == 0  # the warm-up left no counts
+    for t in sizes:
+        GPUModelRunner._warmup_and_capture(model_runner, BatchDescriptor(num_tokens=t, uniform=True),
+                                           CUDAGraphMode.FULL)
+    assert capturing["now"] and STATE.start.captured
+    assert {t for t, cap in seen["below"] if not cap} == set(sizes), seen["below"]
+    assert seen["kind"] is not None and seen["kind"] is STATE.step.kind
+    assert seen["acc"] is not None and seen["acc"] is STATE.layers[0].telemetry.acc
+    # under capture the step below the gate runs where the gate is on (8) and for a lone token (its own routing kept,
+    # its telemetry recorded); never at 2 or 4 (the gate's branch on the static T)
+    assert {t for t, cap in below if cap} == {8, 1}
