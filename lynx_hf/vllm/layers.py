@@ -107,6 +107,8 @@ def attach(runner) -> None:
         if layer.drafter:  # the drafter's forward (after the step, rows of its own): vLLM's routing, its calls counted
             layer.calls += 1
             return topk_weights, topk_ids
+        if not torch.compiler.is_compiling() and plans.gated_off_call(layer, router_logits):
+            return topk_weights, topk_ids  # the gate keeps vLLM's routing here: no op, no kernel (issue 54 N10)
         return remap_routing(router_logits, topk_weights, topk_ids, index)
 
     _compute_routing.__wrapped__ = original

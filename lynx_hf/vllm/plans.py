@@ -58,7 +58,7 @@ __all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "p
            "route", "step_inputs", "skip_bypassed", "PENDING_MAX", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
            "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
-           "ROW_ATTRIBUTES", "torch_backend_layers", "capture_sizes", "warm_up"]
+           "ROW_ATTRIBUTES", "torch_backend_layers", "capture_sizes", "warm_up", "capturing", "gated_off_call"]
 
 
 def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
@@ -583,3 +583,43 @@ def warm_up(sizes, seed: int = 0) -> int:
                 ran += 1
             reset_layer(layer)
     return ran
+
+
+# --------------------------------------------------------------------------- gated off before the op
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def gated_off_call(layer: Layer, router_logits) -> bool:
+    """Whether this router call of ``layer`` keeps vLLM's routing by its cost gate, known on the host before the op
+    (issue 54 N10): the router wrapper then returns vLLM's routing without calling the op, so a step the gate keeps
+    off runs no kernel of the plugin (no masks, no copies of vLLM's tensors). Asked outside ``torch.compile`` tracing
+    only (a traced branch on T would be frozen for every size; on CPU vLLM traces the MoE layer, on a GPU its
+    ``moe_forward`` op is opaque and runs the router in Python). Under a CUDA-graph capture: the gate's decision at the
+    static T (no decode-row count), frozen into that graph as the op's own branch would be, and counted per replay by
+    :func:`count_replays`; in an eager step the host describes (every row the step's, >= 1 decode row): the decision
+    on its decode rows, counted as the op's gate counts it. Else (no plan yet, no gate, a step the host does not
+    describe) the op decides. The layer's op call is counted all the same (``Layer.calls``: it was routed through the
+    plugin)."""
+    plan = layer.plan
+    gate = gate_of(plan)
+    if gate is None or STATE.config is None or STATE.config.lynx.phase == "decode" or unmasked(layer):
+        return False
+    num_tokens = int(router_logits.shape[0])
+    if plan.keeps(num_tokens):  # a lone token: the step below the gate runs (its telemetry) whatever it decides
+        return False
+    if capturing(router_logits.device):
+        if gate.decision(num_tokens).on:
+            return False
+    else:
+        step = STATE.step
+        if not step.active or step.num_decode == 0 or num_tokens != step.num_tokens:
+            return False
+        if gate.on(num_tokens, step.num_decode):
+            return False
+        gate.skip(num_tokens)
+    layer.calls += 1
+    return True

@@ -374,3 +374,36 @@ def test_n12_under_expert_parallelism_the_gate_weighs_this_ranks_experts(plugin_
         assert ruled.experts_saved == pytest.approx(plain.experts_saved / ep)
     assert got[1].decision(8).on and not got[4].decision(8).on
     assert got[1].key != got[4].key  # a rank under EP never reads a decision measured without it
+
+
+@pytest.mark.vllm_code
+def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached, monkeypatch):
+    """Issue 54 N10: a layer on at some sizes (8) and off at others (4) is not bypassed, but where its gate is off the
+    hooked vLLM ``CPURouter`` returns vLLM's routing without calling the op: under a CUDA-graph capture at 4 (the
+    capture stood in by ``plans.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
+    frozen per graph size), and an eager decode step of 4 tokens runs none either; the gate counts that step as
+    skipped, and the layer still counts as routed through the plugin (liveness). At 8 the op runs in both."""
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    plans.before_forward(_ModelRunner(mode=3))
+    assert not one.bypass
+    called = []
+    real = op.remap_layer
+    monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    for t in (8, 4):  # the captures, largest first
+        got = router._compute_routing(None, logits[:t], None)
+    want = layers.original_routing(router)(None, logits[:4], None)
+    assert called == [8] and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    calls = one.calls
+    _decode_step(4)
+    got = router._compute_routing(None, logits[:4], None)
+    steps.end_step()
+    assert called == [8] and torch.equal(got[1], want[1]) and one.calls == calls + 1
+    planned = gate.of(one.plan)
+    assert planned.skipped[4] == 1 and planned.seen[4] == 1
+    _decode_step(8)
+    router._compute_routing(None, logits, None)
+    steps.end_step()
+    assert called == [8, 8]
