@@ -529,9 +529,13 @@ def before_forward(model_runner) -> None:
 
 
 def capture_sizes(model_runner) -> tuple:
-    """The step sizes ``model_runner``'s forward is captured at (``compilation_config.cudagraph_capture_sizes``, up to
-    the engine's tokens per step), largest first; the engine's tokens per step alone where the runner does not say."""
-    sizes = getattr(getattr(model_runner, "compilation_config", None), "cudagraph_capture_sizes", None) or ()
+    """The step sizes ``model_runner``'s forward is captured at (``compilation_config.cudagraph_capture_sizes``, and
+    vLLM 0.34's ``decoder_replay_cudagraph_capture_sizes`` where given: YOCO models' replay graphs; when left empty
+    vLLM derives them from the sliding window, which this does not), up to the engine's tokens per step, largest first;
+    the engine's tokens per step alone where the runner does not say."""
+    compilation = getattr(model_runner, "compilation_config", None)
+    sizes = [*(getattr(compilation, "cudagraph_capture_sizes", None) or ()),
+             *(getattr(compilation, "decoder_replay_cudagraph_capture_sizes", None) or ())]
     cap = STATE.capacity if STATE.capacity > 0 else None
     out = sorted({int(t) for t in sizes if int(t) > 0 and (cap is None or int(t) <= cap)}, reverse=True)
     return tuple(out) if out else ((cap,) if cap else ())

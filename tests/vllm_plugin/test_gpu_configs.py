@@ -785,9 +785,6 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     cost gate is off at the captured sizes 1, 2 and 4 and on at 8. Before the first capture, on this rank: the step
     below the gate ran at every captured size (its kernels launched and buffers made there, not inside a capture), and
     the step buffer and the telemetry accumulators exist; no capture makes either anew; the warm-up left no counts."""
-    from vllm.forward_context import BatchDescriptor
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
     from lynx_hf import gate
 
     fixed_gate({8})
@@ -837,9 +834,20 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     model_runner._dummy_run = lambda *args, **kwargs: install._dummy_run(original, model_runner, *args, **kwargs)
     model_runner._dummy_run(8)  # the profiling run: the plans are made (and the warm-up run) before it
     assert telemetry.snapshot()["layers"][0]["decode_steps"] == 0  # the warm-up left no counts
+    try:  # vLLM 0.32 / 0.33: Model Runner V1's own warm-up and capture per size (eager dummy runs, then the capture)
+        from vllm.forward_context import BatchDescriptor
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        def capture(t):
+            GPUModelRunner._warmup_and_capture(model_runner, BatchDescriptor(num_tokens=t, uniform=True),
+                                               CUDAGraphMode.FULL)
+    except ImportError:  # vLLM 0.34: Model Runner V2 only, whose CudaGraphManager.capture runs the forward itself (no
+        # _dummy_run): per size a warm-up forward, then the captured one (its sequence, stood in here)
+        def capture(t):
+            original(model_runner, t)
+            original(model_runner, t, is_graph_capturing=True)
     for t in sizes:
-        GPUModelRunner._warmup_and_capture(model_runner, BatchDescriptor(num_tokens=t, uniform=True),
-                                           CUDAGraphMode.FULL)
+        capture(t)
     assert capturing["now"] and STATE.start.captured
     assert {t for t, cap in seen["below"] if not cap} == set(sizes), seen["below"]
     assert seen["kind"] is not None and seen["kind"] is STATE.step.kind
