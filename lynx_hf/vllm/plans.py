@@ -547,8 +547,9 @@ def warm_up(sizes, seed: int = 0) -> int:
     the step buffer made at the largest size, and each layer's step *below its cost gate* (the padding rows and the
     decode-step function: the fused device step's one launch and its buffers per size, or the routing kernels, and
     the telemetry accumulators; the fused step's launches kept for good, ``kernels.fused_step.pinning``) run once at
-    each of ``sizes`` on synthetic masked inputs, as a capture describes its
-    rows (the step buffer's masks, no decode-row count), whatever the gate decides there. So no capture launches a
+    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token: :func:`gated_off_call` keeps
+    the others free of the op) on synthetic masked inputs, as a capture describes its rows (the step buffer's masks,
+    no decode-row count). So no capture launches a
     kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)
     and layers whose rows the mask does not describe are left out. The layers' telemetry and counters are zeroed
     afterwards (in place). Returns the layer-steps run."""
@@ -575,6 +576,8 @@ def warm_up(sizes, seed: int = 0) -> int:
                 layer.telemetry.ensure(device)
             gate = gate_of(plan)
             for t in sizes:
+                if gate is not None and not plan.keeps(t) and not gate.decision(t).on:
+                    continue  # no graph of this size holds the step (gated_off_call: vLLM's routing, no op)
                 logits = torch.randn(t, layer.num_experts, generator=generator).to(device=device, dtype=dtype)
                 values, ids = torch.topk(logits.float(), layer.top_k, dim=-1)
                 weights = torch.softmax(values, dim=-1)
