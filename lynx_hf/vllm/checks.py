@@ -35,7 +35,7 @@ logger = logging.getLogger("lynx_hf.vllm")
 __all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "DECODE_PATH_OPTIONS", "decode_scheduled", "after_worker_step",
            "check_start", "refused_parallelism", "refused_decode_paths", "check_parallelism", "unhooked_moe",
            "check_gathered", "check_sequence_parallel", "check_layers", "check_captured", "check_layer_calls",
-           "check_warmup", "op_calls", "mark_drafters", "drafter_modules", "start_forward"]
+           "check_warmup", "check_profile_run", "op_calls", "mark_drafters", "drafter_modules", "start_forward"]
 
 #: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
 LIVENESS_STEPS = 4
@@ -373,6 +373,23 @@ def check_warmup(before: dict) -> None:
             "without being routed through the plugin "
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
             "not call the router the plugin hooked, so they would run without the policy; stopping at engine start.")
+
+
+def check_profile_run(before: dict) -> None:
+    """After the model runner's first ``_dummy_run`` (the profiling run, which runs the whole model before any
+    capture; ``before``: the :func:`op_calls` before it): where the plugin is configured and some target layer is not
+    bypassed, at least one layer's op must have been called in it, else :class:`~lynx_hf.LynxHookError` at once (the
+    model's MoE forward reaches none of the hooked routers, so the plugin would serve without acting; issue 54 N9).
+    ``phase="decode"`` is exempt, as in :func:`check_warmup`."""
+    if STATE.config is None or STATE.config.lynx.phase == "decode":
+        return
+    layers = [layer for layer in target_layers() if not layer.bypass and layer.index in before]
+    if layers and all(layer.calls == before[layer.index][0] for layer in layers):
+        raise LynxHookError(
+            f"lynx_hf.vllm: the model's profiling run called the plugin's op in none of its {len(layers)} hooked MoE "
+            f"layers ({', '.join(layer.name for layer in layers[:3])}{', ...' if len(layers) > 3 else ''}): its MoE "
+            "forward does not reach the routers the plugin hooked, so the plugin would serve without acting; stopping "
+            "at engine start.")
 
 
 def check_start(worker) -> None:

@@ -774,6 +774,35 @@ def test_stats_every_writes_without_a_host_read_in_the_step(one_layer, tmp_path,
     assert written["layers"][0]["decode_steps"] == 2 and written["summary"]["decode_tokens"] == 8
 
 
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("policy", ["none", "lynx"])
+def test_n9_an_engine_whose_profiling_run_calls_no_op_is_refused(plugin_state, policy):
+    """Issue 54 N9: an engine in which the profiling run (the model runner's first ``_dummy_run``, before any capture)
+    called the plugin's op in no layer (its MoE forward reaches none of the hooked routers; runners whose own runs are
+    not counted, so no layer is flagged by them) stops at once, naming the layers, under any policy. One in which the
+    op ran starts."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def start(route):
+        plugin_state({"policy": policy, "gate": "always"})
+        held = [_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1)]
+        for one in held:
+            layers.attach(one)
+
+        def original(self, *args, **kwargs):
+            if route:
+                for one in held:
+                    one.router._compute_routing(None, logits, None)
+
+        install._dummy_run(original, runner, 4)
+        return held
+
+    start(route=True)
+    with pytest.raises(LynxHookError, match=r"profiling run called the plugin's op in none of its 2 hooked MoE"):
+        start(route=False)
+
+
 # ------------------------------------------------------------------ issue 54: before the first capture
 
 
