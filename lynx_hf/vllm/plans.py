@@ -625,8 +625,8 @@ def gated_off_call(layer: Layer, router_logits) -> bool:
         step = STATE.step
         if not step.active or step.num_decode == 0 or num_tokens != step.num_tokens:
             return False
-        if gate.on(num_tokens, step.num_decode):
-            return False
-        gate.skip(num_tokens)
+        if gate.decision(num_tokens, step.num_decode).on:
+            return False  # the op's gate decides and counts the step
+        gate.count(num_tokens, step.num_decode)  # seen, and skipped: as the op's gate counts a step it keeps off
     layer.calls += 1
     return True

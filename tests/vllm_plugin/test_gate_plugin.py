@@ -406,4 +406,4 @@ def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached,
     _decode_step(8)
     router._compute_routing(None, logits, None)
     steps.end_step()
-    assert called == [8, 8]
+    assert called == [8, 8] and planned.seen[8] == 1 and planned.skipped[8] == 0  # counted once, by the op's gate
