@@ -155,7 +155,8 @@ def expected_unique(num_experts: int, picks_per_token: int, num_tokens: int) -> 
 
 
 def by_rule(num_experts: int, top_k: int, hidden: int, intermediate: int, expert_bytes: int, num_tokens: int,
-            device_type: str, extra_expert_ms: float = 0.0, why: str = "", tuning: Tuning = TUNING) -> GateDecision:
+            device_type: str, extra_expert_ms: float = 0.0, why: str = "", tuning: Tuning = TUNING,
+            ep_size: int = 1) -> GateDecision:
     """The closed-form decision, where measuring is impossible (``torch.compile`` tracing, CUDA-graph capture, a
     ``meta`` device) and for steps above the largest bucket. A model, documented in ``docs/policies.md``:
 
@@ -164,7 +165,8 @@ def by_rule(num_experts: int, top_k: int, hidden: int, intermediate: int, expert
       most the distinct top-1 experts plus growth to k;
     - one expert = ``3 H I`` weights of ``expert_bytes`` bytes read at ``tuning.rule_gb_per_s`` of the device type,
       plus ``extra_expert_ms``;
-    - cost = ``tuning.rule_step_ms`` + ``T N x tuning.rule_ns_per_score``.
+    - cost = ``tuning.rule_step_ms`` + ``T N x tuning.rule_ns_per_score``;
+    - under expert parallelism over ``ep_size`` ranks a rank saves its own experts only: ``1 / ep_size`` of them.
 
     On iff saving > ``tuning.margin`` x cost (:func:`decide`). ``device_type``: ``"cpu"``, ``"cuda"``, ...;
     ``why`` is prepended to the reason."""
@@ -174,7 +176,7 @@ def by_rule(num_experts: int, top_k: int, hidden: int, intermediate: int, expert
     expert_ms = 3.0 * hidden * intermediate * expert_bytes / (gb_per_s * 1e6)
     cost = tuning.per_device(tuning.rule_step_ms, device_type) + num_tokens * num_experts * \
         tuning.rule_ns_per_score * 1e-6
-    d = decide(cost, before - after, expert_ms, extra_expert_ms, margin=tuning.margin)
+    d = decide(cost, (before - after) / max(1, int(ep_size)), expert_ms, extra_expert_ms, margin=tuning.margin)
     reason = f"rule ({why}): {d.reason}" if why else f"rule: {d.reason}"
     return GateDecision(d.on, d.cost_ms, d.saving_ms, d.experts_saved, d.expert_ms, d.extra_expert_ms, before, after,
                         reason)

@@ -306,7 +306,8 @@ def measure_bucket(gate, bucket: int, expert_times: dict, tuning: Tuning = TUNIN
         expert_times[ekey] = min(slope, expert_times.get(ekey, slope))
         return expert_times[ekey]
 
-    saved = before - after
+    # under expert parallelism each rank runs N / ep_size experts: it saves its own share of the avoided ones
+    saved = (before - after) / max(1, int(shape.ep_size))
     expert = 0.0 if saved <= 0 else (expert_times.get(ekey) if path_fn is None else None)
     expert_s = 0.0
     if expert is None:
@@ -347,4 +348,4 @@ def rule_at(gate, num_tokens: int, why: str, tuning: Tuning = TUNING) -> GateDec
     edtype = shape.expert_dtype or shape.dtype
     return by_rule(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate,
                    torch.empty((), dtype=edtype).element_size(), num_tokens, torch.device(gate.plan.device).type,
-                   gate.extra_ms(), why, tuning)
+                   gate.extra_ms(), why, tuning, ep_size=shape.ep_size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -28,13 +28,18 @@ from .table import STORE, DecisionStore
 #: :attr:`PlanGate.name`: how ``RoutePlan.stage`` finds the gate (:func:`of`)
 NAME = "gate"
 
+#: most decisions a gate keeps derived at once (:meth:`PlanGate.decision`): the ones above the largest bucket (one per
+#: step size) and mixed steps with a side above it; least recently used first out (a long-running server's steps take
+#: many distinct sizes: ``docs/cases.md`` C64). Mixed steps within the buckets are keyed by their two buckets.
+DERIVED_MAX = 256
+
 
 @dataclass(frozen=True)
 class LayerShape:
     """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
     (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
     weights' ``expert_dtype``, ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
-    measured on that path) and ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the
+    measured on that path), ``ep_size`` (expert-parallel ranks: the saving counts this rank's experts) and ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the
     routing cost is timed as a graph replay: no per-kernel launch on the host; left out of the key while False)."""
 
     num_experts: int
@@ -45,6 +50,9 @@ class LayerShape:
     expert_dtype: torch.dtype | None = None
     mixed_steps: bool = False
     captured: bool = field(default=False, metadata={"key": "omit_default"})
+    #: expert-parallel ranks the layer's experts are split over (vLLM under EP: each rank runs N / ``ep_size`` of
+    #: them), so a rank saves the avoided experts that are its own: ``1 / ep_size`` of them in expectation
+    ep_size: int = field(default=1, metadata={"key": "omit_default"})
 
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
@@ -100,8 +108,9 @@ class PlanGate:
     #: ``torch.compile`` takes (transformers' compiled static-cache ``generate`` replays its decode step from CUDA
     #: graphs, where the routing step costs no per-launch host time); ``None`` elsewhere
     replayed: "PlanGate | None" = field(default=None, repr=False)
-    #: decisions derived on first use: above the largest bucket (by rule), mixed steps (T, decode rows)
-    _derived: dict = field(default_factory=dict, repr=False)
+    #: decisions derived on first use: above the largest bucket (by rule), mixed steps (by their buckets within the
+    #: largest; by (T, decode rows) above it); at most :data:`DERIVED_MAX`, least recently used dropped first
+    _derived: OrderedDict = field(default_factory=OrderedDict, repr=False)
     _lock: object = field(default_factory=threading.Lock, repr=False)
 
     def extra_ms(self) -> float:
@@ -192,19 +201,40 @@ class PlanGate:
         if num_tokens <= top:
             d = self.decisions.get(bucket_of(num_tokens, self.tuning.buckets))
             return d if d is not None else always_on("not decided yet")
-        with self._lock:
-            d = self._derived.get(num_tokens)
-            if d is None:
-                d = always_on("not measured: the layer's hidden / intermediate size is unknown") \
-                    if self.shape.hidden is None or self.shape.intermediate is None or self.plan is None else \
-                    rule_at(self, num_tokens, f"above the largest measured step, {top} tokens", self.tuning)
-                self._derived[num_tokens] = d
+        d = self._cached(num_tokens)
+        if d is None:
+            d = always_on("not measured: the layer's hidden / intermediate size is unknown") \
+                if self.shape.hidden is None or self.shape.intermediate is None or self.plan is None else \
+                rule_at(self, num_tokens, f"above the largest measured step, {top} tokens", self.tuning)
+            self._store(num_tokens, d)
         return d
 
-    def _mixed(self, num_tokens: int, decode_rows: int) -> GateDecision:
-        key = (num_tokens, decode_rows)
+    def _cached(self, key) -> GateDecision | None:
         with self._lock:
             d = self._derived.get(key)
+            if d is not None:
+                self._derived.move_to_end(key)
+            return d
+
+    def _store(self, key, d: GateDecision) -> None:
+        with self._lock:
+            self._derived[key] = d
+            self._derived.move_to_end(key)
+            while len(self._derived) > DERIVED_MAX:
+                self._derived.popitem(last=False)
+
+    def _mixed(self, num_tokens: int, decode_rows: int) -> GateDecision:
+        """A mixed step's decision: the routing cost of its ``num_tokens`` against the saving of its ``decode_rows``.
+        Within the largest bucket both sides are their buckets' figures, so the decision is the buckets' (keyed by
+        them: at most one per pair of buckets); above it, by (T, decode rows), among the :data:`DERIVED_MAX`
+        derived decisions kept."""
+        buckets = self.tuning.buckets
+        top = buckets[-1]
+        within = num_tokens <= top and decode_rows <= top
+        tokens = bucket_of(num_tokens, buckets) if within else num_tokens
+        rows_key = (bucket_of(decode_rows, buckets) if decode_rows else 0) if within else decode_rows
+        key = ("mixed", tokens, rows_key)
+        d = self._cached(key)
         if d is not None:
             return d
         whole, rows = self.decision(num_tokens), self.decision(decode_rows) if decode_rows else None
@@ -215,11 +245,11 @@ class PlanGate:
         else:
             new = decide(whole.cost_ms, rows.experts_saved, rows.expert_ms, rows.extra_expert_ms,
                          margin=self.tuning.margin)
+            where = (f"cost at the {tokens}-token bucket, saving at the {rows_key}-row bucket" if within else
+                     f"cost at {num_tokens} tokens, saving at {decode_rows} decode rows")
             d = replace(new, experts_before=rows.experts_before, experts_after=rows.experts_after,
-                        reason=f"{new.reason} (mixed step: cost at {num_tokens} tokens, saving at {decode_rows} "
-                               f"decode rows)")
-        with self._lock:
-            self._derived[key] = d
+                        reason=f"{new.reason} (mixed step: {where})")
+        self._store(key, d)
         return d
 
     def on(self, num_tokens: int, decode_rows: int | None = None) -> bool:

@@ -568,7 +568,7 @@ class FusedStep:
         if launch is not None:
             if key in cache and len(cache) > 1:
                 cache.move_to_end(key)
-            if key not in self.pinned and _capturing(idx):
+            if key not in self.pinned and _pins(idx):
                 self.pinned[key] = launch
             return launch
         policy, n, k = self.policy, self.num_experts, self.top_k
@@ -590,7 +590,7 @@ class FusedStep:
                    policy.budget, float(scale), float(eps))
         buf = _Buffers(num_tokens, n, k, policy, idx.dtype, weights.dtype, idx.device)
         launch = _Launch(buf, scalars, consts)
-        if cache is not None and _capturing(idx):
+        if cache is not None and _pins(idx):
             self.pinned[key] = launch
         elif cache is not None:
             cache[key] = launch
@@ -651,6 +651,28 @@ _GRID = (1,)
 def _capturing(t: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on ``t``'s (CUDA) stream now."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_PINNING = threading.local()
+
+
+@contextlib.contextmanager
+def pinning():
+    """Within the block (this thread), every launch a :class:`FusedStep` makes or finds is kept for good
+    (:attr:`FusedStep.pinned`), as a captured one is: the vLLM plugin's warm-up before the first CUDA-graph capture
+    (``lynx_hf.vllm.plans.warm_up``) launches each captured size once inside it, so the captures find their launches'
+    buffers made, whatever the number of captured sizes (more than :data:`MAX_SIZES`)."""
+    before = getattr(_PINNING, "on", False)
+    _PINNING.on = True
+    try:
+        yield
+    finally:
+        _PINNING.on = before
+
+
+def _pins(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t`` now is kept for good: a CUDA-graph capture (:func:`_capturing`) or :func:`pinning`."""
+    return getattr(_PINNING, "on", False) or _capturing(t)
 
 
 class _Launch:

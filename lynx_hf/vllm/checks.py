@@ -35,7 +35,7 @@ logger = logging.getLogger("lynx_hf.vllm")
 __all__ = ["LIVENESS_STEPS", "OUTSIDE_RUNNER", "DECODE_PATH_OPTIONS", "decode_scheduled", "after_worker_step",
            "check_start", "refused_parallelism", "refused_decode_paths", "check_parallelism", "unhooked_moe",
            "check_gathered", "check_sequence_parallel", "check_layers", "check_captured", "check_layer_calls",
-           "check_warmup", "op_calls", "mark_drafters", "drafter_modules", "start_forward"]
+           "check_warmup", "check_profile_run", "op_calls", "mark_drafters", "drafter_modules", "start_forward"]
 
 #: consecutive steps with decode queries but no decode token from the hooked input preparation -> LynxHookError
 LIVENESS_STEPS = 4
@@ -241,7 +241,8 @@ def check_captured(cfg) -> None:
 def start_forward(model_runner) -> None:
     """Before this worker's first forward (hooked on the model runners' ``_dummy_run`` and ``execute_model``; once):
     :func:`mark_drafters`, :func:`check_layers`, the plans (:func:`lynx_hf.vllm.plans.before_forward`), then
-    :func:`check_captured`. Raises what those raise."""
+    :func:`check_captured`; on an engine captured in device graphs, then each layer's step run once at every captured
+    size before any capture (:func:`lynx_hf.vllm.plans.warm_up`). Raises what those raise."""
     if STATE.start.started:
         return
     cfg = STATE.config
@@ -250,6 +251,8 @@ def start_forward(model_runner) -> None:
         check_layers(cfg)
     plans.before_forward(model_runner)
     check_captured(cfg)
+    if cfg is not None and STATE.start.captured:
+        plans.warm_up(plans.capture_sizes(model_runner))  # kernels and buffers before the first capture
 
 
 def decode_scheduled(scheduler_output, q_max: int, verify: bool) -> bool:
@@ -301,42 +304,48 @@ def after_worker_step(worker, scheduler_output, seen_before: int) -> None:
 
 
 def op_calls() -> dict:
-    """Each target layer's op call count now (``Layer.calls``), by index: :func:`check_warmup` compares it."""
-    return {layer.index: layer.calls for layer in target_layers()}
+    """Each target layer's op call count and runner run count now (``Layer.calls``, ``Layer.runs``), by index:
+    :func:`check_warmup` compares them."""
+    return {layer.index: (layer.calls, layer.runs) for layer in target_layers()}
 
 
-def _missing(layers: list, ran) -> list:
-    """The layers of ``layers`` (target, not bypassed) that did not run where ``ran`` (layer -> bool) says any did."""
-    if not any(ran(layer) for layer in layers):
-        return []
-    return [layer for layer in layers if not ran(layer)]
+def _missing(layers: list, called, ran) -> list:
+    """The layers of ``layers`` (target, not bypassed) whose op was not called (``called``: layer -> bool) where they
+    should have been: a layer whose runner's runs are counted (``Layer.runs``) where its runner ran (``ran``) and its
+    op did not (a layer whose MoE forward did not run this time, such as a VLM's vision experts in a text-only step,
+    is not); a layer whose runs are not counted where any layer's op was called."""
+    any_called = any(called(layer) for layer in layers)
+    return [layer for layer in layers if not called(layer) and
+            (ran(layer) if layer.runs is not None else any_called)]
 
 
 def check_layer_calls() -> None:
     """After a worker step with decode tokens: every hooked layer that is not bypassed (the cost gate keeps vLLM's
-    routing, no op) must have been called (its router reached the plugin). On an engine whose forward is captured
-    in device graphs (``STATE.start.captured``) a step in which no layer's op ran is a replay (no op body runs) and is
-    not counted; a step in which some ran (an eager step: a size above the largest graph, a mixed step, a capture) is,
-    so a layer routed around the hooked router stops a captured engine as it stops an eager one. The drafter's layers
-    run in another forward (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps
-    without a call of a layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes
-    through the hooked router)."""
+    routing, no op) must have been called (its router reached the plugin) where its ``MoERunner`` ran
+    (``Layer.runs``; a layer whose MoE forward did not run in the step, e.g. a VLM's vision experts on text-only steps,
+    is not counted: ``docs/cases.md`` C63). A layer whose runner's runs are not counted (``Layer.runs`` ``None``) is
+    judged by the others: on an engine whose forward is captured in device graphs (``STATE.start.captured``) a step in
+    which no layer's op ran is a replay (no op body runs) and is not counted; a step in which some ran (an eager step:
+    a size above the largest graph, a mixed step, a capture) is. The drafter's layers run in another forward
+    (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps without a call of a
+    layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes through the hooked
+    router)."""
     layers = [layer for layer in target_layers() if not layer.bypass]
-    replay = STATE.start.captured and not any(layer.calls != layer.seen_calls for layer in layers)
+    any_called = any(layer.calls != layer.seen_calls for layer in layers)
+    replay = STATE.start.captured and not any_called
     missed = []
     for layer in layers:
-        if replay:
-            pass  # a replayed step: nothing to learn
-        elif layer.calls != layer.seen_calls:
+        if layer.calls != layer.seen_calls:
             layer.misses = 0
-        else:
+        elif (layer.runs != layer.seen_runs) if layer.runs is not None else not replay:
             layer.misses += 1
             if layer.misses >= LIVENESS_STEPS:
                 missed.append(layer.name)
         layer.seen_calls = layer.calls
+        layer.seen_runs = layer.runs or 0
     for layer in target_layers():
         if layer.bypass:
-            layer.misses, layer.seen_calls = 0, layer.calls
+            layer.misses, layer.seen_calls, layer.seen_runs = 0, layer.calls, layer.runs or 0
     if missed:
         raise LynxHookError(
             f"lynx_hf.vllm: {len(missed)} of {len(target_layers())} hooked MoE layers were not routed through the "
@@ -347,20 +356,40 @@ def check_layer_calls() -> None:
 
 def check_warmup(before: dict) -> None:
     """After one of the model runner's ``_dummy_run`` s (profiling, a capture warm-up, a capture; ``before``: the
-    :func:`op_calls` before it): where any target layer's op ran in it, every one that is not bypassed must have run
-    too, else :class:`~lynx_hf.LynxHookError` at once, naming them (a layer routed outside the hooked router, found at
-    engine start; a dummy run with no op call at all, a replay, says nothing)."""
+    :func:`op_calls` before it): a target layer that is not bypassed whose runner ran in it while its op was not called
+    (:func:`_missing`; a layer whose runner's runs are not counted: where any other layer's op ran) ->
+    :class:`~lynx_hf.LynxHookError` at once, naming them (a layer routed outside the hooked router, found at engine
+    start). A layer whose MoE forward did not run in the warm-up (a VLM's vision experts on a text-only dummy batch)
+    is not flagged; a dummy run with no op call at all (a replay) says nothing of the uncounted ones."""
     if STATE.config is None or STATE.config.lynx.phase == "decode":
         return
     layers = [layer for layer in target_layers() if not layer.bypass and layer.index in before]
-    missed = _missing(layers, lambda layer: layer.calls != before[layer.index])
+    missed = _missing(layers, lambda layer: layer.calls != before[layer.index][0],
+                      lambda layer: layer.runs != before[layer.index][1])
     if missed:
         names = [layer.name for layer in missed]
         raise LynxHookError(
-            f"lynx_hf.vllm: in a warm-up run of the model {len(names)} of {len(layers)} hooked MoE layers were not "
-            "routed through the plugin "
-            f"while the others were ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
+            f"lynx_hf.vllm: in a warm-up run of the model {len(names)} of {len(layers)} hooked MoE layers ran "
+            "without being routed through the plugin "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}): their forward does "
             "not call the router the plugin hooked, so they would run without the policy; stopping at engine start.")
+
+
+def check_profile_run(before: dict) -> None:
+    """After the model runner's first ``_dummy_run`` (the profiling run, which runs the whole model before any
+    capture; ``before``: the :func:`op_calls` before it): where the plugin is configured and some target layer is not
+    bypassed, at least one layer's op must have been called in it, else :class:`~lynx_hf.LynxHookError` at once (the
+    model's MoE forward reaches none of the hooked routers, so the plugin would serve without acting; issue 54 N9).
+    ``phase="decode"`` is exempt, as in :func:`check_warmup`."""
+    if STATE.config is None or STATE.config.lynx.phase == "decode":
+        return
+    layers = [layer for layer in target_layers() if not layer.bypass and layer.index in before]
+    if layers and all(layer.calls == before[layer.index][0] for layer in layers):
+        raise LynxHookError(
+            f"lynx_hf.vllm: the model's profiling run called the plugin's op in none of its {len(layers)} hooked MoE "
+            f"layers ({', '.join(layer.name for layer in layers[:3])}{', ...' if len(layers) > 3 else ''}): its MoE "
+            "forward does not reach the routers the plugin hooked, so the plugin would serve without acting; stopping "
+            "at engine start.")
 
 
 def check_start(worker) -> None:

@@ -10,8 +10,10 @@ input preparation of each runner in ``RUNNER_HOOKS``    the step mask (:mod:`lyn
 that runner's ``_dummy_run``                            before the first forward: drafter layers, per-layer
                                                         refusals, plans and cost gate
                                                         (:func:`lynx_hf.vllm.checks.start_forward`); after each:
-                                                        every layer ran where any did
-                                                        (:func:`lynx_hf.vllm.checks.check_warmup`)
+                                                        no layer's runner ran without its op
+                                                        (:func:`lynx_hf.vllm.checks.check_warmup`); after the
+                                                        first (profiling): some op ran
+                                                        (:func:`lynx_hf.vllm.checks.check_profile_run`)
 that runner's ``execute_model``                         the same; after the forward the mask is cleared
 ``WorkerWrapperBase.init_worker``                       before: a new engine's state and configuration
                                                         (:func:`lynx_hf.vllm.state.new_engine`)
@@ -69,11 +71,14 @@ def _prepare_v2(original, self, *args, **kwargs):
 
 
 def _dummy_run(original, self, *args, **kwargs):
-    if not STATE.start.started:
+    first = not STATE.start.started  # the profiling run (it precedes any capture)
+    if first:
         checks.start_forward(self)
     before = checks.op_calls()
     out = original(self, *args, **kwargs)
-    checks.check_warmup(before)  # profiling, capture warm-ups, captures: every layer ran where any did
+    checks.check_warmup(before)  # profiling, capture warm-ups, captures: no layer's runner ran without its op
+    if first:
+        checks.check_profile_run(before)  # some layer's op ran in the profiling run
     return out
 
 

@@ -21,7 +21,7 @@ from . import config as plugin_config
 from .op import remap_routing
 from .state import STATE, Layer, resolve_config, target_layers
 
-__all__ = ["attach", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
+__all__ = ["attach", "expert_parallel_size", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
            "HOST_FIELDS"]
 
 
@@ -52,6 +52,18 @@ def logical_experts(runner) -> int:
     return int(logical) if isinstance(logical, int) and logical > 0 else int(runner.router.global_num_experts)
 
 
+def expert_parallel_size(moe_config) -> int:
+    """The expert-parallel ranks a layer's experts are split over (``FusedMoEConfig.ep_size`` where ``use_ep``; 1
+    without expert parallelism or where the config does not say): each rank runs N / that many of them, so the cost
+    gate weighs the experts this rank saves (``LayerShape.ep_size``)."""
+    parallel = getattr(moe_config, "moe_parallel_config", None)
+    use_ep = getattr(parallel, "use_ep", None)
+    size = getattr(parallel, "ep_size", None)
+    if use_ep is None or size is None:
+        use_ep, size = getattr(moe_config, "use_ep", False), getattr(moe_config, "ep_size", 1)
+    return max(1, int(size)) if isinstance(use_ep, bool) and use_ep and isinstance(size, int) else 1
+
+
 def attach(runner) -> None:
     """A vLLM ``MoERunner`` was built (its ``__init__`` returned): when the plugin is configured in this engine, its
     router's rules are derived (:func:`lynx_hf.vllm.routers.derive`, refusing routing the plugin cannot reproduce),
@@ -80,7 +92,8 @@ def attach(runner) -> None:
     moe = getattr(runner, "moe_config", None)
     hidden, inter = getattr(moe, "hidden_dim", None), getattr(moe, "intermediate_size_per_partition", None)
     layer.gate_shape = plans.layer_shape(layer.num_experts, layer.top_k, int(hidden) if hidden else None,
-                                         int(inter) if inter and inter > 0 else None, getattr(moe, "in_dtype", None))
+                                         int(inter) if inter and inter > 0 else None, getattr(moe, "in_dtype", None),
+                                         ep_size=expert_parallel_size(moe))
     STATE.layers.append(layer)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         STATE.rank = torch.distributed.get_rank()
@@ -94,10 +107,32 @@ def attach(runner) -> None:
         if layer.drafter:  # the drafter's forward (after the step, rows of its own): vLLM's routing, its calls counted
             layer.calls += 1
             return topk_weights, topk_ids
+        if not torch.compiler.is_compiling() and plans.gated_off_call(layer, router_logits):
+            return topk_weights, topk_ids  # the gate keeps vLLM's routing here: no op, no kernel (issue 54 N10)
         return remap_routing(router_logits, topk_weights, topk_ids, index)
 
     _compute_routing.__wrapped__ = original
     router._compute_routing = _compute_routing
+    _count_runs(runner, layer)
+
+
+def _count_runs(runner, layer: Layer) -> None:
+    """Count the runs of ``runner`` itself (``Layer.runs``): its ``_forward_impl`` (vLLM 0.32 to 0.34: what the
+    ``moe_forward`` / ``moe_forward_shared`` ops call, by the layer's name) wrapped on the instance, counting where the
+    forward is not being traced by ``torch.compile`` (a traced count would be a guard on a Python int). A runner
+    without it is left as it is (``Layer.runs`` stays ``None``)."""
+    impl = getattr(runner, "_forward_impl", None)
+    if not callable(impl):
+        return
+    layer.runs = 0
+
+    def _forward_impl(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            layer.runs += 1
+        return impl(*args, **kwargs)
+
+    _forward_impl.__wrapped__ = impl
+    runner._forward_impl = _forward_impl
 
 
 def _process_config():

@@ -30,6 +30,7 @@ tensors in eager mode (``host``: ``lynx_hf.core.host_reads_allowed``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -54,10 +55,10 @@ DECODE_STEP = Step(_DECODE_KIND)
 
 __all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan",
            "install_plan", "step_key", "step_buckets", "gated_off_everywhere", "set_bypass", "settle_bypass",
-           "route", "step_inputs", "skip_bypassed", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
+           "route", "step_inputs", "skip_bypassed", "PENDING_MAX", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
            "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
            "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
-           "ROW_ATTRIBUTES", "torch_backend_layers"]
+           "ROW_ATTRIBUTES", "torch_backend_layers", "capture_sizes", "warm_up", "capturing", "gated_off_call"]
 
 
 def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
@@ -72,9 +73,11 @@ def remaps(cfg) -> bool:
     return get_policy(cfg.lynx.policy).remaps
 
 
-def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, expert_dtype=None) -> LayerShape:
-    """The cost gate's shape of a layer (H and I unknown: the gate cannot measure and keeps the policy on)."""
-    return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype)
+def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, expert_dtype=None,
+                ep_size: int = 1) -> LayerShape:
+    """The cost gate's shape of a layer (H and I unknown: the gate cannot measure and keeps the policy on); under
+    expert parallelism over ``ep_size`` ranks the gate weighs the experts this rank saves (``LayerShape.ep_size``)."""
+    return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype, ep_size=ep_size)
 
 
 # --------------------------------------------------------------------------- padding rows: a stage of the plan
@@ -175,7 +178,7 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu",
                        # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
-                       captured=bool(STATE.start.captured) and device.type == "cuda")
+                       captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
     stages = [PaddingRows()]
     if cfg.gate == "auto":
         stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
@@ -248,9 +251,18 @@ def skip_bypassed(num_tokens: int, decode_rows: int | None = None) -> None:
     """A step of ``num_tokens`` tokens of which ``decode_rows`` decode (> 0): each bypassed layer's gate counts it
     as a step it kept vLLM's routing on (the step size seen, one step skipped), as the op body does for a step the
     gate skips. Counted once per step here (``STATE.pending_skips``) and into each bypassed layer's gate when read
-    (:func:`flush_skips`): a per-layer gate call per step cost ~8 us per layer."""
+    (:func:`flush_skips`): a per-layer gate call per step cost ~8 us per layer. Bounded: past
+    :data:`PENDING_MAX` distinct (tokens, decode rows) the pending steps are counted into the gates at once (a
+    long-running server's steps take many distinct shapes: ``docs/cases.md`` C64)."""
     if STATE.bypassed:
-        STATE.pending_skips[(num_tokens, decode_rows)] += 1
+        pending = STATE.pending_skips
+        pending[(num_tokens, decode_rows)] += 1
+        if len(pending) > PENDING_MAX:
+            flush_skips()
+
+
+#: most distinct (tokens, decode rows) :func:`skip_bypassed` keeps pending before counting them into the gates
+PENDING_MAX = 64
 
 
 def flush_skips() -> None:
@@ -511,3 +523,110 @@ def before_forward(model_runner) -> None:
                        "layers run vLLM's own routing path without the plugin's op (stats: layers[i]['gate']). "
                        "gate='always' or LYNX_HF_GATE=always runs the policy on every decode step",
                        len(STATE.bypassed), len(target_layers()), step_buckets()[-1])
+
+
+# --------------------------------------------------------------------------- before the first capture
+
+
+def capture_sizes(model_runner) -> tuple:
+    """The step sizes ``model_runner``'s forward is captured at (``compilation_config.cudagraph_capture_sizes``, and
+    vLLM 0.34's ``decoder_replay_cudagraph_capture_sizes`` where given: YOCO models' replay graphs; when left empty
+    vLLM derives them from the sliding window, which this does not), up to the engine's tokens per step, largest first;
+    the engine's tokens per step alone where the runner does not say."""
+    compilation = getattr(model_runner, "compilation_config", None)
+    sizes = [*(getattr(compilation, "cudagraph_capture_sizes", None) or ()),
+             *(getattr(compilation, "decoder_replay_cudagraph_capture_sizes", None) or ())]
+    cap = STATE.capacity if STATE.capacity > 0 else None
+    out = sorted({int(t) for t in sizes if int(t) > 0 and (cap is None or int(t) <= cap)}, reverse=True)
+    return tuple(out) if out else ((cap,) if cap else ())
+
+
+def warm_up(sizes, seed: int = 0) -> int:
+    """Before the first CUDA-graph capture (``lynx_hf.vllm.checks.start_forward`` after the plans are made and the
+    captured forward's refusals passed, every rank; issue 54 N8, ``docs/cases.md`` C62):
+    the step buffer made at the largest size, and each layer's step *below its cost gate* (the padding rows and the
+    decode-step function: the fused device step's one launch and its buffers per size, or the routing kernels, and
+    the telemetry accumulators; the fused step's launches kept for good, ``kernels.fused_step.pinning``) run once at
+    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token: :func:`gated_off_call` keeps
+    the others free of the op) on synthetic masked inputs, as a capture describes its rows (the step buffer's masks,
+    no decode-row count). So no capture launches a
+    kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)
+    and layers whose rows the mask does not describe are left out. The layers' telemetry and counters are zeroed
+    afterwards (in place). Returns the layer-steps run."""
+    from .steps import buffer
+
+    cfg = STATE.config
+    if cfg is None or not sizes:
+        return 0
+    device, dtype = STATE.start.device, STATE.start.dtype
+    buffer(device, max(sizes))
+    generator = torch.Generator().manual_seed(seed)
+    ran = 0
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.no_grad())
+        if any(layer.plan is not None and layer.plan.fused_device is not None for layer in target_layers()):
+            from ..kernels.fused_step import pinning  # Triton: only where a plan runs the fused device step
+
+            stack.enter_context(pinning())  # every captured size's launch kept for good (more than MAX_SIZES)
+        for layer in target_layers():
+            plan = layer.plan
+            if plan is None or layer.bypass or unmasked(layer):
+                continue
+            if cfg.lynx.telemetry:
+                layer.telemetry.ensure(device)
+            gate = gate_of(plan)
+            for t in sizes:
+                if gate is not None and not plan.keeps(t) and not gate.decision(t).on:
+                    continue  # no graph of this size holds the step (gated_off_call: vLLM's routing, no op)
+                logits = torch.randn(t, layer.num_experts, generator=generator).to(device=device, dtype=dtype)
+                values, ids = torch.topk(logits.float(), layer.top_k, dim=-1)
+                weights = torch.softmax(values, dim=-1)
+                kinds = torch.full((t,), DECODE, dtype=torch.int8, device=device)
+                inputs = step_inputs(layer, masked_step(kinds), logits, weights, ids.to(torch.int32), False)
+                if gate is not None and gate.inner is not None:
+                    gate.inner(gate.plan, inputs)
+                else:
+                    plan.run(inputs)
+                ran += 1
+            reset_layer(layer)
+    return ran
+
+
+# --------------------------------------------------------------------------- gated off before the op
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on ``device``'s current stream now."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def gated_off_call(layer: Layer, router_logits) -> bool:
+    """Whether this router call of ``layer`` keeps vLLM's routing by its cost gate, known on the host before the op
+    (issue 54 N10): the router wrapper then returns vLLM's routing without calling the op, so a step the gate keeps
+    off runs no kernel of the plugin (no masks, no copies of vLLM's tensors). Asked outside ``torch.compile`` tracing
+    only (a traced branch on T would be frozen for every size; on CPU vLLM traces the MoE layer, on a GPU its
+    ``moe_forward`` op is opaque and runs the router in Python). Under a CUDA-graph capture: the gate's decision at the
+    static T (no decode-row count), frozen into that graph as the op's own branch would be, and counted per replay by
+    :func:`count_replays`; in an eager step the host describes (every row the step's, >= 1 decode row): the decision
+    on its decode rows, counted as the op's gate counts it. Else (no plan yet, no gate, a step the host does not
+    describe) the op decides. The layer's op call is counted all the same (``Layer.calls``: it was routed through the
+    plugin)."""
+    plan = layer.plan
+    gate = gate_of(plan)
+    if gate is None or STATE.config is None or STATE.config.lynx.phase == "decode" or unmasked(layer):
+        return False
+    num_tokens = int(router_logits.shape[0])
+    if plan.keeps(num_tokens):  # a lone token: the step below the gate runs (its telemetry) whatever it decides
+        return False
+    if capturing(router_logits.device):
+        if gate.decision(num_tokens).on:
+            return False
+    else:
+        step = STATE.step
+        if not step.active or step.num_decode == 0 or num_tokens != step.num_tokens:
+            return False
+        if gate.decision(num_tokens, step.num_decode).on:
+            return False  # the op's gate decides and counts the step
+        gate.count(num_tokens, step.num_decode)  # seen, and skipped: as the op's gate counts a step it keeps off
+    layer.calls += 1
+    return True

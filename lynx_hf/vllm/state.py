@@ -73,6 +73,13 @@ class Layer:
     calls: int = 0
     seen_calls: int = 0
     misses: int = 0
+    #: runs of the layer's ``MoERunner`` itself (its ``_forward_impl``, which vLLM's ``moe_forward`` calls; counted
+    #: outside ``torch.compile`` tracing: eager forwards, and on a GPU the body of vLLM's opaque ``moe_forward`` op in
+    #: compiled forwards too; never in CUDA-graph replays), and the count at the last liveness check: a layer is flagged
+    #: only where its runner ran and its op did not (a VLM's vision experts run on some steps only: ``docs/cases.md``
+    #: C63). ``None``: the runner has no ``_forward_impl`` to count (the rule then compares the layers' op calls)
+    runs: int | None = None
+    seen_runs: int = 0
     #: ``calls`` when the current step's input preparation ran (CUDA-graph engines: a step whose forward leaves it
     #: unchanged was a replay; :func:`lynx_hf.vllm.plans.count_replays`)
     step_calls: int = 0

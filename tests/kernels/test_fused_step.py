@@ -328,3 +328,41 @@ def test_C18_two_threads_launching_at_once():
         t.join()
     assert not errors, errors[0]
     assert len(results) == 40 and all(torch.equal(r, want) for r in results)
+
+
+def test_n8_a_warm_up_keeps_every_captured_sizes_buffers_for_the_captures(monkeypatch):
+    """Issue 54 N8: the vLLM plugin's warm-up before the first CUDA-graph capture launches the step once at every
+    captured size (a vLLM engine captures tens of sizes, more than :data:`MAX_SIZES`) inside ``fused_step.pinning()``:
+    each size's launch is kept, so the captures that follow (largest first) find their buffers made and make none."""
+    c = draw_case(10)
+    _, step_fn, _ = plan_for("lynx", {}, c["n"], c["k"])
+    sizes = list(range(fs.MAX_SIZES + 4, 0, -1))
+    made = []
+    real = fs._Buffers
+    monkeypatch.setattr(fs, "_Buffers", lambda *a, **k: made.append(a[0]) or real(*a, **k))
+
+    def run(size):
+        step = core.Step(core.MIXED, decode=c["step"].decode[:size] if c["step"].decode is not None else None,
+                         live=c["step"].live[:size] if c["step"].live is not None else None)
+        return run_fused(step_fn, dict(c, logits=c["logits"][:size], weights=c["weights"][:size], idx=c["idx"][:size],
+                                       step=step, pad=None))[1]
+
+    sizes = [t for t in sizes if t <= c["idx"].shape[0]]
+    assert len(sizes) > fs.MAX_SIZES
+    # without it (eager launches, least recently used dropped past MAX_SIZES) the first captures make buffers anew
+    for t in sizes:
+        run(t)
+    monkeypatch.setattr(fs, "_capturing", lambda t: True)
+    made.clear()
+    run(sizes[0])
+    assert made == [sizes[0]]
+    monkeypatch.setattr(fs, "_capturing", lambda t: False)
+    _, step_fn, _ = plan_for("lynx", {}, c["n"], c["k"])
+    made.clear()
+    with fs.pinning():
+        warmed = {t: run(t).data_ptr() for t in sizes}
+    assert sorted(made) == sorted(sizes) and len(step_fn.pinned) == len(sizes)
+    made.clear()
+    monkeypatch.setattr(fs, "_capturing", lambda t: True)  # the captures, largest first
+    captured = {t: run(t).data_ptr() for t in sizes}
+    assert made == [] and captured == warmed

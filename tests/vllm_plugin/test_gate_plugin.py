@@ -304,3 +304,106 @@ def test_frozen_reads_the_compilation_config():
     assert plans.frozen(_ModelRunner(mode=0, cudagraphs="FULL_AND_PIECEWISE"))
     assert not plans.frozen(_ModelRunner(mode=0))
     assert not plans.frozen(_ModelRunner(mode=3, eager=True))
+
+
+@pytest.mark.vllm_code
+def test_n11_gate_caches_stay_bounded_over_many_step_shapes(attached):
+    """Issue 54 N11 (cases C64): a long-running server's steps take many distinct (tokens, decode rows). 10^4 distinct
+    mixed steps through the step mask (``steps.write_kinds``, as the model runners' input preparation calls it) on a
+    layer the gate bypasses (off everywhere: the pending skips), and 10^4 distinct mixed shapes asked of a gate that is
+    on somewhere, half of them above the largest bucket: the pending skips and the derived decisions stay bounded,
+    every step is still counted, and a decision within the buckets is the buckets' (no per-(T, rows) entry)."""
+    router, one = attached({"policy": "lynx", "gate": "auto"}, set())
+    STATE.capacity = 200
+    plans.before_forward(_ModelRunner(mode=3))
+    assert one.bypass
+    shapes = [(t, r) for t in range(2, 200) for r in range(1, t)][:10_000]
+    assert len(shapes) == 10_000
+    for t, r in shapes:
+        steps.write_kinds([DECODE] * r + [PREFILL] * (t - r), "cpu")
+        steps.end_step()
+        assert len(STATE.pending_skips) <= 256  # plans.PENDING_MAX: 64
+    entry = telemetry.snapshot()["layers"][0]["gate"]
+    assert entry["steps_skipped"] == 10_000
+
+    router, one = attached({"policy": "lynx", "gate": "auto"}, {8})
+    planned = gate.of(plans.plan_for(one, torch.device("cpu"), torch.float32, STATE.config.lynx))
+    top = planned.tuning.buckets[-1]
+    within = [(t, r) for t in range(2, top + 1) for r in range(1, t)][:5_000]
+    above = [(top + 1 + i, 1 + i % 7) for i in range(5_000)]
+    for t, r in within + above:
+        planned.decision(t, r)
+        assert len(planned._derived) <= 512  # gate.stage.DERIVED_MAX: 256
+    # within the buckets a mixed step's decision is its two buckets' (the same object for every (T, rows) in them)
+    assert planned.decision(9, 3) is planned.decision(15, 4)
+
+
+
+@pytest.mark.vllm_code
+def test_n12_under_expert_parallelism_the_gate_weighs_this_ranks_experts(plugin_state, fresh_store, monkeypatch):
+    """Issue 54 N12: under expert parallelism (vLLM's ``FusedMoEParallelConfig`` with ``use_ep`` and ``ep_size`` 4) each
+    rank runs N / 4 of the layer's experts, so it saves a quarter of the experts the policy avoids. The layer hooked
+    on a vLLM ``CPURouter`` carries the EP size into the gate's shape (and its key); the measured decision counts
+    (before - after) / 4 experts saved, as the rule above the largest bucket does. With a routing cost of 1 ms, 8
+    experts avoided per step and 0.25 ms per expert: on without EP (2 ms > 1 ms), off under EP = 4 (0.5 ms)."""
+    from vllm.model_executor.layers.fused_moe.config import FusedMoEParallelConfig
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from lynx_hf.gate import decision as gate_decision
+    from lynx_hf.gate import measure as gate_measure
+
+    monkeypatch.setattr(gate_measure, "measure_routing", lambda *a, **k: (1.0, 12.0, 4.0))
+    monkeypatch.setattr(gate_measure, "measure_expert_ms", lambda *a, **k: 0.25)
+    held, got = [], {}
+    for ep in (1, 4):
+        parallel = FusedMoEParallelConfig(tp_size=1, pcp_size=1, dp_size=ep, ep_size=ep, tp_rank=0, pcp_rank=0,
+                                          dp_rank=0, ep_rank=0, sp_size=1, use_ep=ep > 1, all2all_backend="naive",
+                                          enable_eplb=False)
+        plugin_state({"policy": "lynx", "gate": "auto", "phase": "auto"}, capacity=16)
+        gate.STORE.reset()
+        runner = _MoERunner(CPURouter(top_k=2, global_num_experts=64))
+        runner.moe_config = moe_config(moe_parallel_config=parallel, hidden_dim=64, intermediate_size_per_partition=32)
+        held.append(runner)
+        layers.attach(runner)
+        one = STATE.layers[-1]
+        planned = gate.of(plans.plan_for(one, torch.device("cpu"), torch.float32, STATE.config.lynx))
+        got[ep] = planned
+        assert planned.decision(8).experts_saved == pytest.approx(8.0 / ep)
+        ruled = gate_measure.rule_at(planned, 1000, "", planned.tuning)
+        plain = gate_decision.by_rule(64, 2, 64, 32, 4, 1000, "cpu", 0.0, "", planned.tuning)
+        assert ruled.experts_saved == pytest.approx(plain.experts_saved / ep)
+    assert got[1].decision(8).on and not got[4].decision(8).on
+    assert got[1].key != got[4].key  # a rank under EP never reads a decision measured without it
+
+
+@pytest.mark.vllm_code
+def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached, monkeypatch):
+    """Issue 54 N10: a layer on at some sizes (8) and off at others (4) is not bypassed, but where its gate is off the
+    hooked vLLM ``CPURouter`` returns vLLM's routing without calling the op: under a CUDA-graph capture at 4 (the
+    capture stood in by ``plans.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
+    frozen per graph size), and an eager decode step of 4 tokens runs none either; the gate counts that step as
+    skipped, and the layer still counts as routed through the plugin (liveness). At 8 the op runs in both."""
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    plans.before_forward(_ModelRunner(mode=3))
+    assert not one.bypass
+    called = []
+    real = op.remap_layer
+    monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    for t in (8, 4):  # the captures, largest first
+        got = router._compute_routing(None, logits[:t], None)
+    want = layers.original_routing(router)(None, logits[:4], None)
+    assert called == [8] and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
+    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    calls = one.calls
+    _decode_step(4)
+    got = router._compute_routing(None, logits[:4], None)
+    steps.end_step()
+    assert called == [8] and torch.equal(got[1], want[1]) and one.calls == calls + 1
+    planned = gate.of(one.plan)
+    assert planned.skipped[4] == 1 and planned.seen[4] == 1
+    _decode_step(8)
+    router._compute_routing(None, logits, None)
+    steps.end_step()
+    assert called == [8, 8] and planned.seen[8] == 1 and planned.skipped[8] == 0  # counted once, by the op's gate

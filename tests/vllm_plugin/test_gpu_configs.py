@@ -367,6 +367,65 @@ def _worker_step(first, second):
     return worker_step
 
 
+class _RunnerWithForward(_Runner):
+    """A runner stand-in with vLLM's ``MoERunner._forward_impl`` (what ``moe_forward`` calls): it routes through its
+    router (``routes=False``: a layer whose MoE forward routes around the hooked router)."""
+
+    def __init__(self, *args, routes=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.routes = routes
+
+    def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+        if self.routes:
+            self.router._compute_routing(hidden_states, router_logits, None)
+        return hidden_states
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("policy", ["none", "lynx"])
+def test_n9_layers_that_run_only_on_some_steps_start_and_serve(plugin_state, policy):
+    """Issue 54 N9 (cases C63): a VLM-MoE whose vision experts never run in a text-only warm-up or text-only steps
+    (ERNIE-4.5-VL-MoE): the liveness rules judge a layer by its ``MoERunner``'s own runs (vLLM's
+    ``MoERunner._forward_impl``, counted by ``layers.attach``), so the engine starts and serves, under policy none too.
+    A layer whose runner runs without reaching the hooked router is still stopped, at the warm-up and in serving."""
+    assert callable(getattr(MoERunner, "_forward_impl", None))  # what the plugin counts, in this vLLM
+    plugin_state({"policy": policy, "gate": "always"})
+    text, vision = (_RunnerWithForward(CPURouter(2, 8, renormalize=True), name=f"model.layers.0.mlp.{kind}_experts")
+                    for kind in ("text", "vision"))
+    layers.attach(text)
+    layers.attach(vision)
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def warm_up(*runners):
+        def original(self, *args, **kwargs):
+            for one in runners:
+                one._forward_impl(None, logits, None)
+        return install._dummy_run(original, runner, 4)
+
+    def worker_step(*runners):
+        seen = STATE.counts.seen_decode
+        set_kinds([DECODE] * 4)
+        for one in runners:
+            one._forward_impl(None, logits, None)
+        steps.end_step()
+        checks.after_worker_step(types.SimpleNamespace(model_runner=None), None, seen)
+
+    warm_up(text)  # the profiling run of a text-only dummy batch: the vision experts never run
+    warm_up(text)
+    for _ in range(3 * checks.LIVENESS_STEPS):
+        worker_step(text)  # text-only serving
+    worker_step(text, vision)  # an image request: both run, both remapped
+    assert [layer.misses for layer in STATE.layers] == [0, 0]
+
+    vision.routes = False  # its runner now runs without reaching the hooked router
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*vision_experts"):
+        warm_up(text, vision)
+    with pytest.raises(LynxHookError, match=r"1 of 2 hooked MoE layers.*vision_experts"):
+        for _ in range(checks.LIVENESS_STEPS):
+            worker_step(text, vision)
+
+
 # ------------------------------------------------------------------ issue 44: the paths a GPU takes by default
 
 
@@ -565,7 +624,7 @@ def test_xpu_graphs_count_as_captured():
 
 @pytest.mark.vllm_code
 @pytest.mark.parametrize("device", ["cuda", "xpu"])
-def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device):
+def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_state, device, monkeypatch):
     """Issue 44 item 5: ``routing_backend="torch"`` on an engine captured in device graphs is refused before the first
     forward (``LynxConfigError`` naming ``routing_backend`` and the fixes): its decode step used to copy Python scalars
     host-to-device, which a CUDA-graph capture fails on; that copy is gone (lab.gpu_check torch_capture on an H200), but
@@ -580,7 +639,10 @@ def test_the_torch_routing_ops_under_device_graphs_are_refused_at_start(plugin_s
     checks.start_forward(_graph_runner(device, eager=True))
     plugin_state({"policy": "none", "routing_backend": "torch"})
     layers.attach(_Runner(CPURouter(2, 8, renormalize=True)))
+    warmed = []
+    monkeypatch.setattr(plans, "warm_up", warmed.append)  # the device is a stand-in: nothing can run on it here
     checks.start_forward(_graph_runner(device))
+    assert warmed  # a started captured engine warms its steps up before the first capture (issue 54 N8)
 
 
 class _ModuleRunner(torch.nn.Module):
@@ -710,3 +772,118 @@ def test_stats_every_writes_without_a_host_read_in_the_step(one_layer, tmp_path,
 
     written = json.loads(path.read_text())
     assert written["layers"][0]["decode_steps"] == 2 and written["summary"]["decode_tokens"] == 8
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("policy", ["none", "lynx"])
+def test_n9_an_engine_whose_profiling_run_calls_no_op_is_refused(plugin_state, policy):
+    """Issue 54 N9: an engine in which the profiling run (the model runner's first ``_dummy_run``, before any capture)
+    called the plugin's op in no layer (its MoE forward reaches none of the hooked routers; runners whose own runs are
+    not counted, so no layer is flagged by them) stops at once, naming the layers, under any policy. One in which the
+    op ran starts."""
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(5))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def start(route):
+        plugin_state({"policy": policy, "gate": "always"})
+        held = [_Runner(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts") for i in (0, 1)]
+        for one in held:
+            layers.attach(one)
+
+        def original(self, *args, **kwargs):
+            if route:
+                for one in held:
+                    one.router._compute_routing(None, logits, None)
+
+        install._dummy_run(original, runner, 4)
+        return held
+
+    start(route=True)
+    with pytest.raises(LynxHookError, match=r"profiling run called the plugin's op in none of its 2 hooked MoE"):
+        start(route=False)
+
+
+# ------------------------------------------------------------------ issue 54: before the first capture
+
+
+@pytest.mark.vllm_code
+def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fixed_gate, monkeypatch):
+    """Issue 54 N8 (cases C62): vLLM's own warm-up / capture sequence (``GPUModelRunner._warmup_and_capture`` per
+    capture size, largest first, after the profiling run), driven on CPU through the hooked ``_dummy_run`` with
+    ``torch.cuda.is_current_stream_capturing`` True from the first capture on and the op taking its device path. The
+    cost gate is off at the captured sizes 1, 2 and 4 and on at 8. Before the first capture, on this rank: the step
+    below the gate ran at every captured size whose graph holds it (8, and 1: a lone token keeps its routing, its
+    telemetry recorded; the sizes the gate keeps off get no op: test_n10), so its kernels are launched and its buffers
+    made there, not inside a capture; the step buffer and the telemetry accumulators exist; no capture makes either
+    anew; the warm-up left no counts."""
+    from lynx_hf import gate
+
+    fixed_gate({8})
+    plugin_state({"policy": "lynx", "gate": "auto", "phase": "auto", "telemetry": True}, capacity=8)
+    first = _Runner(CPURouter(2, 8, renormalize=True))
+    layers.attach(first)
+    STATE.layers[0].gate_shape = gate.LayerShape(8, 2, 32, 16)
+    capturing = {"now": False}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda *a, **k: None)
+    # the device path on CPU tensors: captured engine, no host shortcut, the host's counts only outside a capture
+    monkeypatch.setattr(plans, "captured", lambda runner, device: True)
+    monkeypatch.setattr(plans, "torch_backend_layers", lambda: [])
+    monkeypatch.setattr(plans, "host_reads_allowed", lambda tensor: False)
+    monkeypatch.setattr(op, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
+    below = []  # (T, capturing) of each call of the step below the gate
+    make = plans.make_layer_plan
+
+    def recorded(*args, **kwargs):
+        plan = make(*args, **kwargs)
+        planned = gate.of(plan)
+        inner = planned.inner
+
+        def record(view, inputs):
+            below.append((int(inputs.idx.shape[0]), capturing["now"]))
+            return inner(view, inputs)
+
+        planned.inner = record
+        return plan
+
+    monkeypatch.setattr(plans, "make_layer_plan", recorded)
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(6))
+    sizes = [8, 4, 2, 1]
+    model_runner = types.SimpleNamespace(
+        device=torch.device("cpu"), model_config=types.SimpleNamespace(dtype=torch.float32, enforce_eager=False),
+        compilation_config=types.SimpleNamespace(mode=3, cudagraph_mode=CUDAGraphMode.FULL,
+                                                 cudagraph_capture_sizes=sizes, cudagraph_num_of_warmups=1))
+    seen = {}
+
+    def original(self, num_tokens, *args, is_graph_capturing=False, **kwargs):
+        if is_graph_capturing and not capturing["now"]:
+            capturing["now"] = True  # from the first capture on
+            seen["kind"], seen["acc"] = STATE.step.kind, STATE.layers[0].telemetry.acc
+            seen["below"] = list(below)
+        first.router._compute_routing(None, logits[:num_tokens], None)
+
+    model_runner._dummy_run = lambda *args, **kwargs: install._dummy_run(original, model_runner, *args, **kwargs)
+    model_runner._dummy_run(8)  # the profiling run: the plans are made (and the warm-up run) before it
+    assert telemetry.snapshot()["layers"][0]["decode_steps"] == 0  # the warm-up left no counts
+    try:  # vLLM 0.32 / 0.33: Model Runner V1's own warm-up and capture per size (eager dummy runs, then the capture)
+        from vllm.forward_context import BatchDescriptor
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+        def capture(t):
+            GPUModelRunner._warmup_and_capture(model_runner, BatchDescriptor(num_tokens=t, uniform=True),
+                                               CUDAGraphMode.FULL)
+    except ImportError:  # vLLM 0.34: Model Runner V2 only, whose CudaGraphManager.capture runs the forward itself (no
+        # _dummy_run): per size a warm-up forward, then the captured one (its sequence, stood in here)
+        def capture(t):
+            original(model_runner, t)
+            original(model_runner, t, is_graph_capturing=True)
+    for t in sizes:
+        capture(t)
+    assert capturing["now"] and STATE.start.captured
+    # warmed at each size whose graph holds the step (the gate on: 8; a lone token: 1), none at 2 or 4 (no op there)
+    assert {t for t, cap in seen["below"] if not cap} == {8, 1}, seen["below"]
+    assert seen["kind"] is not None and seen["kind"] is STATE.step.kind
+    assert seen["acc"] is not None and seen["acc"] is STATE.layers[0].telemetry.acc
+    # under capture the step below the gate runs where the gate is on (8) and for a lone token (its own routing kept,
+    # its telemetry recorded); never at 2 or 4 (the gate's branch on the static T)
+    assert {t for t, cap in below if cap} == {8, 1}
