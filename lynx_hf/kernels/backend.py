@@ -125,8 +125,8 @@ def routing_ops(backend: str, host: bool = False) -> RoutingOps:
     (torch's per-op overhead dominates at decode sizes there) and ``lynx_mass_decode``, the default policy's
     whole decode step in one numba call; without numba, or with ``host`` False, the torch ops
     (``lynx_mass_decode`` is then ``None``). The Triton namespace ignores ``host`` and also carries
-    ``sparse_moe`` (:mod:`.moe`) and ``fused_step`` (:class:`.fused_step.FusedStep`, the whole decode step in one
-    launch); resolving it imports every Triton module the decode path launches, so the
+    ``sparse_moe`` (:mod:`.moe`), ``fused_step`` (:class:`.fused_step.FusedStep`, the whole decode step in one
+    launch) and ``pinning`` (:func:`.fused_step.pinning`: launches made inside it kept for good); resolving it imports every Triton module the decode path launches, so the
     choice is made once (at plan time), not at the first decode step.
     """
     from . import routing_torch as rt
@@ -149,4 +149,5 @@ def routing_ops(backend: str, host: bool = False) -> RoutingOps:
         return tr.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize, scale=scale,
                              eps=eps, check=False)
 
-    return _namespace("triton", tr, remap_triton, sparse_moe=tm.sparse_moe, fused_step=tf.FusedStep)
+    return _namespace("triton", tr, remap_triton, sparse_moe=tm.sparse_moe, fused_step=tf.FusedStep,
+                      pinning=tf.pinning)

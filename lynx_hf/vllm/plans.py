@@ -46,7 +46,7 @@ from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import mode_of
 from . import ranks
-from .state import DECODE, PADDING, STATE, Layer, target_layers, warn_once
+from .state import DECODE, PADDING, STATE, Layer, buffer, target_layers, warn_once
 
 logger = logging.getLogger("lynx_hf.vllm")
 
@@ -553,8 +553,6 @@ def warm_up(sizes, seed: int = 0) -> int:
     kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)
     and layers whose rows the mask does not describe are left out. The layers' telemetry and counters are zeroed
     afterwards (in place). Returns the layer-steps run."""
-    from .steps import buffer
-
     cfg = STATE.config
     if cfg is None or not sizes:
         return 0
@@ -564,10 +562,9 @@ def warm_up(sizes, seed: int = 0) -> int:
     ran = 0
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.no_grad())
-        if any(layer.plan is not None and layer.plan.fused_device is not None for layer in target_layers()):
-            from ..kernels.fused_step import pinning  # Triton: only where a plan runs the fused device step
-
-            stack.enter_context(pinning())  # every captured size's launch kept for good (more than MAX_SIZES)
+        fused = [layer.plan for layer in target_layers() if layer.plan is not None and layer.plan.fused_device]
+        if fused:  # every captured size's launch kept for good (more than MAX_SIZES): the Triton ops' pinning
+            stack.enter_context(fused[0].ops.pinning())
         for layer in target_layers():
             plan = layer.plan
             if plan is None or layer.bypass or unmasked(layer):

@@ -229,5 +229,16 @@ def isolated(options=None, capacity: int = 0):
         vars(STATE).update(saved)
 
 
-__all__ = ["STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+def buffer(device: torch.device, rows: int) -> torch.Tensor:
+    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use)."""
+    step = STATE.step
+    if step.kind is None or step.kind.device != device:
+        capacity = max(STATE.capacity, rows, 1)
+        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
+        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+        step.written = 0
+    return step.kind
+
+
+__all__ = ["buffer", "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
            "warn_once", "resolve_config", "new_engine", "isolated"]

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import plans, telemetry
-from .state import DECODE, PADDING, PREFILL, STATE, warn_once
+from .state import DECODE, PADDING, PREFILL, STATE, buffer, warn_once
 
 __all__ = ["token_kinds", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
 
@@ -115,17 +115,6 @@ def set_step_v2(runner, input_batch) -> None:
                   "batch; left untouched")
         return
     write_kinds(kinds, runner.device)
-
-
-def buffer(device: torch.device, rows: int) -> torch.Tensor:
-    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use)."""
-    step = STATE.step
-    if step.kind is None or step.kind.device != device:
-        capacity = max(STATE.capacity, rows, 1)
-        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
-        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
-        step.written = 0
-    return step.kind
 
 
 def write_kinds(kinds, device) -> None:
