@@ -5,13 +5,16 @@ Prerequisite: ``python -m lab.build_corpus`` (writes eval/work/train_tokens.npy 
     python -m lab.train_fixture --family qwen2_moe   --epochs 1 --out eval/fixtures/qwen2moe-tiny
     python -m lab.train_fixture --family mixtral     --steps 2000 --out eval/fixtures/mixtral-tiny
     python -m lab.train_fixture --family deepseek_v2 --epochs 1 --out eval/fixtures/deepseekv2-tiny
+    python -m lab.train_fixture --family qwen2_moe_deep --steps 2700 --out eval/fixtures/qwen2moe-deep
     python -m lab.train_fixture --eval-only --out eval/fixtures/qwen2moe-tiny   # metrics of a saved checkpoint
 
 Training: random ``--seq``-token windows of the train split, fp32, AdamW, linear warmup + cosine decay over
 ``--steps`` (or ``--epochs E``: ceil(E * train tokens / (batch * seq)) steps), router aux (load-balancing)
 loss on with coefficient 0.01 (Qwen2-MoE / Mixtral compute it in the model; DeepseekV2ForCausalLM returns
 router logits but no aux loss, so this script adds the same Switch-style loss for it). CARD.md records the
-command, steps, tokens, epochs and wall time; ``--note`` adds a free-text note. Not bit-reproducible across CPUs.
+command, steps, tokens, epochs and wall time (summed over resumed runs); ``--note`` adds a free-text note. Every
+``--ckpt-every`` steps the model, optimizer, batch sampler and log go to ``eval/work/train_ckpt_<out name>.pt``; a rerun
+with the same settings resumes there (the same batches as an uninterrupted run). Not bit-reproducible across CPUs.
 """
 
 from __future__ import annotations
@@ -59,6 +62,23 @@ def make_config(family: str, vocab: int, eos: int):
             num_experts_per_tok=4,
             moe_intermediate_size=64,
             shared_expert_intermediate_size=256,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        return cfg, Qwen2MoeForCausalLM
+    if family == "qwen2_moe_deep":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        # Fixture E: 16 MoE layers, fine-grained router (N 64, top-8, as Qwen3-30B-A3B / OLMoE), a small
+        # shared expert; hidden 192 so the bf16 checkpoint stays near 25 MB and training fits ~90 min on 2 cores.
+        cfg = Qwen2MoeConfig(
+            **{**common, "hidden_size": 192, "num_hidden_layers": 16},
+            intermediate_size=192,  # dense MLP size, unused (all layers sparse)
+            num_experts=64,
+            num_experts_per_tok=8,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=64,
             norm_topk_prob=False,
             decoder_sparse_step=1,
             mlp_only_layers=[],
@@ -189,7 +209,7 @@ def write_card(out: Path, info: dict) -> None:
     ev = info["eval"]
     name = Path(a["out"]).name
     cfg = json.loads((Path(out) / "config.json").read_text())
-    if info["family"] == "qwen2_moe":
+    if info["family"] in ("qwen2_moe", "qwen2_moe_deep"):
         arch = (f"Qwen2MoeForCausalLM: {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
                 f"{cfg['num_attention_heads']} heads ({cfg['num_key_value_heads']} KV), N {cfg['num_experts']} experts, "
                 f"top-{cfg['num_experts_per_tok']}, moe_intermediate_size {cfg['moe_intermediate_size']}, "
@@ -284,7 +304,7 @@ Mean softmax probability (over all experts) of the rank-1..rank-{k} expert, per 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", choices=["qwen2_moe", "mixtral", "deepseek_v2"], default="qwen2_moe")
+    ap.add_argument("--family", choices=["qwen2_moe", "qwen2_moe_deep", "mixtral", "deepseek_v2"], default="qwen2_moe")
     length = ap.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, default=2000, help="optimizer steps (the LR schedule length)")
     length.add_argument("--epochs", type=float, help="derive --steps: ceil(E * train tokens / (batch * seq))")
@@ -300,6 +320,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=Path, default=WORK / "train_tokens.npy")
     ap.add_argument("--tokenizer", type=Path, default=WORK / "tokenizer")
     ap.add_argument("--experts-impl", default="grouped_mm")
+    ap.add_argument("--ckpt-every", type=int, default=100,
+                    help="steps between resumable checkpoints (eval/work/train_ckpt_<out name>.pt; a rerun with the same "
+                         "settings resumes from it; 0: none)")
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--card-only", action="store_true", help="rewrite CARD.md from eval/work/train_log_<name>.json (and --note)")
     args = ap.parse_args()
@@ -344,10 +367,23 @@ def main() -> None:
     coef = cfg.router_aux_loss_coef
     model.train()
     load0 = os.getloadavg()[0]
-    t0 = time.time()
     log = []
     tokens_seen = 0
-    for step in range(args.steps):
+    first, spent = 0, 0.0
+    ckpt = WORK / f"train_ckpt_{args.out.name}.pt"
+    ckpt_key = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("note", "ckpt_every", "out")}
+    if args.ckpt_every and ckpt.is_file():
+        state = torch.load(ckpt, weights_only=False)
+        if state["key"] == ckpt_key:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["opt"])
+            gen.set_state(state["gen"])
+            first, spent, log, tokens_seen, load0 = state["step"], state["seconds"], state["log"], state["tokens"], state["load0"]
+            print(f"resumed from {ckpt} at step {first} ({spent / 60:.1f} min spent)", flush=True)
+        else:
+            print(f"{ckpt} was written with other settings: starting afresh", flush=True)
+    t0 = time.time() - spent
+    for step in range(first, args.steps):
         lr = lr_at(step, step / args.steps, args.lr, args.warmup)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -369,8 +405,15 @@ def main() -> None:
                    "gnorm": round(gn.item(), 3), "min": round(el / 60, 2)}
             log.append(rec)
             print(json.dumps(rec), flush=True)
+        if args.ckpt_every and (step + 1) % args.ckpt_every == 0 and step + 1 < args.steps:
+            WORK.mkdir(parents=True, exist_ok=True)
+            state = {"key": ckpt_key, "model": model.state_dict(), "opt": opt.state_dict(), "gen": gen.get_state(),
+                     "step": step + 1, "seconds": time.time() - t0, "log": log, "tokens": tokens_seen, "load0": load0}
+            torch.save(state, ckpt.with_suffix(".tmp"))
+            os.replace(ckpt.with_suffix(".tmp"), ckpt)
     wall = time.time() - t0
     loadavg = [load0, os.getloadavg()[0]]
+    ckpt.unlink(missing_ok=True)
 
     save(model, tok, args.out, args.family)
     # metrics of the committed (bf16) checkpoint, as users load it
