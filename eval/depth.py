@@ -108,3 +108,9 @@ def price_label(price: float | None, moe_layers: int | None, cut_layers: int, wh
     if whole:
         return f"price {price:.6g} (its own {cut_layers} MoE layers)"
     return f"price {price:.6g} (as given, on the {cut_layers}-layer cut)"
+
+
+def config_at_depth(config: LynxConfig, moe_layers: int | None) -> LynxConfig:
+    """:func:`lynx_hf.at_depth` where ``moe_layers`` is set; ``config`` itself for ``None`` (``--full-layers cut``, or a
+    model run whole)."""
+    return config if moe_layers is None else at_depth(config, moe_layers)
