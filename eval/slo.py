@@ -52,7 +52,9 @@ from . import command, results_folder  # noqa: E402
 from .depth import add_full_layers, full_depth, options_at_depth, price_label, price_of  # noqa: E402
 
 #: the variants compared and their lynx_hf configuration (``None``: the model unpatched). XShare's budget is the
-#: default's unique experts per layer-step at 16 requests on this shape (14.93 in vLLM, eval/results/serve_bench.md)
+#: default's unique experts per layer-step at 16 requests on this shape (14.93 in vLLM, eval/results/serve_bench.md),
+#: measured at the price as given on the cut: at the full model's price (``--full-layers``) LYNX keeps more, so a
+#: re-measurement should match the budget again
 VARIANTS = {"unpatched": None, "lynx": {"policy": "lynx"}, "oea": {"policy": "oea", "oea_k0": 1},
             "xshare": {"policy": "xshare", "xshare_budget": 15, "xshare_warmup": 1}}
 CONCURRENCY = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)

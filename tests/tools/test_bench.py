@@ -19,6 +19,8 @@ def test_bench_quick_runs_and_prints_tables(tmp_path):
     assert "| shape | routing | B |" in out          # the layer table
     assert "| variant | slope (ms / expert) |" in out  # the T fit
     assert "| variant | TPOT (ms) |" in out           # the TPOT table
+    # the price each LYNX row ran (--full-layers real): DeepSeek-V2-Lite's 26 MoE layers, Qwen2-57B-A14B's 28 (TPOT)
+    assert "| price 0.0168269 (at 26 MoE layers) |" in out and "| price 0.015625 (at 28 MoE layers) |" in out
     for name in ("bench_quick_layer.csv", "bench_quick_layer.md", "bench_quick_latency_vs_T.png",
                  "bench_quick_tpot.md"):
         assert (tmp_path / name).is_file(), name
