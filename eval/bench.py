@@ -27,12 +27,20 @@ Sections
 3. TPOT: Qwen2-57B-A14B config truncated to 2 decoder layers (small vocab), bf16, random weights,
    B = 16, model.generate greedy, unpatched vs patched none / lynx / oea, interleaved; TPOT = mean
    time between consecutive decode steps (timestamps taken by a logits processor).
+
+Routing-mass price (``--full-layers``, ``lynx_hf.eval.depth``): the default's price depends on the model's MoE depth
+(7/64 x 4 / L above 4 layers), and a one-block holder or a 2-layer cut would run the price as given. By default every
+LYNX config here runs the price of the real model the shape is cut from (``lynx_hf.at_depth``: Qwen2-57B-A14B 28 MoE
+layers -> 1/64, DeepSeek-V2-Lite 26, Mixtral-8x7B 32); ``--full-layers N`` sets one depth for every shape,
+``--full-layers cut`` runs the price as given (every figure before issue 52). The tables and CSVs say which price each
+row ran (``mass_price``, ``price``).
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import gc
 import math
 import os
@@ -53,6 +61,7 @@ from lynx_hf.patches import find_spec  # noqa: E402
 
 from . import RESULTS_DIR as RESULTS  # noqa: E402
 from . import command, results_folder  # noqa: E402
+from .depth import REAL_MOE_LAYERS, add_full_layers, config_at_depth, full_depth, price_label, price_of  # noqa: E402
 from .sparse_torch import sparse_experts_torch  # noqa: E402
 
 hf_logging.set_verbosity_error()
@@ -168,6 +177,21 @@ def inject_router(block, hidden2d: torch.Tensor, logits: torch.Tensor) -> None:
         block.gate.weight.copy_(w_t.T.to(block.gate.weight.dtype))
 
 
+def layer_configs(full_layers, shape: str) -> dict:
+    """The configs section 1 patches the one-block holder with, per policy (``none``, ``lynx``, ``oea``; decode
+    forced, no telemetry): LYNX at the price of ``shape``'s model at the depth ``--full-layers`` gives
+    (``lynx_hf.eval.depth``)."""
+    depth = full_depth(full_layers, shape)
+    return {p: config_at_depth(lynx_hf.LynxConfig(policy=p, phase="decode", telemetry=False), depth)
+            for p in ("none", "lynx", "oea")}
+
+
+def tpot_config(policy: str, full_layers, shape: str = "qwen2-57b-a14b") -> "lynx_hf.LynxConfig":
+    """The config section 3 patches the cut with (phase auto): the price of ``shape``'s model at the depth
+    ``--full-layers`` gives."""
+    return config_at_depth(lynx_hf.LynxConfig(policy=policy), full_depth(full_layers, shape))
+
+
 def unique_count(idx: torch.Tensor) -> int:
     return int(torch.unique(idx).numel())
 
@@ -240,7 +264,11 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
             return (const_bytes + t_after * expert_bytes) / (const_bytes + t_before * expert_bytes)
         hf_forward = type(block).forward
         lynx_hf.patch(holder, lynx_hf.LynxConfig(policy="none", phase="decode", telemetry=False))
-        configs = {p: lynx_hf.LynxConfig(policy=p, phase="decode", telemetry=False) for p in ("none", "lynx", "oea")}
+        configs = layer_configs(args.full_layers, name)
+        depth = full_depth(args.full_layers, name)
+        price = price_of(configs["lynx"], 1)
+        log(f"  LYNX routing-mass {price_label(price, depth, 1)}"
+            + (f" ({name}: {REAL_MOE_LAYERS[name]} MoE layers)" if name in REAL_MOE_LAYERS else ""))
         experts_forward = type(block.experts).forward
 
         def set_impl(impl):
@@ -292,8 +320,8 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                     assert torch.equal(fns["none"](), ref), "patched policy none differs from HF grouped_mm"
                     med = interleaved(fns, args.rounds, warmup=1 if first else 0)
                     first = False
-                    remap_s = time_route(holder, lynx_hf.LynxConfig(policy="lynx", phase="decode"), logits, w_hf, idx_hf,
-                                         reps=args.remap_reps)
+                    remap_s = time_route(holder, dataclasses.replace(configs["lynx"], telemetry=True), logits, w_hf,
+                                         idx_hf, reps=args.remap_reps)
                     base = med["hf_grouped_mm"]
                     for variant, sec in med.items():
                         pol = variant.split("+")[0]
@@ -305,6 +333,8 @@ def bench_layer(args, shapes: dict, out_rows: list, log) -> None:
                             "ideal_bytes_ratio": round(byte_ratio(after, t_before), 4),
                             "remap_ms": round(remap_s * 1e3, 4) if pol == "lynx" else "",
                             "overhead_pct": round(100 * remap_s / sec, 3) if pol == "lynx" else "",
+                            "mass_price": price if pol == "lynx" else "",
+                            "full_layers": (depth or "cut") if pol == "lynx" else "",
                         })
                     log(f"  {source:7s} B={batch:3d} T {t_before}->lynx {t_after['lynx']}/oea {t_after['oea']}  "
                         + "  ".join(f"{v}={med[v] * 1e3:.1f}ms({med[v] / base:.2f})" for v in med)
@@ -436,6 +466,9 @@ def bench_tpot(args, kwargs: dict, log) -> list:
     model = build_tpot_model(kwargs, args.tpot_layers, args.tpot_vocab)
     impl = model.config._experts_implementation
     log(f"  HF default experts implementation for this model on this machine: {impl!r}")
+    depth = full_depth(args.full_layers, "qwen2-57b-a14b")
+    price = price_of(tpot_config("lynx", args.full_layers), args.tpot_layers)
+    log(f"  LYNX routing-mass {price_label(price, depth, args.tpot_layers)}")
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, args.tpot_vocab, (args.tpot_batch, args.tpot_prompt), generator=gen)
     mask = torch.ones_like(ids)
@@ -449,7 +482,7 @@ def bench_tpot(args, kwargs: dict, log) -> list:
         if v == "hf":
             lynx_hf.unpatch(model)
         else:
-            lynx_hf.patch(model, lynx_hf.LynxConfig(policy=v))  # phase auto: decode via the KV cache
+            lynx_hf.patch(model, tpot_config(v, args.full_layers))  # phase auto: decode via the KV cache
             lynx_hf.reset_stats(model)
         clock = StepClock()
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.tpot_new_tokens,
@@ -478,12 +511,21 @@ def bench_tpot(args, kwargs: dict, log) -> list:
         s = stats.get(v, {})
         rows.append({"variant": v, "tpot_ms": round(tpot * 1e3, 2), "ratio_to_hf": round(tpot / base, 4),
                      "T_before": _fmt(s.get("unique_experts_before")), "T_after": _fmt(s.get("unique_experts_after")),
-                     "same_tokens_as_hf": bool(torch.equal(outputs[v], outputs["hf"]))})
+                     "same_tokens_as_hf": bool(torch.equal(outputs[v], outputs["hf"])),
+                     "mass_price": price if v == "lynx" else "", "full_layers": (depth or "cut") if v == "lynx" else ""})
         log(f"  TPOT {v:5s}: {tpot * 1e3:8.1f} ms  ratio {tpot / base:.3f}  T {rows[-1]['T_before']} -> "
             f"{rows[-1]['T_after']}")
     model = None  # free the weights (the run closure holds the cell)
     gc.collect()
     return rows
+
+
+def _price_cell(row: dict, cut_layers: int) -> str:
+    """The routing-mass price a LYNX row ran, as the tables say it; ``—`` for the other variants."""
+    if row.get("mass_price") in ("", None):
+        return "—"
+    depth = row["full_layers"]
+    return price_label(row["mass_price"], None if depth == "cut" else depth, cut_layers)
 
 
 def _fmt(value):
@@ -506,14 +548,15 @@ def layer_markdown(rows: list, header: str) -> str:
            "(HF's default experts implementation). T = unique experts the step touches; ideal = T_after/T_before; "
            "ideal (bytes) = weight bytes the step reads after/before, counting the router and shared experts "
            "that every step reads (the best a memory-bound layer can do); "
-           "overhead = the block's whole routing post-process (BlockRouting.route: scores, policy, remap, weights, merge, telemetry) / lynx layer time.", ""]
+           "overhead = the block's whole routing post-process (BlockRouting.route: scores, policy, remap, weights, merge, telemetry) / lynx layer time; "
+           "price = the routing-mass price LYNX ran on this one-block cut (--full-layers: the full model's depth, or as given).", ""]
     cells = {}
     for r in rows:
         cells.setdefault((r["shape"], r["source"], r["B"]), {})[r["variant"]] = r
     variants = ["hf_eager", "hf_grouped_mm", "none", "lynx", "oea", "lynx+sparse"]
     out.append("| shape | routing | B | " + " | ".join(variants) + " | T before | T lynx (ideal) | T oea (ideal) "
-               "| lynx ideal (bytes) | lynx ratio / ideal | lynx ratio / ideal (bytes) | overhead |")
-    out.append("|---" * (len(variants) + 10) + "|")
+               "| lynx ideal (bytes) | lynx ratio / ideal | lynx ratio / ideal (bytes) | overhead | lynx routing-mass price |")
+    out.append("|---" * (len(variants) + 11) + "|")
     for (shape, source, batch), cell in cells.items():
         vals = []
         for v in variants:
@@ -523,7 +566,8 @@ def layer_markdown(rows: list, header: str) -> str:
         vals += [str(ly["T_before"]), f"{ly['T_after']} ({ly['ideal_ratio']:.2f})",
                  f"{oe['T_after']} ({oe['ideal_ratio']:.2f})",
                  f"{ly['ideal_bytes_ratio']:.2f}", f"{ly['ratio_to_hf'] / ly['ideal_ratio']:.2f}",
-                 f"{ly['ratio_to_hf'] / ly['ideal_bytes_ratio']:.2f}", f"{ly['overhead_pct']:.2f}%"]
+                 f"{ly['ratio_to_hf'] / ly['ideal_bytes_ratio']:.2f}", f"{ly['overhead_pct']:.2f}%",
+                 _price_cell(ly, 1)]
         out.append(f"| {shape} | {source} | {batch} | " + " | ".join(vals) + " |")
     return "\n".join(out) + "\n"
 
@@ -588,6 +632,7 @@ def parse_args(argv=None):
     p.add_argument("--tpot-new-tokens", type=int, default=32)
     p.add_argument("--tpot-rounds", type=int, default=1)
     p.add_argument("--skip", nargs="*", default=[], choices=["layer", "sweep", "tpot"])
+    add_full_layers(p, "each shape's real model")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--out", type=Path, default=RESULTS,
                    help="results folder (default: eval/results in the source checkout, else ./lynx_hf_results)")
@@ -630,7 +675,8 @@ def main(argv=None) -> int:
     cmd = command("bench", argv)
     log(f"# lynx_hf decode benchmark ({'quick, 1/16-scaled shapes' if args.quick else 'real shapes'})")
     log(f"command: `{cmd.strip()}`; torch {torch.__version__}, {torch.get_num_threads()} threads, bf16, CPU; "
-        f"interleaved rounds={args.rounds}")
+        f"interleaved rounds={args.rounds}; LYNX's routing-mass price at --full-layers {args.full_layers} "
+        "(real: each shape's real model's MoE layers; cut: the price as given)")
     layer_rows = []
     if "layer" not in args.skip:
         bench_layer(args, shapes, layer_rows, log)
@@ -658,9 +704,10 @@ def main(argv=None) -> int:
             f"B={args.tpot_batch}, prompt {args.tpot_prompt}, {args.tpot_new_tokens} new tokens, rounds={args.tpot_rounds}")
         rows = bench_tpot(args, kw, log)
         write_csv(args.out / f"{prefix}tpot.csv", rows)
-        md = ["| variant | TPOT (ms) | ratio to HF | T before | T after | same tokens as HF |", "|---|---|---|---|---|---|"]
+        md = ["| variant | TPOT (ms) | ratio to HF | T before | T after | same tokens as HF | routing-mass price |",
+              "|---|---|---|---|---|---|---|"]
         md += [f"| {r['variant']} | {r['tpot_ms']:.1f} | {r['ratio_to_hf']:.3f} | {r['T_before']} | {r['T_after']} | "
-               f"{r['same_tokens_as_hf']} |" for r in rows]
+               f"{r['same_tokens_as_hf']} | {_price_cell(r, args.tpot_layers)} |" for r in rows]
         (args.out / f"{prefix}tpot.md").write_text(f"# End-to-end decode TPOT\n\ncommand: `{cmd.strip()}`\n\n"
                                                   + "\n".join(md) + "\n")
         print("\n".join(md), flush=True)

@@ -28,6 +28,11 @@ The transformers engine (``transformers``): the model of ``lynx_hf.eval.bench``'
 cut to ``--layers`` decoder layers, vocabulary ``--vocab``, random bf16 weights (``--dtype``), router calibrated to a mean top-1
 probability of 0.42), in one process; variants are patched / unpatched in turn (rotated per round) on the same
 weights; prompts of ``--prompt-tokens`` random ids, greedy, no EOS, ``--new-tokens`` each, ``record_timestamps``.
+
+Routing-mass price: ``--full-layers`` (``lynx_hf.eval.depth``; default ``real``: Qwen2-57B-A14B's 28 MoE layers, price
+7/64 x 4 / 28 = 1/64) sets the price LYNX runs on the cut (``lynx_hf.at_depth``); ``cut`` runs the price as given (7/64
+on a cut of <= 4 layers: every run before issue 52). Each point records it (``mass_price``, ``full_layers``) and the
+tables say it; a run file without it predates the option (the price as given on its cut).
 """
 
 from __future__ import annotations
@@ -44,9 +49,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from . import RESULTS_DIR as RESULTS  # noqa: E402
 from . import command, results_folder  # noqa: E402
+from .depth import add_full_layers, full_depth, options_at_depth, price_label, price_of  # noqa: E402
 
 #: the variants compared and their lynx_hf configuration (``None``: the model unpatched). XShare's budget is the
-#: default's unique experts per layer-step at 16 requests on this shape (14.93 in vLLM, eval/results/serve_bench.md)
+#: default's unique experts per layer-step at 16 requests on this shape (14.93 in vLLM, eval/results/serve_bench.md),
+#: measured at the price as given on the cut: at the full model's price (``--full-layers``) LYNX keeps more, so a
+#: re-measurement should match the budget again
 VARIANTS = {"unpatched": None, "lynx": {"policy": "lynx"}, "oea": {"policy": "oea", "oea_k0": 1},
             "xshare": {"policy": "xshare", "xshare_budget": 15, "xshare_warmup": 1}}
 CONCURRENCY = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
@@ -62,7 +70,8 @@ def points_of(run: dict) -> list[dict]:
         return run["points"]
     return [{"engine": "vllm", "model": r["model"], "variant": r["variant"], "concurrency": r["concurrency"],
              "tpot_ms": r["tpot_ms"], "tok_s": r["decode_tok_s"], "unique_before": r.get("unique_before"),
-             "unique_after": r.get("unique_after"), "gate_off": r.get("gate_off", False)}
+             "unique_after": r.get("unique_after"), "gate_off": r.get("gate_off", False),
+             **{key: r[key] for key in ("mass_price", "full_layers", "cut_layers") if key in r}}
             for r in run["rows"]]
 
 
@@ -162,15 +171,26 @@ def step_model(points: list[dict]) -> dict | None:
             "r2": r2, "points": len(y), "max_abs_residual_ms": float(abs(resid).max())}
 
 
+def point_price(point: dict) -> str:
+    """The routing-mass price a point ran, as the tables say it (``mass_price`` / ``full_layers`` / ``cut_layers`` of
+    the point; a point without them is from a run before ``--full-layers``)."""
+    if point["variant"] != "lynx":
+        return "—"
+    if "full_layers" not in point:
+        return "not recorded (before --full-layers: as given on the cut)"
+    depth = point["full_layers"]
+    return price_label(point.get("mass_price"), None if depth == "cut" else depth, point.get("cut_layers", "?"))
+
+
 def curve_markdown(points: list[dict]) -> str:
-    out = ["| engine | model | C | variant | TPOT (ms) | decode tok/s | unique experts before → after |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| engine | model | C | variant | TPOT (ms) | decode tok/s | unique experts before → after | routing-mass price |",
+           "|---|---|---|---|---|---|---|---|"]
     for p in sorted(points, key=lambda p: (p["engine"], p["model"], p["concurrency"], p["variant"])):
         t = "—" if p.get("unique_before") is None else f"{p['unique_before']:.2f} → {p['unique_after']:.2f}"
         if p.get("gate_off"):
             t = "gate off: the engine's own routing"
         out.append(f"| {p['engine']} | {p['model']} | {p['concurrency']} | {p['variant']} | {p['tpot_ms']:.1f} | "
-                   f"{p['tok_s']:.1f} | {t} |")
+                   f"{p['tok_s']:.1f} | {t} | {point_price(p)} |")
     return "\n".join(out)
 
 
@@ -239,9 +259,12 @@ def write_table(runs: list[dict], out: Path, stem: str, cmd: str, multiples=MULT
     fit_md = "\n".join(f"- {k}: TPOT ≈ {f['a_ms']:.1f} ms + {f['b_ms_per_expert']:.2f} ms × T + "
                         f"{f['c_ms_per_request']:.2f} ms × C (R² {f['r2']:.3f}, {f['points']} points, largest residual "
                         f"{f['max_abs_residual_ms']:.1f} ms)" for k, f in fits.items())
+    prices = "\n".join(f"- {engine} / {model}: LYNX ran {label}" for (engine, model), label in sorted(
+        {((p["engine"], p["model"]), point_price(p)) for p in points if p["variant"] == "lynx"}))
     md = (f"# Throughput under a TPOT SLO\n\ncommand: `{cmd.strip()}`; measured by {sources}\n\n"
           "Most decode tokens/s whose median TPOT meets the SLO (the concurrency C that reached it); ratios to the "
-          "unpatched engine under the same SLO.\n\n" + slo_markdown(rows) + "\n\n## Step model\n\n"
+          "unpatched engine under the same SLO.\n\n" + (f"Routing-mass price:\n\n{prices}\n\n" if prices else "")
+          + slo_markdown(rows) + "\n\n## Step model\n\n"
           "Least squares over every point (T: unique experts per layer-step after the policy; C: requests):\n\n"
           + (fit_md or "- (too few points)") + "\n\n## Curves\n\n" + curve_markdown(points) + "\n")
     out.mkdir(parents=True, exist_ok=True)
@@ -275,10 +298,14 @@ def run_transformers(args) -> dict:
     prompts = torch.randint(1, args.vocab, (top, args.prompt_tokens), generator=gen).tolist()
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
 
+    depth = full_depth(getattr(args, "full_layers", "real"), "qwen2-57b-a14b")
+    options = {v: options_at_depth(VARIANTS[v], depth) for v in VARIANTS}
+    print(f"  LYNX routing-mass {price_label(price_of(options['lynx'], args.layers), depth, args.layers)}", flush=True)
+
     def once(variant: str, c: int, new_tokens: int) -> dict:
         lynx_hf.unpatch(model)
-        if VARIANTS[variant] is not None:
-            lynx_hf.patch(model, **VARIANTS[variant])
+        if options[variant] is not None:
+            lynx_hf.patch(model, **options[variant])
         # explicit sizes: transformers otherwise sizes the paged cache from free memory (slow to zero on CPU); one
         # forward holds every prompt (the timed part is pure decode)
         cb = ContinuousBatchingConfig(num_blocks=max(16, 2 * c), page_size=64,
@@ -294,7 +321,7 @@ def run_transformers(args) -> dict:
         point = {"tpot_ms": statistics.median(tpots) * 1e3,
                  "tok_s": sum(len(s) - 1 for s in stamps) / (last - first), "wall_s": wall,
                  "tokens": [len(o.generated_tokens) for o in out.values()]}
-        if VARIANTS[variant] is not None:
+        if options[variant] is not None:
             s = lynx_hf.stats(model).summary()
             point["unique_before"], point["unique_after"] = s.get("unique_experts_before"), s.get("unique_experts_after")
             lynx_hf.unpatch(model)
@@ -322,7 +349,9 @@ def run_transformers(args) -> dict:
                        "tpot_ms": med("tpot_ms"), "tok_s": med("tok_s"), "rounds": len(ps),
                        "tpot_ms_rounds": [round(p["tpot_ms"], 2) for p in ps],
                        "unique_before": statistics.median(before) if before else None,
-                       "unique_after": statistics.median(p["unique_after"] for p in ps) if before else None})
+                       "unique_after": statistics.median(p["unique_after"] for p in ps) if before else None,
+                       "mass_price": price_of(options[v], args.layers), "full_layers": depth or "cut",
+                       "cut_layers": args.layers})
     return {"command": args.cmd, "points": points}
 
 
@@ -343,6 +372,7 @@ def parse_args(argv=None):
     t.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="float32 on CPUs without native bf16 (AVX2 only), where bf16 GEMMs take slow paths")
     t.add_argument("--also", nargs="*", type=Path, default=[], help="further run files to put in the same table")
+    add_full_layers(t, "Qwen2-57B-A14B")
     s = sub.add_parser("table", help="the table and plot from run files")
     s.add_argument("runs", nargs="+", type=Path)
     for q in (t, s):

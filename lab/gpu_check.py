@@ -72,6 +72,14 @@ A summary table closes the run. Exit status 1 if any check fails.
     python -m lab.gpu_check --dry-run    # CPU: each section on tiny shapes under the Triton interpreter
     python -m lab.gpu_check --sections kernels,sync --budget 300
 
+Routing-mass price (``--full-layers``, ``lynx_hf.eval.depth``): the default's price depends on the model's MoE depth
+(7/64 x 4 / L above 4 MoE layers), so a 2-layer cut patched with the default would run the price as given. Every LYNX
+routing-mass config here (HF patches and the vLLM plugin's step configs) runs the price of the full model
+(``lynx_hf.at_depth``): by default (``real``) the real model each section's shape is cut from (:data:`SECTION_SHAPES`:
+Qwen2-57B-A14B 28 MoE layers -> 1/64, DeepSeek-V2-Lite 26; the ``compiled`` section's model and fixture A are no cut
+of a real model: the price as given), ``--full-layers N`` one depth for every section, ``--full-layers cut`` the price
+as given everywhere (every run before issue 52). The output says which price each section ran.
+
 ``--dry-run`` tests this script, not performance: sync detection there is a dispatch-mode check of
 lynx_hf's own frames (CUDA's sync debug mode needs CUDA), the compile section uses dynamo with the eager
 backend and the torch routing ops (the interpreter's kernels cannot be traced). Imports the installed
@@ -95,6 +103,15 @@ if "--dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
+from lynx_hf.eval.depth import (  # noqa: E402
+    add_full_layers,
+    config_at_depth,
+    full_depth,
+    options_at_depth,
+    price_label,
+    price_of,
+)
+
 from .kernel_report import MODELS as KERNEL_MODELS  # noqa: E402  (name -> (H, I, N, k, rule, renorm, scale))
 
 DRY_KERNEL_MODELS = {
@@ -114,6 +131,24 @@ SYNC_POLICIES = {
 TRITON = dict(routing_backend="triton", expert_path="triton", gate="always")
 TORCH = dict(routing_backend="torch", gate="always")
 SUMMARY: list[tuple[str, str, str, str]] = []  # (section, check, status, detail)
+#: the real model (``lynx_hf.eval.depth.REAL_MOE_LAYERS``) each model of the sections is cut from: its depth prices
+#: LYNX under ``--full-layers real``; the vLLM section's layer (N 64, k 6) is DeepSeek-V2-Lite's router; the compiled
+#: section's model (hidden 1024) is no real model's cut
+SECTION_SHAPES = {"Qwen2-57B-A14B (2 layers)": "qwen2-57b-a14b", "DeepSeek-V2-Lite (2 layers)": "deepseek-v2-lite",
+                  "vllm": "deepseek-v2-lite", "compiled": None}
+
+
+def at_full_depth(args, model: str, options: dict) -> dict:
+    """``options`` (``lynx_hf.patch`` keywords, or the vLLM plugin's step options) with the routing-mass price of the
+    full model ``model`` (a :data:`SECTION_SHAPES` key) is cut from, at the depth ``--full-layers`` gives."""
+    return options_at_depth(options, full_depth(args.full_layers, SECTION_SHAPES[model]))
+
+
+def note_price(args, section: str, model: str, cut_layers: int) -> None:
+    """Print, in the summary too, the routing-mass price LYNX runs in ``section`` on ``model``."""
+    depth = full_depth(args.full_layers, SECTION_SHAPES[model])
+    price = price_of(at_full_depth(args, model, {"policy": "lynx"}), cut_layers)
+    note(section, f"{model}: LYNX routing-mass price", price_label(price, depth, cut_layers))
 
 
 # ------------------------------------------------------------------------------------------- helpers
@@ -490,9 +525,10 @@ def section_sync(args, dev, budget, models) -> None:
                 yield
 
         note(S, "scope", "dispatch-mode check of lynx_hf frames under strict_sync_free() (CPU dry run)")
+    note_price(args, S, name, config.num_hidden_layers)
     for backend, ops in (("triton", TRITON), ("torch", TORCH)):
         for label, kwargs in SYNC_POLICIES.items():
-            lynx_hf.patch(model, **ops, **kwargs)
+            lynx_hf.patch(model, **at_full_depth(args, name, {**ops, **kwargs}))
             try:
                 if dev.type == "cuda":
                     guard = CudaSyncGuard(mode)
@@ -568,6 +604,7 @@ def section_tpot(args, dev, budget, models) -> None:
         model = models.get(name) or build_model(config, dev, torch.float32 if args.dry_run else torch.bfloat16)
         models[name] = model
         note(S, f"{name} HF default experts implementation", repr(model.config._experts_implementation))
+        note_price(args, S, name, config.num_hidden_layers)
         for B in batches:
             if not budget.allows(12 if not args.dry_run else 2, f"{name} B={B}", S):
                 break
@@ -579,7 +616,7 @@ def section_tpot(args, dev, budget, models) -> None:
                 if variants[v] is None:
                     lynx_hf.unpatch(model)
                 else:
-                    lynx_hf.patch(model, **{"policy": "lynx", **variants[v]})
+                    lynx_hf.patch(model, **at_full_depth(args, name, {"policy": "lynx", **variants[v]}))
                     lynx_hf.reset_stats(model)
                 clock = StepClock(dev)
                 with torch.inference_mode():
@@ -618,7 +655,7 @@ def section_tpot(args, dev, budget, models) -> None:
         try:  # the default's cost gate on this model's first MoE block (measured at its first default patch above)
             from lynx_hf import gate as lgate
 
-            lynx_hf.patch(model, policy="lynx", **variants["lynx default"])
+            lynx_hf.patch(model, **at_full_depth(args, name, {"policy": "lynx", **variants["lynx default"]}))
             planned = lgate.of(lynx_hf.state.state_of(model).blocks[0].plan)
             for b, d in sorted(planned.decisions.items()):
                 if b <= 128:
@@ -663,7 +700,8 @@ def section_graphs(args, dev, budget, models) -> None:
         cc._compile_all_devices = True
     else:
         cc = CompileConfig(fullgraph=True, mode="reduce-overhead")
-    lynx_hf.patch(model, policy="lynx", routing_backend=backend, gate="always")
+    note_price(args, S, name, config.num_hidden_layers)
+    lynx_hf.patch(model, **at_full_depth(args, name, dict(policy="lynx", routing_backend=backend, gate="always")))
     try:
         if dev.type == "cuda":
             # a user's first generate after patch: on CUDA transformers compiles a static-cache decode by itself
@@ -785,7 +823,9 @@ def section_compiled(args, dev, budget) -> None:
             plain_c, skips = run({}, eos_token_id=None)
             record(S, "control: unpatched compiled == eager tokens", torch.equal(plain, plain_c),
                    f"cudagraph counters {skips or '{}'}")
-        lynx_hf.patch(model, policy="lynx", routing_backend="torch" if args.dry_run else "auto", gate="always")
+        note_price(args, S, "compiled", config.num_hidden_layers)
+        lynx_hf.patch(model, **at_full_depth(args, "compiled", dict(
+            policy="lynx", routing_backend="torch" if args.dry_run else "auto", gate="always")))
         free, _ = run(eos_token_id=None)
         eos = _stop_tokens(free[:, ids.shape[1]:], 0)
         lynx_hf.reset_stats(model)
@@ -829,6 +869,8 @@ def section_gate(args, dev, budget) -> None:
     """The cost gate's decisions (``LynxConfig.gate="auto"``) per shape x B on this device (``lab.gate_table``):
     printed for the record (a decision is the device's, not a pass / fail); the check is that every measurement
     ran and is finite."""
+    from lynx_hf import LynxConfig
+
     from .gate_table import BATCHES, SHAPES, table
 
     S = "gate"
@@ -836,9 +878,16 @@ def section_gate(args, dev, budget) -> None:
         return
     names, batches = (["fixture-a"], [4, 16]) if args.dry_run else (["fixture-a", *SHAPES], list(BATCHES))
     print(f"\n== cost gate decisions on {dev} ==", flush=True)
-    rows = table(names, batches, dev, log=lambda line: print("  " + line, flush=True))
-    if dev.type == "cuda":  # as a CUDA-graph engine (vLLM) runs the step: the routing cost of a graph replay
-        rows += table(names, batches, dev, log=lambda line: print("  " + line, flush=True), captured=True)
+    rows = []
+    for name in names:  # each shape's decisions for the price its full model's layers run (fixture A: whole)
+        depth = full_depth(args.full_layers, name)
+        config = config_at_depth(LynxConfig(gate="auto"), depth)
+        whole = name == "fixture-a"  # fixture A's layer is priced as the whole 4-layer model prices it: as given
+        note(S, f"{name}: LYNX routing-mass price", price_label(price_of(config, 1), depth, 4 if whole else 1, whole))
+        # on CUDA also as a CUDA-graph engine (vLLM) runs the step: the routing cost of a graph replay
+        for captured in (False, True) if dev.type == "cuda" else (False,):
+            rows += table([name], batches, dev, config, log=lambda line: print("  " + line, flush=True),
+                          captured=captured)
     for r in rows:
         note(S, f"{r['shape']}{' (graph)' if r['captured'] else ''} B={r['B']}",
              f"{'on' if r['on'] else 'off'}: cost {r['cost_ms']:.4f} ms, saving "
@@ -898,6 +947,7 @@ def section_vllm(args, dev, budget) -> None:
         return
     N, k, T = (16, 4, 12) if args.dry_run else (64, 6, 48)
     print(f"\n== vLLM plugin's step function (N {N}, k {k}, T {T}; no vLLM needed) ==", flush=True)
+    note_price(args, S, "vllm", 1)
     gen = torch.Generator().manual_seed(0)
     pad = torch.zeros(T, dtype=torch.bool)
     pad[T // 3::4] = True
@@ -911,10 +961,10 @@ def section_vllm(args, dev, budget) -> None:
         for pname, policy in VLLM_POLICIES.items():
             logits = (torch.randn(T, N, generator=gen) * 2).to(dev)
             weights, ids = _vllm_routing(logits, k, pad)
-            options = {**policy, "routing_backend": backend}
+            options = at_full_depth(args, "vllm", {**policy, "routing_backend": backend})
             try:
                 out_w, out_ids, tel = _vllm_step(options, N, k, dev, kinds, logits, weights, ids)
-                ref_w, ref_ids, ref_tel = _vllm_step({**policy, "routing_backend": "torch"}, N, k, dev, kinds[keep],
+                ref_w, ref_ids, ref_tel = _vllm_step({**options, "routing_backend": "torch"}, N, k, dev, kinds[keep],
                                                      logits[keep], weights[keep], ids[keep])
                 all_w, all_ids, all_tel = _vllm_step(options, N, k, dev, kinds, logits, torch.zeros_like(weights),
                                                      torch.full_like(ids, -1))
@@ -947,8 +997,8 @@ def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "stats.json")
-            options = {"policy": "lynx", "gate": "always", "routing_backend": backend, "stats_path": path,
-                       "stats_every": 1}
+            options = at_full_depth(args, "vllm", {"policy": "lynx", "gate": "always", "routing_backend": backend,
+                                                   "stats_path": path, "stats_every": 1})
             with state.isolated(options, capacity=T):
                 layer = _vllm_layer(N, k)
                 plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
@@ -990,7 +1040,8 @@ def section_torch_capture(args, dev, budget) -> None:
         return
     N, k, T = 64, 6, 48
     kinds = torch.full((T,), state.DECODE, dtype=torch.int8, device=dev)
-    with state.isolated({"policy": "lynx", "gate": "always", "routing_backend": "torch"}, capacity=T):
+    options = at_full_depth(args, "vllm", {"policy": "lynx", "gate": "always", "routing_backend": "torch"})
+    with state.isolated(options, capacity=T):
         layer = _vllm_layer(N, k)
         plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
         logits = (torch.randn(T, N, generator=torch.Generator().manual_seed(4)) * 2).to(dev)
@@ -1013,7 +1064,8 @@ def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
     from lynx_hf.vllm import plans, state
 
     S = "vllm"
-    options = {"policy": "lynx", "gate": "always", "routing_backend": "auto" if dev.type == "cuda" else "torch"}
+    options = at_full_depth(args, "vllm", {"policy": "lynx", "gate": "always",
+                                           "routing_backend": "auto" if dev.type == "cuda" else "torch"})
     gen = torch.Generator().manual_seed(1)
     static_logits = torch.zeros(T, N, device=dev)
     static_w = torch.zeros(T, k, device=dev)
@@ -1101,6 +1153,7 @@ def section_int4(args, dev, budget, models) -> None:
     if not budget.allows(60 if not args.dry_run else 10, f"{name} int4", S):
         return
     print(f"\n== int4 experts: {name} ==", flush=True)
+    note_price(args, S, name, config.num_hidden_layers)
     dtype = torch.float32 if args.dry_run else torch.bfloat16
     model = models.get(name) or build_model(config, dev, dtype)
     models[name] = model
@@ -1138,7 +1191,7 @@ def section_int4(args, dev, budget, models) -> None:
             if options is None:
                 lynx_hf.unpatch(m)
             else:
-                lynx_hf.patch(m, policy="lynx", **options)
+                lynx_hf.patch(m, **at_full_depth(args, name, {"policy": "lynx", **options}))
                 lynx_hf.reset_stats(m)
             clock = StepClock(dev)
             with torch.inference_mode():
@@ -1185,7 +1238,8 @@ def section_slo(args, dev) -> None:
                            dtype="float32" if dry else "bfloat16", device=dev, prompt_tokens=4 if dry else 16,
                            new_tokens=3 if dry else 16, rounds=1,
                            variants=["unpatched", "lynx"] if dry else list(slo.VARIANTS),
-                           concurrency=[2] if dry else [1, 4, 8, 16, 32, 64, 128], cmd="lab.gpu_check slo")
+                           concurrency=[2] if dry else [1, 4, 8, 16, 32, 64, 128], cmd="lab.gpu_check slo",
+                           full_layers=args.full_layers)  # the price of Qwen2-57B-A14B's depth (printed by the run)
     try:
         run = slo.run_transformers(opts)
         rows = slo.slo_rows(slo.points_of(run), at=(2,) if dry else slo.AT)
@@ -1211,6 +1265,7 @@ def main(argv=None) -> int:
     p.add_argument("--budget", type=float, default=450.0, help="seconds; sections that would not fit are skipped")
     p.add_argument("--new-tokens", type=int, default=12, help="decode steps timed per TPOT run")
     p.add_argument("--rounds", type=int, default=2, help="interleaved TPOT rounds")
+    add_full_layers(p, "each section's real model")
     args = p.parse_args(argv)
     SUMMARY.clear()
     sections = [s for s in args.sections.split(",") if s]

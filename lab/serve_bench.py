@@ -24,6 +24,13 @@ benchmarks define it; reported: the median over requests, the decode throughput 
 span) and the whole-batch throughput (prefill included); ratios to unpatched are per round (paired), median
 over rounds. The plugin's telemetry gives the unique experts per MoE layer per decode step before/after.
 Timings on a shared machine are noisy: read the ratios, and run nothing else meanwhile.
+
+Routing-mass price: the default's price depends on the model's MoE depth (7/64 x 4 / L above 4 MoE layers), and the
+plugin prices a 2-layer cut as a 2-layer model. ``--full-layers`` (``lynx_hf.eval.depth``; default ``real``: Qwen2-57B-A14B's
+28 MoE layers, price 1/64) gives the real-shape model's LYNX engines the full model's price: the configuration passed
+to each vLLM worker (``additional_config={"lynx": ...}``) carries ``mass_price`` scaled and ``price_ref_layers: None``
+(``lynx_hf.at_depth``); ``cut``: the price as given (every run before issue 52). Fixture A runs whole, at its own 4 MoE
+layers (7/64). Each row records the price it ran (``mass_price``, ``full_layers``) and the table says it.
 """
 
 from __future__ import annotations
@@ -40,7 +47,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from lynx_hf.eval.depth import add_full_layers, full_depth, options_at_depth, price_of
 from lynx_hf.eval.slo import VARIANTS as SLO_VARIANTS
+from lynx_hf.eval.slo import point_price
 
 from . import DATA_DIR, ROOT, command
 from . import DEFAULT_FIXTURE as FIXTURE_A
@@ -63,6 +72,25 @@ SCALED_KEYS = ("hidden_size", "moe_intermediate_size", "shared_expert_intermedia
 
 
 # ------------------------------------------------------------------------------------------ model
+def moe_layers_of(config: dict) -> int:
+    """MoE layers of a Qwen2-MoE ``config.json`` (every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``)."""
+    step, dense = config.get("decoder_sparse_step", 1), set(config.get("mlp_only_layers") or [])
+    return sum(1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
+
+
+def engine_lynx(variant: str, model: str, full_layers, cut_layers: int) -> tuple[dict | None, dict]:
+    """The plugin configuration a worker of ``variant`` on ``model`` gets (``additional_config={"lynx": ...}``;
+    ``None``: unpatched) and what the rows record of its price: ``{"mass_price", "full_layers", "cut_layers"}``.
+    The real-shape model (a cut of ``cut_layers`` layers) at the depth ``--full-layers`` gives; fixture A whole."""
+    if model == "fixture-a":
+        own = moe_layers_of(json.loads((FIXTURE_A / "config.json").read_text()))
+        options = VARIANTS[variant]
+        return options, {"mass_price": price_of(options, own), "full_layers": own, "cut_layers": own}
+    depth = full_depth(full_layers, "qwen2-57b-a14b")
+    options = options_at_depth(VARIANTS[variant], depth)
+    return options, {"mass_price": price_of(options, cut_layers), "full_layers": depth or "cut", "cut_layers": cut_layers}
+
+
 def real_shape_config(layers: int, vocab: int, scale: int) -> dict:
     kw = dict(QWEN2_57B)
     for key in SCALED_KEYS:
@@ -305,6 +333,9 @@ def aggregate(results: list[dict], variants: list[str]) -> list[dict]:
             row["gate_off"] = bool(before) and bool(seen) and max(seen) == 0
             bypassed = [x["gate_bypassed_layers"] for x in cells if x.get("gate_bypassed_layers") is not None]
             row["gate_bypassed_layers"] = max(bypassed) if bypassed else None
+            priced = [r for r in results if r["model"] == model and r["variant"] == v and "full_layers" in r]
+            if priced:  # the price its engines ran (one per model and variant)
+                row.update({key: priced[0][key] for key in ("mass_price", "full_layers", "cut_layers")})
             rows.append(row)
     return rows
 
@@ -314,8 +345,8 @@ def markdown(rows: list[dict], header: str) -> str:
         return "—" if x is None else format(x, fmt)
 
     out = [header, "", "| model | C | variant | TPOT (ms) | TPOT ratio to unpatched | decode tok/s | decode speed-up | "
-           "batch tok/s (with prefill) | unique experts before → after | TPOT per round (ms) |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "batch tok/s (with prefill) | unique experts before → after | TPOT per round (ms) | routing-mass price |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         t = "—" if r["unique_before"] is None else f"{r['unique_before']:.2f} → {r['unique_after']:.2f}"
         if r.get("gate_off"):
@@ -323,7 +354,7 @@ def markdown(rows: list[dict], header: str) -> str:
             t = "gate off: vLLM's routing" + (f" ({bypassed} layers bypassed)" if bypassed else "")
         out.append(f"| {r['model']} | {r['concurrency']} | {r['variant']} | {f(r['tpot_ms'], '.1f')} | "
                    f"{f(r.get('tpot_ratio'), '.3f')} | {f(r['decode_tok_s'], '.1f')} | {f(r.get('decode_speedup'), '.3f')} | "
-                   f"{f(r['total_tok_s'], '.1f')} | {t} | {r['tpot_ms_rounds']} |")
+                   f"{f(r['total_tok_s'], '.1f')} | {t} | {r['tpot_ms_rounds']} | {point_price(r)} |")
     return "\n".join(out) + "\n"
 
 
@@ -345,6 +376,7 @@ def parse_args(argv=None):
     p.add_argument("--model-dir", default=None, help="where the random-weight model is written (default: temp dir)")
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine process")
+    add_full_layers(p, "Qwen2-57B-A14B (the real-shape model; fixture A runs whole)")
     p.add_argument("--tiny", action="store_true", help="dry run: --scale 16, C 4, 8 tokens, 1 round, eager")
     p.add_argument("--out", type=Path, default=None, help="output stem (default: eval/results/serve_bench[_tiny])")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -385,13 +417,15 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 order = args.variants[rnd % len(args.variants):] + args.variants[:rnd % len(args.variants)]
                 for variant in order:
+                    lynx, price = engine_lynx(variant, model, args.full_layers, args.layers)
                     spec = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": rnd,
-                            "lynx": VARIANTS[variant], "eager": args.eager, "concurrency": args.concurrency,
+                            "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "vocab": args.vocab,
                             "dtype": args.dtype}
                     out = run_engine(spec, work, env, args.timeout)
                     label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
-                    out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"), round=rnd)
+                    out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"), round=rnd,
+                               **price)
                     results.append(out)
     rows = aggregate(results, args.variants)
     import torch
@@ -400,6 +434,7 @@ def main(argv=None) -> int:
     header = (f"# vLLM serving benchmark (CPU)\n\ncommand: `{cmd.strip()}`; vLLM {vllm.__version__}, torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs, {args.dtype}, {'eager' if args.eager else 'compiled'}; "
               f"{args.rounds} round(s), prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
+              f"LYNX's routing-mass price at --full-layers {args.full_layers} (the last column); "
               f"total {time.perf_counter() - t_start:.0f} s")
     md = markdown(rows, header)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,7 @@ from .errors import (
 )
 from .patcher import config_of, is_patched, patch, patched, reset_stats, stats, unpatch
 from .patches import supported_families
+from .policies.lynx import at_depth
 from .telemetry import LynxStats
 
 __version__ = "0.1.0"
@@ -34,6 +35,7 @@ __all__ = [
     "ModelConfigError",
     "NotPatchedError",
     "UnsupportedModelError",
+    "at_depth",
     "config_of",
     "is_patched",
     "patch",

@@ -9,6 +9,7 @@ the project's extension (``LynxConfig`` documents each field):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -48,6 +49,37 @@ def layer_price(cfg, moe_layers: int) -> float | None:
     if price is None or ref is None or moe_layers <= ref:
         return price
     return price * ref / moe_layers
+
+
+def at_depth(config, moe_layers: int):
+    """``config`` with the routing-mass price a model of ``moe_layers`` MoE layers gets, fixed for any depth: for a
+    LYNX routing-mass config (``policy="lynx"``, ``mass_price`` set) a copy whose ``mass_price`` is
+    :func:`layer_price` ``(config, moe_layers)`` and whose ``price_ref_layers`` is ``None``, so every layer of a model
+    of any depth (a 1-2-layer cut of a real shape in a benchmark) runs the price the full model's layers run. Every
+    other config (policies ``"oea"`` / ``"xshare"`` / ``"none"``, the paper's rule ``mass_price=None``: no
+    routing-mass price) is returned unchanged.
+
+    Args:
+        config: a :class:`~lynx_hf.LynxConfig`.
+        moe_layers: the MoE layers of the full model (``int >= 1``), e.g. 28 for Qwen2-57B-A14B, 26 for
+            DeepSeek-V2-Lite (27 layers, the first dense), 48 for Qwen3-30B-A3B.
+
+    Returns a :class:`~lynx_hf.LynxConfig` (units of ``mass_price`` unchanged: ``price_unit``); with the defaults
+    (7/64, ``price_ref_layers=4``) the price is 7/64 for ``moe_layers <= 4`` and ``7/64 * 4 / moe_layers`` above
+    (1/64 at 28). Raises :class:`LynxConfigError` when ``moe_layers`` is not an int ``>= 1`` (a bool is refused).
+
+    Example::
+
+        >>> from lynx_hf import LynxConfig, at_depth
+        >>> at_depth(LynxConfig(), 28).mass_price, at_depth(LynxConfig(), 28).price_ref_layers
+        (0.015625, None)
+    """
+    if isinstance(moe_layers, bool) or not isinstance(moe_layers, int) or moe_layers < 1:
+        raise LynxConfigError(f"at_depth: moe_layers (the full model's MoE layers) must be an int >= 1, "
+                              f"got {moe_layers!r}")
+    if config.policy != "lynx" or config.mass_price is None:
+        return config
+    return dataclasses.replace(config, mass_price=layer_price(config, moe_layers), price_ref_layers=None)
 
 
 class LynxPolicy(Policy):

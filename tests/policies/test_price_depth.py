@@ -75,3 +75,27 @@ def test_models_no_deeper_than_the_reference_keep_the_price_as_given():
     ref, _, ref_summary = _generate(model, LynxConfig(gate="always", price_ref_layers=None))
     assert all(p.params.mass_price == 0.109375 for p in plans)
     assert torch.equal(out, ref) and summary["unique_experts_after"] == ref_summary["unique_experts_after"]
+
+
+def test_at_depth_fixes_the_full_models_price_on_any_cut():
+    """``lynx_hf.at_depth`` (issue 52 item 4): the price of a 28-layer model (7/64 x 4 / 28 = 1/64, by hand) on every
+    layer of a model of any depth, including the 2-layer cut a benchmark runs; other configs unchanged."""
+    deep = lynx_hf.at_depth(LynxConfig(), 28)
+    assert deep.mass_price == 0.015625 == 7 / 64 * 4 / 28 and deep.price_ref_layers is None
+    for cut in (1, 2, 4, 28, 60):
+        assert layer_price(deep, cut) == 0.015625
+    assert lynx_hf.at_depth(LynxConfig(), 26).mass_price == pytest.approx(0.109375 * 4 / 26)   # DeepSeek-V2-Lite
+    assert lynx_hf.at_depth(LynxConfig(), 3).mass_price == 0.109375   # no deeper than the reference: as given
+    assert lynx_hf.at_depth(LynxConfig(price_ref_layers=None), 28).mass_price == 0.109375
+    assert lynx_hf.at_depth(LynxConfig(mass_price=0.5, price_unit="token"), 8) == \
+        LynxConfig(mass_price=0.25, price_unit="token", price_ref_layers=None)
+    for other in (LynxConfig(mass_price=None), LynxConfig(policy="oea"), LynxConfig(policy="none")):
+        assert lynx_hf.at_depth(other, 28) is other
+    plan = make_plan(deep, MoELayer(32, 8, "cpu", moe_layers=2))
+    assert plan.params.mass_price == 0.015625
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "28", None])
+def test_at_depth_refuses_a_depth_that_is_no_positive_int(bad):
+    with pytest.raises(LynxConfigError, match="moe_layers"):
+        lynx_hf.at_depth(LynxConfig(), bad)

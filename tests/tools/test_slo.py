@@ -150,3 +150,38 @@ def test_step_model_recovers_the_costs_of_an_exact_curve():
     assert fit["a_ms"] == pytest.approx(10.0) and fit["b_ms_per_expert"] == pytest.approx(2.0)
     assert fit["c_ms_per_request"] == pytest.approx(3.0) and fit["r2"] == pytest.approx(1.0)
     assert slo.step_model(pts[:3]) is None  # too few points that know T
+
+
+def test_full_layers_reaches_the_configs_the_transformers_engine_patches(monkeypatch):
+    """``--full-layers`` (issue 52 item 4): the 1-layer cut of the Qwen2-57B-A14B shape patched by the transformers
+    engine runs 1/64 on its layer (7/64 x 4 / 28, by hand; as given it would be 7/64) with the default ``real``, 7/64
+    with ``cut``, 7/64 x 4 / 8 with 8; each LYNX point records it and the curve table says it."""
+    from types import SimpleNamespace
+
+    import lynx_hf
+
+    assert slo.parse_args(["transformers"]).full_layers == "real"
+    assert slo.parse_args(["transformers", "--full-layers", "8"]).full_layers == 8
+    with pytest.raises(SystemExit):
+        slo.parse_args(["transformers", "--full-layers", "0"])
+    monkeypatch.setenv("LYNX_HF_GATE", "always")  # the gate's patch-time timing is not this test's subject
+    real, prices = lynx_hf.patch, []
+
+    def patch(model, *args, **kwargs):
+        out = real(model, *args, **kwargs)
+        if lynx_hf.config_of(model).policy == "lynx":
+            prices.append([b.plan.params.mass_price for b in lynx_hf.patcher._state(model).blocks])
+        return out
+
+    monkeypatch.setattr(lynx_hf, "patch", patch)
+    for option, want, depth in (("real", 1 / 64, 28), ("cut", 0.109375, "cut"), (8, 7 / 64 / 2, 8)):
+        prices.clear()
+        opts = SimpleNamespace(layers=1, vocab=256, scale=16, threads=None, dtype="float32", prompt_tokens=4,
+                               new_tokens=2, rounds=1, variants=["unpatched", "lynx"], concurrency=[2], cmd="test",
+                               full_layers=option)
+        run = slo.run_transformers(opts)
+        assert prices and all(p == [want] for p in prices), (option, prices)
+        lynx = next(p for p in run["points"] if p["variant"] == "lynx")
+        assert (lynx["mass_price"], lynx["full_layers"], lynx["cut_layers"]) == (want, depth, 1)
+    assert "price 0.0546875 (at 8 MoE layers)" in slo.curve_markdown(run["points"])
+    assert "as given" in slo.point_price({"variant": "lynx"})  # a run file from before the option

@@ -1,0 +1,68 @@
+"""``lab.serve_bench --full-layers`` (issue 52 item 4): the configuration each vLLM worker gets (the spec file's
+``lynx``, read by the plugin's own parser) carries the full model's routing-mass price, so the plugin's plan for a
+layer of the 2-layer cut runs it; fixture A runs whole. Runs in the main environment: the driver is stepped with vLLM
+stubbed and the engines replaced (lab.serve_bench's other pure parts: tests/vllm_plugin/test_serve_bench.py)."""
+
+import json
+import sys
+import types
+
+import pytest
+
+from lab import serve_bench as sb
+from lynx_hf.core import MoELayer, make_plan
+from lynx_hf.vllm import config as plugin_config
+
+
+def _plan_price(lynx_options, moe_layers, n=64, k=8):
+    """The price the plugin's plan runs on a layer of an engine of ``moe_layers`` MoE layers (``plans.plan_for``:
+    ``moe_layers = len(target_layers())``), from the options as a worker reads them (JSON, ``additional_config``)."""
+    parsed = plugin_config.resolve({"lynx": json.loads(json.dumps(lynx_options))})
+    return make_plan(parsed.lynx, MoELayer(n, k, "cpu", moe_layers=moe_layers)).params.mass_price
+
+
+def test_engine_lynx_by_hand():
+    # the real-shape model, a 2-layer cut of Qwen2-57B-A14B: 7/64 x 4 / 28 = 1/64 (as given on 2 layers: 7/64)
+    lynx, price = sb.engine_lynx("lynx", "qwen2-57b-2l", "real", 2)
+    assert lynx == {"policy": "lynx", "mass_price": 1 / 64, "price_ref_layers": None}
+    assert price == {"mass_price": 1 / 64, "full_layers": 28, "cut_layers": 2}
+    assert _plan_price(lynx, 2) == 1 / 64 and _plan_price(sb.VARIANTS["lynx"], 2) == 0.109375
+    assert sb.engine_lynx("lynx", "qwen2-57b-2l", 48, 1)[0]["mass_price"] == pytest.approx(7 / 64 * 4 / 48)
+    assert sb.engine_lynx("lynx", "qwen2-57b-2l", "cut", 2) == (sb.VARIANTS["lynx"],
+                                                                 {"mass_price": 0.109375, "full_layers": "cut",
+                                                                  "cut_layers": 2})
+    assert sb.engine_lynx("oea", "qwen2-57b-2l", "real", 2)[0] == sb.VARIANTS["oea"]
+    assert sb.engine_lynx("unpatched", "qwen2-57b-2l", "real", 2)[0] is None
+    # fixture A runs whole: its own 4 MoE layers, the price as given
+    assert sb.engine_lynx("lynx", "fixture-a", "real", 2) == (sb.VARIANTS["lynx"],
+                                                              {"mass_price": 0.109375, "full_layers": 4,
+                                                               "cut_layers": 4})
+    assert sb.parse_args([]).full_layers == "real" and sb.parse_args(["--full-layers", "26"]).full_layers == 26
+
+
+def test_the_worker_specs_carry_the_full_models_price(monkeypatch, tmp_path):
+    """The driver end to end (engines replaced, vLLM stubbed): every spec a LYNX worker of the real-shape model is
+    started with makes the plugin plan 1/64 on each layer of the 2-layer cut; fixture A's 7/64 at its 4 layers; the
+    table says which price each row ran."""
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="stub"))
+    monkeypatch.setattr(sb, "real_shape_model", lambda args: tmp_path / "model")
+    specs = []
+
+    def run_engine(spec, work, env, timeout):
+        specs.append(json.loads(json.dumps(spec)))  # what the worker reads back from its spec file
+        on = spec["lynx"] is not None  # the unpatched engine has no plugin telemetry
+        cell = {"tpot_ms": 10.0, "decode_tok_s": 100.0, "total_tok_s": 50.0, "unique_before": 20.0 if on else None,
+                "unique_after": 10.0 if on else None, "decode_steps_seen": 5 if on else None}
+        return {"variant": spec["variant"], "cells": {"4": cell}}
+
+    monkeypatch.setattr(sb, "run_engine", run_engine)
+    out = tmp_path / "sb"
+    assert sb.main(["--models", "fixture-a", "qwen2-57b-2l", "--variants", "lynx", "oea", "--concurrency", "4",
+                    "--rounds", "1", "--out", str(out)]) == 0
+    lynx = {s["model"]: s["lynx"] for s in specs if s["variant"] == "lynx"}
+    assert _plan_price(lynx["qwen2-57b-2l"], 2) == 1 / 64
+    assert _plan_price(lynx["fixture-a"], 4, n=32, k=4) == 0.109375
+    rows = {(r["model"], r["variant"]): r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    assert (rows[("qwen2-57b-2l", "lynx")]["mass_price"], rows[("qwen2-57b-2l", "lynx")]["full_layers"]) == (1 / 64, 28)
+    md = out.with_suffix(".md").read_text()
+    assert "| price 0.015625 (at 28 MoE layers) |" in md and "| price 0.109375 (at 4 MoE layers) |" in md
