@@ -300,7 +300,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_step_not_in_key",
         "the decision key leaves out the engine's step (experts implementation, storage, offload, selection rule) (C41)",
-        (("lynx_hf/gate/key.py", '"step": describe(step),', '"step": None,'),),
+        (("lynx_hf/gate/key.py", "engine=_json(step),", 'engine="null",'),),
         (GATE + "test_C41_the_key_holds_what_the_step_runs",),
     ),
     Mutant(
@@ -544,10 +544,16 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/accelerator/test_triton_path.py::test_kernel_runs_only_from_the_plans_token_threshold",),
     ),
     Mutant(
-        "gate_key_new_field",
-        "RoutePlan.kernel_min_tokens described in the gate's key even at its default: every shipped table misses",
-        (("lynx_hf/gate/key.py", 'f.metadata.get("key") == "omit_default" and getattr', 'False and getattr'),),
-        ("tests/policies/test_gate_shipped.py",),
+        "gate_measure_code_changed_unversioned",
+        "the measuring code changes (L2 flush of a quarter the size) under the same MEASURE_VERSION: stale caches served",
+        (("lynx_hf/gate/measure.py", "L2_FLUSH_BYTES = 256 << 20", "L2_FLUSH_BYTES = 64 << 20"),),
+        (STORE + "test_measure_version_pins_the_measuring_code",),
+    ),
+    Mutant(
+        "gate_key_measure_version_left_out",
+        "the decision key names measuring code 1 whatever the version: an older code's cache entry is served",
+        (("lynx_hf/gate/key.py", "        measure=MEASURE_VERSION)", "        measure=1)"),),
+        (STORE + "test_stale_cache_of_an_older_measuring_code_is_measured_again",),
     ),
     # -- issue 56: the decision store, the rule's floor, mixed steps, rank agreement, the plugin's accounting, the
     # flatness guard, the .data fingerprint (an independent probe found them breakable with every test green)

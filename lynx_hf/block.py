@@ -193,13 +193,15 @@ class BlockRouting:
         return lambda h, i, w: ops.sparse_moe(h, i, w, experts.gate_up_proj, experts.down_proj, exact_grid=False)
 
     def step_key(self) -> dict:
-        """What this block's decode step runs besides its plan and shape, for the cost gate's key
-        (``lynx_hf.gate.key.make_key``; ``docs/cases.md`` C41): the family, its selection scores (function, and the
-        block's selection-bias rule or what the function reads of the router: grouping, method), the weight rule,
-        the experts module's class, the experts implementation it runs (its config's, e.g. ``grouped_mm`` or
-        ``eager``), how its weights are stored (each tensor's class, dtype, device; a quantized or wrapped tensor is
-        another class) and whether they are read per expert from an offload (``lynx_hf.offload``, with the resident
-        cache's budget)."""
+        """What this block's decode step runs besides its plan and shape, as plain data for the cost gate's key
+        (``lynx_hf.gate.key.GateKey.engine``; ``docs/cases.md`` C41, C49): ``family`` (the family spec's name: it
+        fixes the selection-scores function and any replaced forward), ``selection`` (the block's verified
+        selection-bias rule, else what the family's scores read of the router: grouping, method; ``None``: top-k of the
+        logits), ``weight`` (the weight rule), ``experts``: ``class`` (the experts module's class name),
+        ``implementation`` (the experts implementation its config names, e.g. ``"grouped_mm"`` or ``"eager"``;
+        ``None``: not the experts interface), ``storage`` (each weight tensor's class, dtype and device type, sorted: a
+        quantized or wrapped tensor is another class), ``offload`` (``None``, or the resident cache's byte budget where
+        the experts are read per expert from an offload, ``lynx_hf.offload``)."""
         experts = self.experts
         impl = None
         if isinstance(experts, torch.nn.Module) and uses_interface(experts):
@@ -207,19 +209,19 @@ class BlockRouting:
                 impl = original_implementation(experts)
             except (AttributeError, KeyError, TypeError, ValueError):
                 impl = None
-        storage = ()
+        storage = []
         if isinstance(experts, torch.nn.Module):
-            storage = tuple(sorted({(type(t).__name__, str(t.dtype), t.device.type)
-                                    for t in [*experts.parameters(), *experts.buffers()]}))
+            storage = [list(s) for s in sorted({(type(t).__name__, str(t.dtype), t.device.type)
+                                                for t in [*experts.parameters(), *experts.buffers()]})]
         offloaded = None
         if self.offload is not None:
-            offloaded = ("experts", self.model_state.config.expert_cache_bytes)
+            offloaded = {"cache_bytes": self.model_state.config.expert_cache_bytes}
         rule_of = self.spec.selection_rule_of
         selection = self.selection if self.selection is not None else \
             (rule_of(self.router) if rule_of is not None else None)
-        return {"family": self.spec.family, "scores": self.spec.selection_scores, "selection": selection,
-                "weight": self.rule, "forward": self.spec.decode_forward,
-                "experts": (type(experts).__qualname__, impl, storage, offloaded)}
+        return {"family": self.spec.family, "selection": selection, "weight": self.rule,
+                "experts": {"class": type(experts).__qualname__, "implementation": impl, "storage": storage,
+                            "offload": offloaded}}
 
     def layer_shape(self) -> LayerShape:
         """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),

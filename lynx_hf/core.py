@@ -198,12 +198,10 @@ class RoutePlan:
     host_ops: object = None
     fused: object = None
     expert_ops: object = None
-    # left out of the cost gate's key while 1 (lynx_hf.gate.key.describe): the keys of plans made before the field
-    # existed, and the shipped decision tables indexed by them, stay the same
-    kernel_min_tokens: int = dataclasses.field(default=1, metadata={"key": "omit_default"})
+    kernel_min_tokens: int = 1
     stages: tuple = dataclasses.field(default=(), compare=False)
     runner: Optional[Runner] = dataclasses.field(default=None, compare=False, repr=False)
-    # the cost gate's key has it through ``kernel`` (device_step); it holds per-thread buffers: not compared
+    # it holds per-thread buffers: not compared
     fused_device: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def run(self, inputs: StepInputs) -> Routed:
@@ -354,6 +352,11 @@ def device_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
     return _launch(plan, inputs, keep=False)
 
 
+#: the decode-step functions by the name the cost gate's key gives them (``lynx_hf.gate.key.GateKey.step``): a key
+#: names the kind of step measured, never a function, so renaming one keeps every stored decision
+STEP_KINDS = {"keep": keep_routing, "fused": fused_step, "device": device_step, "remap": remap_step}
+
+
 def _launch(plan: RoutePlan, inputs: StepInputs, keep: bool) -> Routed:
     step, telemetry, rule = inputs.step, inputs.telemetry, inputs.rule
     selection, bias, scores = LOGITS, None, None
@@ -474,4 +477,4 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
 
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "StepInputs", "Routed",
            "Runner", "Stage", "MoELayer", "RoutePlan", "make_plan", "decode_step", "keep_routing", "remap_step",
-           "fused_step", "device_step", "remap", "record_step", "host_reads_allowed"]
+           "STEP_KINDS", "fused_step", "device_step", "remap", "record_step", "host_reads_allowed"]

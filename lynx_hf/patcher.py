@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import os
 import types
 import warnings
@@ -395,11 +394,11 @@ def _note_table(state: ModelState) -> None:
         return
     try:
         entries = gate.STORE.user_table(table).entries.values()
-        seen = sorted({(str(e.get("key", {}).get("parts", {}).get("shape", {}).get("dtype")),
-                        e.get("key", {}).get("threads")) for e in entries if isinstance(e, dict)}, key=str)
+        seen = sorted({(str(e.get("key", {}).get("dtype")), e.get("key", {}).get("threads"))
+                       for e in entries if isinstance(e, dict)}, key=str)
     except (OSError, ValueError, AttributeError):
         seen = []
-    mine = sorted({(str(json.loads(g.key.parts)["shape"].get("dtype")), g.key.threads) for g in gates}, key=str)
+    mine = sorted({(g.key.dtype, g.key.threads) for g in gates}, key=str)
     words = lambda pairs: ", ".join(f"{d.removeprefix('torch.')} at {t} threads" for d, t in pairs) or "none"  # noqa: E731
     warnings.warn(f"lynx_hf: the gate table {table} matches none of this model's {len(gates)} gated MoE layers, so "
                   f"their decisions come from elsewhere ({gates[0].source}); its entries are for {words(seen)}, this "

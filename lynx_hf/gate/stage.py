@@ -39,8 +39,9 @@ class LayerShape:
     """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
     (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
     weights' ``expert_dtype``, ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
-    measured on that path), ``ep_size`` (expert-parallel ranks: the saving counts this rank's experts) and ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the
-    routing cost is timed as a graph replay: no per-kernel launch on the host; left out of the key while False)."""
+    measured on that path), ``ep_size`` (expert-parallel ranks: the saving counts this rank's experts) and
+    ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the routing cost is timed as a
+    graph replay: no per-kernel launch on the host). Each is a field of the decision key (``GateKey``)."""
 
     num_experts: int
     top_k: int
@@ -49,10 +50,10 @@ class LayerShape:
     dtype: torch.dtype = torch.float32
     expert_dtype: torch.dtype | None = None
     mixed_steps: bool = False
-    captured: bool = field(default=False, metadata={"key": "omit_default"})
+    captured: bool = False
     #: expert-parallel ranks the layer's experts are split over (vLLM under EP: each rank runs N / ``ep_size`` of
     #: them), so a rank saves the avoided experts that are its own: ``1 / ep_size`` of them in expectation
-    ep_size: int = field(default=1, metadata={"key": "omit_default"})
+    ep_size: int = 1
 
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
