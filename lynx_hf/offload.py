@@ -58,7 +58,7 @@ from collections import OrderedDict
 
 import torch
 
-from .core import PREFILL, Routed, RoutePlan, Runner, StepInputs, keep_routing
+from .core import PREFILL, Routed, RoutePlan, Runner, StageBase, StepInputs
 from .experts import dispatch, original_implementation, unwrap
 from .state import state_of
 
@@ -670,7 +670,7 @@ def reset(state) -> None:
             block.offload.reset()
 
 
-class ResidentSeed:
+class ResidentSeed(StageBase):
     """The stage of an offloaded block's plan (``lynx_hf.core.Stage``): the resident experts of ``offloaded`` (its
     :class:`OffloadedExperts`) seed the critical set of each step the policy runs on (cache-aware remapping,
     ``StepInputs.seed``); nothing resident, or a step the plan keeps (one token): the step as it is."""
@@ -681,9 +681,7 @@ class ResidentSeed:
         self.offloaded = offloaded
 
     def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
-        """``None`` for a plan that never remaps; else the runner that adds the seed."""
-        if plan.kernel is keep_routing:
-            return None
+        """The runner that adds the seed (``lynx_hf.core.make_plan`` binds it to plans that remap only)."""
         offloaded = self.offloaded
 
         def run(plan: RoutePlan, inputs: StepInputs) -> Routed:

@@ -15,6 +15,7 @@ from . import compiled_cpu, flatness, gate, offload, policies
 from . import experts as experts_impl
 from .block import BlockRouting, gate_stage
 from .config import LynxConfig
+from .core import reset_stages, stage_report
 from .detection import StepTracker, cache_length, generation_scope
 from .errors import LynxConfigError, UnsupportedModelError
 from .kernels.backend import resolve_backend
@@ -544,10 +545,7 @@ def reset_stats(model: torch.nn.Module) -> None:
     offload.reset(state)
     for block in state.blocks:
         block.telemetry.reset()
-        for stage in () if block.plan is None else block.plan.stages:
-            reset = getattr(stage, "reset", None)
-            if reset is not None:
-                reset()
+        reset_stages(block.plan)
 
 
 def _stage_summaries(config: LynxConfig, plan) -> dict:
@@ -556,8 +554,5 @@ def _stage_summaries(config: LynxConfig, plan) -> dict:
     a plan that never remaps)."""
     out = {"gate": {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
                     "steps_skipped": 0}}
-    for stage in () if plan is None else plan.stages:
-        summary = getattr(stage, "summary", None)
-        if summary is not None:
-            out[stage.name] = summary()
+    out.update(stage_report(plan))
     return out

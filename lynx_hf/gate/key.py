@@ -34,18 +34,15 @@ from .measure import MEASURE_VERSION
 #: Format 2: the declared fields of :class:`GateKey` (format 1 described the plan's objects by their qualified names)
 FORMAT = 2
 
-_OMIT = object()
-
-
 def readable(obj, _depth: int = 0):
     """Plain JSON of an engine's step description (``step=`` of :func:`make_key`) or a policy's parameters.
 
     ``None``, bools, ints, strings as they are; a float as it is (``repr`` where not finite); ``torch.dtype`` /
     ``torch.device``: their string; an enum: its name; a dataclass: ``{field: value, ...}`` over its compared fields
     (its class is named by the key field it is in: ``policy`` for its parameters); a class: its name (a vLLM or transformers class: what runs); a list / tuple: a list; a
-    dict: a dict with string keys. A function (or any other callable) is left out: what it computes is described by
-    the rule beside it (a selection-scores function by the selection rule and the family), and its name is not a
-    measured fact. Any other object: its class's name. Raises ``ValueError`` past a nesting depth of 12 (a cycle)."""
+    dict: a dict with string keys. A function (or any other callable) is ``None``, as no function is: what it
+    computes is described by the rule beside it (a selection-scores function by the selection rule and the family),
+    and its name is not a measured fact. Any other object: its class's name. Raises ``ValueError`` past a nesting depth of 12 (a cycle)."""
     if _depth > 12:
         raise ValueError("gate key: object nested too deeply to describe (a cycle?)")
     d = _depth + 1
@@ -60,21 +57,13 @@ def readable(obj, _depth: int = 0):
     if isinstance(obj, type):
         return obj.__name__
     if dataclasses.is_dataclass(obj):
-        out = {}
-        for f in dataclasses.fields(obj):
-            if f.compare and (value := readable(getattr(obj, f.name), d)) is not _OMIT:
-                out[f.name] = value
-        return out
+        return {f.name: readable(getattr(obj, f.name), d) for f in dataclasses.fields(obj) if f.compare}
     if isinstance(obj, (list, tuple)):
-        return [v for v in (readable(x, d) for x in obj) if v is not _OMIT]
+        return [readable(x, d) for x in obj]
     if isinstance(obj, dict):
-        out = {}
-        for k, v in sorted(obj.items(), key=lambda kv: str(kv[0])):
-            if (value := readable(v, d)) is not _OMIT:
-                out[str(k)] = value
-        return out
+        return {str(k): readable(v, d) for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))}
     if callable(obj):
-        return _OMIT
+        return None
     return type(obj).__name__
 
 

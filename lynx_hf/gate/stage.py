@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from ..core import Routed, RoutePlan, Runner, StepInputs, keep_routing
+from ..core import Routed, RoutePlan, Runner, StageBase, StepInputs
 from .decision import TUNING, GateDecision, Tuning, always_on, bucket_of, decide
 from .key import GateKey, make_key
 from .measure import cannot_measure, measure_layer, rule_at, rule_layer
@@ -57,7 +57,7 @@ class LayerShape:
 
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
-class PlanGate:
+class PlanGate(StageBase):
     """The gate of one plan (one MoE layer on one device).
 
     Given by the engine: ``shape``; ``telemetry`` (``LynxConfig.telemetry``: the mode the cost is timed in);
@@ -122,13 +122,10 @@ class PlanGate:
 
     # -- composition ------------------------------------------------------------------------------------------
     def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
-        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``): ``None`` for a plan that never remaps (no
-        gate); else the decisions are got now (:meth:`resolve`) and the returned runner asks the gate once per
-        layer-step: a step the plan keeps (one token) runs ``inner`` with ``gated_off`` from the bucket's decision;
+        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``, which binds it to plans that remap only): the
+        decisions are got now (:meth:`resolve`) and the returned runner asks the gate once per layer-step: a step the plan keeps (one token) runs ``inner`` with ``gated_off`` from the bucket's decision;
         off, the model's own routing (the same objects, nothing recorded, counted as skipped, ``gated_off``); on,
         ``inner``."""
-        if plan.kernel is keep_routing:
-            return None
         self.plan, self.inner = replace(plan, runner=inner), inner
         self.resolve()
         return self._run
@@ -270,6 +267,10 @@ class PlanGate:
         if not on:
             self.skipped[num_tokens] += steps
         return on
+
+    def note(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1) -> None:
+        """:meth:`count` (``lynx_hf.core.StageBase.note``): decode steps that ran without the gate."""
+        self.count(num_tokens, decode_rows, steps)
 
     def skip(self, num_tokens: int) -> None:
         """Count one decode step the gate kept the model's routing on (eager only)."""

@@ -39,7 +39,20 @@ from typing import ClassVar
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, MoELayer, Routed, RoutePlan, Step, StepInputs, host_reads_allowed, keep_routing, make_plan
+from ..core import (
+    MIXED,
+    MoELayer,
+    Routed,
+    RoutePlan,
+    StageBase,
+    Step,
+    StepInputs,
+    host_reads_allowed,
+    keep_routing,
+    make_plan,
+    reset_stages,
+    stage_report,
+)
 from ..errors import UnsupportedModelError
 from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
 from ..gate import of as gate_of
@@ -105,7 +118,7 @@ def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tu
 
 
 @dataclass(eq=False)
-class PaddingRows:
+class PaddingRows(StageBase):
     """The stage of a vLLM layer's plan (``lynx_hf.core.Stage``) that keeps vLLM's padding rows out of the step: rows
     whose expert ids are -1 (:func:`padding_rows`) are neither decode nor live for the stages below it and the
     decode-step function (the remap, the critical set's votes, the union, the telemetry: :func:`without_padding`),
@@ -114,6 +127,8 @@ class PaddingRows:
 
     #: how ``RoutePlan.stage`` finds it
     name: ClassVar[str] = "padding"
+    #: bound to a plan that keeps the routing too: policy ``none`` must not see vLLM's -1 ids either
+    remaps_only: ClassVar[bool] = False
 
     def bind(self, plan: RoutePlan, inner):
         """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``); ``None`` (left out) for a plan whose decode step
@@ -303,11 +318,7 @@ def count_replays(num_tokens: int) -> None:
 def stage_summaries(layer: Layer) -> dict:
     """What each stage of the layer's plan that counts reports (``Stage.summary``), by stage name; the cost gate's
     entry is :func:`gate_summary`'s (always present)."""
-    out = {}
-    for stage in () if layer.plan is None else layer.plan.stages:
-        summary = getattr(stage, "summary", None)
-        if summary is not None and stage.name != PlanGate.name:
-            out[stage.name] = summary()
+    out = {name: summary for name, summary in stage_report(layer.plan).items() if name != PlanGate.name}
     out[PlanGate.name] = gate_summary(layer)
     return out
 
@@ -332,10 +343,7 @@ def reset_layer(layer: Layer) -> None:
     STATE.pending_skips.clear()  # not counted yet: dropped with the counters
     layer.telemetry.reset()
     layer.skipped = 0
-    for stage in () if layer.plan is None else layer.plan.stages:
-        reset = getattr(stage, "reset", None)
-        if reset is not None:
-            reset()
+    reset_stages(layer.plan)
 
 
 def _experts_fn(layer: Layer, device: torch.device):

@@ -237,7 +237,7 @@ def test_stale_keys_never_come_from_a_rename_they_are_readable_fields():
     """A key names what was measured (declared fields, as vLLM names its tuned configs), never a function or class of
     this package: renaming the policy's class and the decode-step function leaves the key (format 1 described them by
     qualified name: a rename missed every table), while a measured fact (H, the dtype, the telemetry mode) changes it.
-    The fields are hand-written here (the oracle), the engine's description made plain (a function in it left out)."""
+    The fields are hand-written here (the oracle), the engine's description made plain (a function in it ``None``)."""
     from lynx_hf import LynxConfig, core
 
     plan = core.make_plan(LynxConfig(routing_backend="torch", tau=1.0, mass_price=None), core.MoELayer(16, 4, "cpu"))
@@ -253,7 +253,7 @@ def test_stale_keys_never_come_from_a_rename_they_are_readable_fields():
         "telemetry": "full", "captured": False, "mixed": False, "ep_size": 1, "format": gate.FORMAT,
         "measure": gate.MEASURE_VERSION}
     assert fields["params"]["tau"] == 1.0 and fields["params"]["mass_price"] is None
-    assert fields["engine"] == {"family": "qwen2_moe", "weight": {"kind": "softmax_all", "renormalize": False,
+    assert fields["engine"] == {"family": "qwen2_moe", "scores": None, "weight": {"kind": "softmax_all", "renormalize": False,
                                                                   "scale": 1.0, "renorm_eps": 0.0}}
     assert fields["step"] in ("fused", "remap") and "lynx_hf" not in json.dumps(fields)
     assert "N=16,k=4,H=64,I=32,dtype=bfloat16" in key.readable()
