@@ -295,8 +295,8 @@ def _grouped_capturable(experts) -> bool:
     """Whether transformers' ``grouped_mm`` runs its native kernel here: under ``torch.compile`` only for bf16 weights
     (``transformers.integrations.moe._can_use_grouped_mm``); otherwise it falls back to a per-expert loop that reads
     the group offsets on the host (``offs.tolist()``), a host sync that a CUDA-graph capture refuses (what a
-    static-cache ``generate`` compiles by default on CUDA: ``CompileConfig(mode="reduce-overhead")``; seen on an H200,
-    issue 44). There ``batched_mm`` runs instead where the model's own is ``grouped_mm`` (:func:`implementations`)."""
+    static-cache ``generate`` compiles by default on CUDA: ``CompileConfig(mode="reduce-overhead")``; seen on an H200).
+    There ``batched_mm`` runs instead where the model's own is ``grouped_mm`` (:func:`implementations`)."""
     if not torch.compiler.is_compiling():
         return True
     weight = getattr(experts, "gate_up_proj", None)

@@ -3,7 +3,8 @@
 Where a layer's decisions come from, first match wins (:meth:`DecisionStore.decisions`):
 
 1. the user's table, ``LynxConfig.gate_table`` (written by ``lynx-hf tune``);
-2. the tables the project ships for the machines it has measured (``lynx_hf/gate/tables/*.json``);
+2. the tables the project ships for the machines it has measured (``lynx_hf/gate/tables/<device kind>.<what it
+   holds>.json``);
 3. this process's memory of what it already read or measured;
 4. the per-user cache, one file per device kind and format under :func:`cache_dir` (``$LYNX_HF_CACHE``, else
    ``$XDG_CACHE_HOME/lynx_hf``, else ``~/.cache/lynx_hf``; ``~`` and ``$VAR`` expanded), read under a file lock;

@@ -171,7 +171,7 @@ def plan_for(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> Rou
 
 def step_key(layer: Layer) -> dict:
     """What a vLLM layer's step runs besides its plan and shape, for the cost gate's decision key
-    (``lynx_hf.gate.key.make_key``, described by ``lynx_hf.gate.key.describe``): the router's rule (its class,
+    (``lynx_hf.gate.key.make_key``, made plain by ``lynx_hf.gate.key.readable``): the router's rule (its class,
     selection and weight rule: :class:`lynx_hf.vllm.routers.RouterRule`), the selection-scores function, the weight
     rule, and the runner's experts class and quant method class (the experts kernel whose time the saving is)."""
     runner = layer.runner() if layer.runner is not None else None
