@@ -626,8 +626,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "never measured)",
         (("lynx_hf/patcher.py",
           "    flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured\n"
-          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
-          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
+          "    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
+          "    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
           "    flatness.plan_stage,  # mutant: below the gate\n"),),
         ("tests/policies/test_flatness.py::test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold",),
     ),

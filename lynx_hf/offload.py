@@ -633,8 +633,8 @@ def _plan(block):
 def install(state) -> None:
     """Install :class:`OffloadedExperts` on every patched block of ``state`` (a ``lynx_hf.patcher.ModelState``) whose
     experts accelerate offloads, when ``state.config.offload_path == "experts"``; sets ``block.offload`` (``None``
-    elsewhere), ``block.offload_reason`` and ``block.extra_expert_ms`` (with ``gate="auto"``: the transfer of one
-    expert, :meth:`OffloadedExperts.probe_ms`, timed only if the cost gate measures). Called before the blocks' plans
+    elsewhere) and ``block.offload_reason`` (the cost gate reads the transfer of one expert,
+    :meth:`OffloadedExperts.probe_ms`, through ``lynx_hf.facts.layer_facts``: timed only if it measures). Called before the blocks' plans
     are made (``lynx_hf.patcher``), so each plan composes its :class:`ResidentSeed` stage once. Idempotent: installed
     ones are removed first (cache and counters restart)."""
     remove(state)
@@ -648,8 +648,6 @@ def install(state) -> None:
         offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, config.expert_cache_bytes, num_experts)
         offloaded.attach()
         block.offload = offloaded
-        if config.gate == "auto":  # the cost gate weighs the transfer an avoided expert saves (timed if it measures)
-            block.extra_expert_ms = offloaded.probe_ms
 
 
 def remove(state) -> None:
@@ -658,7 +656,6 @@ def remove(state) -> None:
     for block in state.blocks:
         offloaded, block.offload = block.offload, None
         block.offload_reason = None
-        block.extra_expert_ms = 0.0
         if offloaded is not None:
             offloaded.restore()
 

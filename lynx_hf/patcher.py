@@ -11,9 +11,9 @@ import warnings
 
 import torch
 
-from . import compiled_cpu, flatness, gate, offload, policies
+from . import compiled_cpu, facts, flatness, gate, offload, policies
 from . import experts as experts_impl
-from .block import BlockRouting, gate_stage
+from .block import BlockRouting
 from .config import LynxConfig
 from .core import reset_stages, stage_report
 from .detection import StepTracker, cache_length, generation_scope
@@ -31,7 +31,7 @@ from .telemetry import LynxStats, mode_of
 #: decode-step feature is one module with such a function, plus one line here.
 PLAN_STAGES = (
     flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured
-    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
+    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
     offload.plan_stage,  # resident offloaded experts seed the critical set (lynx_hf.offload)
     compiled_cpu.plan_stage,  # torch.compile on CPU: the eager step as one opaque op (lynx_hf.compiled_cpu)
 )
@@ -452,7 +452,8 @@ def _sync_experts_impl(state: ModelState) -> None:
     # decided in lynx_hf.experts.install / remove (PEFT wrappers unwrapped, other experts modules sharing the
     # config keep the implementation they had).
     if policies.get(state.config.policy).remaps:
-        experts_impl.install(state)
+        for block, path in zip(state.blocks, experts_impl.install(state)):
+            block.set_experts_path(path)
     else:
         experts_impl.remove(state)
 
@@ -552,7 +553,6 @@ def _stage_summaries(config: LynxConfig, plan) -> dict:
     """``{stage.name: stage.summary()}`` of every stage of ``plan`` that reports (``Stage.summary``), with a
     ``"gate"`` entry always: ``{"gate": "always"}`` where the policy runs on every decode step (``gate="always"``, or
     a plan that never remaps)."""
-    out = {"gate": {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
-                    "steps_skipped": 0}}
+    out = {"gate": gate.report_without_gate(config)}
     out.update(stage_report(plan))
     return out

@@ -14,7 +14,8 @@ timed step depends on, stored, and read by every process, rank and run that has 
 - :mod:`.table`: :class:`DecisionTable` files and the process's :class:`DecisionStore` (:data:`STORE`: a user
   table, the shipped tables, the per-user cache, else a measurement written to that cache);
 - :mod:`.measure`: the measurement itself (private generators, no global state touched);
-- :mod:`.stage`: :class:`PlanGate`, the stage of a layer's plan (``lynx_hf.core.Stage``), and :mod:`.report`.
+- :mod:`.stage`: :class:`LayerFacts` (what an engine knows of a layer), :func:`plan_stage` (the one reader of
+  ``LynxConfig.gate``) and :class:`PlanGate`, the stage of a layer's plan (``lynx_hf.core.Stage``); :mod:`.report`.
 
 Engine-independent (no transformers import). Units: milliseconds per layer-step throughout.
 """
@@ -33,7 +34,7 @@ from .measure import (
     synthetic_routing,
 )
 from .report import off_line, patch_note
-from .stage import NAME, LayerShape, PlanGate, for_config, of
+from .stage import NAME, LayerFacts, LayerShape, PlanGate, of, plan_stage, report_without_gate
 from .table import CACHE_ENV, SHIPPED_DIR, STORE, DecisionStore, DecisionTable, ForeignTableError, cache_dir, cache_name
 
 #: the step sizes (tokens) measured per layer (``TUNING.buckets``)
@@ -44,4 +45,4 @@ __all__ = ["ENV", "NAME", "BUCKETS", "TUNING", "Tuning", "GateDecision", "LayerS
            "cache_name", "decide", "always_on", "by_rule", "expected_unique", "bucket_of", "readable", "device_kind",
            "make_key", "FORMAT", "MEASURE_VERSION", "cannot_measure",
            "measure_bucket", "measure_layer", "measure_routing", "measure_expert_ms", "measure_module_expert_ms",
-           "synthetic_routing", "off_line", "patch_note", "for_config", "of"]
+           "synthetic_routing", "off_line", "patch_note", "LayerFacts", "plan_stage", "report_without_gate", "of"]

@@ -161,7 +161,7 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     ``cost_ms``: shortest time of ``plan.run(inputs)`` on synthetic logits (:func:`synthetic_routing`, every token a
     decode token; ``mixed``: described as a continuous-batching step with per-token masks, as the vLLM plugin does),
     with a scratch telemetry in mode ``telemetry``; ``route_fn(run, inputs)``: the engine's whole per-step routing
-    path around ``run(inputs)`` (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead, except on a step
+    path around ``run(inputs)`` (e.g. ``lynx_hf.facts.gate_probe``), timed instead, except on a step
     the plan keeps; ``selection``: the layer's selection scores (:func:`synthetic_routing`); ``captured``: the step
     runs inside a captured CUDA graph (``LayerShape.captured``: a vLLM engine with CUDA graphs), so on CUDA the cost
     is the time of a graph replay (:func:`_time_captured_ms`; eager where the capture fails, and off CUDA). The experts before /

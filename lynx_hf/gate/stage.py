@@ -298,16 +298,58 @@ class PlanGate(StageBase):
                 "steps_skipped": int(sum(self.skipped.values()))}
 
 
-def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
-               selection=None, step_key: object = None, kernel_fn=None, carried: tuple | None = None) -> PlanGate | None:
-    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): ``None``
-    unless ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` (the other arguments are its
-    fields) reading ``config.gate_table`` first. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
+@dataclass(frozen=True)
+class LayerFacts:
+    """What an engine knows of one MoE layer that the cost gate weighs: one frozen value, built by the engine's adapter
+    (HF: ``lynx_hf.facts.layer_facts``; vLLM: ``lynx_hf.vllm``'s plan making) and read by :func:`plan_stage`.
+
+    - ``shape``: the :class:`LayerShape` the gate measures at;
+    - ``step``: the engine's description of what else its step runs, plain data for the key (``GateKey.engine``);
+    - ``expert_fn``: the layer's own experts path ``fn(hidden [T, H], idx [T, k] int64, weights [T, k])``, timed for
+      the saving per avoided expert (``None``: the batched-MLP model of it);
+    - ``kernel_fn``: the same through the sparse Triton kernel, timed at the step sizes where the plan runs it
+      (``RoutePlan.uses_kernel``; ``None``: none);
+    - ``route_fn``: the engine's per-step routing path ``fn(run, inputs)``, timed for the cost (``None``: the step
+      below the gate alone);
+    - ``selection``: the layer's selection scores ``fn(logits [T, N]) -> [T, N]`` fp32 (``-inf``: forbidden; ``None``:
+      the logits);
+    - ``extra_expert_ms``: a further cost per expert read (ms; e.g. an offloaded expert's transfer), or a function
+      returning it, called only when the gate measures or uses its rule;
+    - ``carried``: a copied model's ``(GateKey, decisions, source)`` from the layer it was copied from, or ``None``.
+    """
+
+    shape: LayerShape
+    step: object = None
+    expert_fn: object = None
+    kernel_fn: object = None
+    route_fn: object = None
+    selection: object = None
+    extra_expert_ms: object = 0.0
+    carried: tuple | None = None
+
+
+def plan_stage(facts, config) -> PlanGate | None:
+    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): the one
+    reader of ``config.gate`` and the one constructor of a gate, for every engine. ``None`` unless ``config.gate ==
+    "auto"``; else a :class:`PlanGate` of the layer ``facts`` describe (a :class:`LayerFacts`, or a function returning
+    one, called only here when the gate is on), reading ``config.gate_table`` first, timing in the mode
+    ``config.telemetry``. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
     if config.gate != "auto":
         return None
-    return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
-                    kernel_fn=kernel_fn, route_fn=route_fn, selection=selection, step_key=step_key,
-                    table=config.gate_table, tuning=TUNING, carried=carried)
+    if not isinstance(facts, LayerFacts):
+        facts = facts()
+    return PlanGate(facts.shape, telemetry=config.telemetry, extra_expert_ms=facts.extra_expert_ms,
+                    expert_fn=facts.expert_fn, kernel_fn=facts.kernel_fn, route_fn=facts.route_fn,
+                    selection=facts.selection, step_key=facts.step, table=config.gate_table, tuning=TUNING,
+                    carried=facts.carried)
+
+
+def report_without_gate(config) -> dict:
+    """The ``"gate"`` entry of the stats of a layer whose plan has no gate: ``{"gate": "always", ...}`` under
+    ``config.gate == "always"``, else ``"auto (policy does not remap)"`` (a plan that keeps the routing), with no step
+    sizes and no skipped steps (plain JSON, the shape of :meth:`PlanGate.summary`)."""
+    return {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
+            "steps_skipped": 0}
 
 
 def of(plan: RoutePlan | None) -> PlanGate | None:

@@ -54,7 +54,7 @@ from ..core import (
     stage_report,
 )
 from ..errors import UnsupportedModelError
-from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
+from ..gate import BUCKETS, LayerFacts, LayerShape, PlanGate, bucket_of, plan_stage
 from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import mode_of
@@ -194,10 +194,8 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu",
                        # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
                        captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
-    stages = [PaddingRows()]
-    if cfg.gate == "auto":
-        stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
-                                  step_key=step_key(layer), table=cfg.gate_table))
+    facts = lambda: LayerFacts(shape, step=step_key(layer), expert_fn=_experts_fn(layer, device))  # noqa: E731
+    stages = [stage for stage in (plan_stage(facts, cfg), PaddingRows()) if stage is not None]
     # the model's MoE layers in this process (a pipeline-parallel stage holds only its own: fewer)
     return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device, moe_layers=max(1, len(target_layers()))),
                      stages=stages)

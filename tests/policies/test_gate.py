@@ -269,7 +269,7 @@ def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
         ref = _generate(model, ids, mask)
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
         block = lynx_hf.patcher._state(model).blocks[0]
-        assert gate.of(block.plan) is not None and block.layer_shape().hidden is not None
+        assert gate.of(block.plan) is not None and lynx_hf.facts.layer_shape(block).hidden is not None
         out = _generate(model, ids, mask)
         summary = lynx_hf.stats(model).summary()
     assert len(calls) == 1  # measured once (here: the fixed decisions) for every layer of the one key
@@ -913,3 +913,37 @@ def test_a_user_table_wins_over_what_this_process_measured_before(fixed_gate, tm
     lynx_hf.unpatch(model)
     assert planned.key == measured.key and planned.source == f"table {path}"
     assert not any(d.on for d in planned.decisions.values()) and len(calls) == 1
+
+
+def test_layer_facts_are_the_gates_one_input_and_plan_stage_its_one_constructor():
+    """The HF adapter (``lynx_hf.facts.layer_facts``) builds one frozen ``LayerFacts`` of a block, its shape read from
+    the model's config here (the oracle); ``gate.plan_stage`` reads ``config.gate`` and builds the gate from the facts
+    (made only where the gate is on: a function of them is never called under ``gate="always"``)."""
+    import dataclasses
+
+    from lynx_hf import LynxConfig
+
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    block = lynx_hf.patcher._state(model).blocks[0]
+    facts = lynx_hf.facts.layer_facts(block)
+    cfg = model.config
+    dtype = block.router.weight.dtype
+    assert facts.shape == gate.LayerShape(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                          cfg.moe_intermediate_size, dtype, dtype)
+    assert facts.step["family"] == "qwen2_moe" and facts.extra_expert_ms == 0.0 and facts.carried is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.shape = None
+    made = []
+
+    def lazy():
+        made.append(True)
+        return facts
+
+    assert gate.plan_stage(lazy, LynxConfig(gate="always")) is None and not made
+    planned = gate.plan_stage(lazy, LynxConfig(gate="auto", telemetry="counts"))
+    assert made and isinstance(planned, gate.PlanGate) and planned.decisions == {}
+    assert (planned.shape, planned.step_key, planned.telemetry, planned.table) == (facts.shape, facts.step, "counts",
+                                                                                   None)
+    assert planned.route_fn is facts.route_fn and planned.expert_fn is facts.expert_fn
+    lynx_hf.unpatch(model)
