@@ -235,14 +235,15 @@ def test_no_import_circle():
     assert not circles, circles
 
 
-#: (module, function) -> why it reads ``LynxConfig.gate`` (the gate's own constructor and report are the rule)
+#: (module, function) -> why it reads ``LynxConfig.gate`` (the gate's own constructor and report are the rule); the vLLM
+#: plugin's readers by package (its modules split and move: the function names the reader)
 GATE_READERS = {
     ("lynx_hf.gate.stage", "plan_stage"): "the one reader: whether a plan gets a gate, for every engine",
     ("lynx_hf.gate.stage", "report_without_gate"): "the stats entry of a layer whose plan has no gate",
-    ("lynx_hf.vllm.plans", "gate_summary"): "the vLLM plugin's stats entry of a layer with no plan yet: the "
-                                            "configured gate's name",
-    ("lynx_hf.vllm.ranks", "needs_agreement"): "the vLLM plugin's rank agreement (tensor-parallel ranks exchange the "
-                                               "gate's decisions only where there is a gate)",
+    ("lynx_hf.vllm", "gate_summary"): "the vLLM plugin's stats entry of a layer with no plan yet: the "
+                                      "configured gate's name",
+    ("lynx_hf.vllm", "needs_agreement"): "the vLLM plugin's rank agreement (tensor-parallel ranks exchange the gate's "
+                                         "decisions only where there is a gate)",
 }
 
 
@@ -261,7 +262,8 @@ def _gate_reads(name: str, source: str | None = None) -> set[tuple[str, str]]:
             base = node.value
             base_name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
             if base_name in ("config", "cfg", "lynx"):
-                reads.add((name, owner.get(id(node), "<module>")))
+                module = "lynx_hf.vllm" if name.startswith("lynx_hf.vllm.") else name
+                reads.add((module, owner.get(id(node), "<module>")))
     return reads
 
 
