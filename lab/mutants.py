@@ -550,6 +550,13 @@ MUTANTS: tuple[Mutant, ...] = (
         (STORE + "test_measure_version_pins_the_measuring_code",),
     ),
     Mutant(
+        "stage_bound_to_kept_plan",
+        "make_plan binds the stages around the remap to a plan that keeps the routing (policy none)",
+        (("lynx_hf/core.py", "        if kernel is keep_routing and stage.remaps_only:",
+          "        if False and stage.remaps_only:"),),
+        ("tests/decode/test_routing_core.py::test_the_stage_contract_binds_report_and_reset_in_one_place",),
+    ),
+    Mutant(
         "gate_key_measure_version_left_out",
         "the decision key names measuring code 1 whatever the version: an older code's cache entry is served",
         (("lynx_hf/gate/key.py", "        measure=MEASURE_VERSION)", "        measure=1)"),),
