@@ -25,8 +25,9 @@ revision REV (checked out into eval/work): the gate before decisions were data (
     python -m lab.bench_gate --ship              # measure the shipped table of this machine kind
 
 ``--ship`` measures (in this process, at torch's default thread count) the decisions of fixture A as ``from_pretrained``
-loads it (bfloat16) and as ``lynx-hf generate`` does (float32), and of the Qwen2-57B layer (bfloat16), and writes them
-to ``lynx_hf/gate/tables/<this device kind>.json``: the table the package ships for this machine kind.
+loads it (bfloat16) and as ``lynx-hf generate`` does (float32), and of the Qwen2-57B 1-layer cut (bfloat16), and writes
+them to ``lynx_hf/gate/tables/<this device kind>.<model>.json`` (``fixture-a``, ``qwen2-57b-a14b-1-layer-cut``): the
+tables the package ships for this machine kind, each named as what it holds.
 """
 
 from __future__ import annotations
@@ -155,7 +156,8 @@ def markdown(rows: list[dict], cmd: str) -> str:
 
 
 def ship(log=print) -> Path:
-    """Measure the shipped table of this machine kind (the module docstring) and write it; returns its path."""
+    """Measure the shipped tables of this machine kind (the module docstring) and write them; returns the first
+    one's path (fixture A's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -164,26 +166,31 @@ def ship(log=print) -> Path:
     from lynx_hf.eval import FIXTURES_DIR
     from lynx_hf.eval.bench import SHAPES, build_tpot_model
 
-    models = {"fixture-a (bfloat16, from_pretrained's default)":
-              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny").eval(),
-              "fixture-a (float32, lynx-hf generate's default)":
-              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny", dtype=torch.float32).eval(),
-              "qwen2-57b-a14b layer (bfloat16)": lambda: build_tpot_model(SHAPES["qwen2-57b-a14b"][1], 1, 1024)}
-    table, path = gate.DecisionTable(), None
+    # one file per model, named as what it is: a real checkpoint (fixture A) or the benchmarks' 1-layer cut, whose key
+    # no real checkpoint has (a 28-layer Qwen2-57B-A14B prices its remaps by depth: another key, measured on its own)
+    models = {"fixture-a (bfloat16, from_pretrained's default)": ("fixture-a",
+              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny").eval()),
+              "fixture-a (float32, lynx-hf generate's default)": ("fixture-a",
+              lambda: AutoModelForCausalLM.from_pretrained(FIXTURES_DIR / "qwen2moe-tiny", dtype=torch.float32).eval()),
+              "qwen2-57b-a14b 1-layer cut (bfloat16; lab.bench_gate's benchmark model, not a checkpoint)":
+              ("qwen2-57b-a14b-1-layer-cut", lambda: build_tpot_model(SHAPES["qwen2-57b-a14b"][1], 1, 1024))}
+    tables, paths = {}, []
     with gate.STORE.refreshing():
-        for name, build in models.items():
+        for name, (file, build) in models.items():
             model = build()
             lynx_hf.patch(model, lynx_hf.LynxConfig(gate="auto"))
             planned = gate.of(lynx_hf.state.state_of(model).blocks[0].plan)
+            table = tables.setdefault(file, gate.DecisionTable(
+                path=gate.SHIPPED_DIR / f"{gate.table.slug(planned.key.device)}.{file}.json"))
             table.put(planned.key, planned.decisions, f"{name}: python -m lab.bench_gate --ship, "
                                                       f"{planned.source.split(',')[0]}")
-            path = gate.SHIPPED_DIR / f"{gate.table.slug(planned.key.device)}.json"
-            log(f"{name}: {planned.key.device}, {planned.key.threads} threads, on at "
+            log(f"{name}: {planned.key.readable()}: on at "
                 f"{[b for b, d in sorted(planned.decisions.items()) if d.on]} ({planned.source.split(',')[0]})")
             lynx_hf.unpatch(model)
-    table.save(path)
-    log(f"wrote {path}")
-    return path
+    for table in tables.values():
+        paths.append(table.save())
+        log(f"wrote {table.path}")
+    return paths[0]
 
 
 def main(argv=None) -> int:

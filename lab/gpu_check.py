@@ -3,7 +3,7 @@
 
 Sections (run in this order; each is skipped with a printed note when the time budget is nearly spent):
 
-0. ``vllm`` — what a lent GPU should check first for the vLLM plugin (issue 36), without vLLM on the device: the
+0. ``vllm`` — what a lent GPU should check first for the vLLM plugin, without vLLM on the device: the
    plugin's step function (``lynx_hf.vllm.plans.route``, what its custom op runs; vLLM is not imported) on CUDA
    tensors, sync-free path. Padding rows (expert id -1, as vLLM's ``FusedTopKRouter`` gives them under
    ``VLLM_MOE_SKIP_PADDING=1``) under policies lynx / paper rule / oea / none on the torch and Triton routing ops:
@@ -11,7 +11,7 @@ Sections (run in this order; each is skipped with a printed note when the time b
    step (capture warm-up) untouched; then one layer-step captured in a CUDA graph (``torch.cuda.graph``) and replayed
    on new routing and step masks: equal to eager, the telemetry reset in place between replays (same addresses,
    counting from zero), an all-padding replay a no-op.
-0b. ``compiled`` — transformers' default on a GPU (issue 44): ``model.generate(..., cache_implementation="static")``
+0b. ``compiled`` — transformers' default on a GPU: ``model.generate(..., cache_implementation="static")``
    compiles the decode forward (``CompileConfig()``'s defaults: inductor, ``mode="reduce-overhead"``, CUDA graphs) and
    LYNX must classify it as eager does. A 2-layer Qwen2-MoE (hidden 1024, N 64, k 8, fp32, random weights), 16 rows
    and 20 new tokens, stop tokens picked from LYNX's own continuation so that rows finish at different steps: the
@@ -47,7 +47,7 @@ Sections (run in this order; each is skipped with a printed note when the time b
 5. ``gate`` — the cost gate's decisions (``LynxConfig.gate="auto"``, ``lab.gate_table``) on this GPU for
    fixture A, DeepSeek-V2-Lite, Qwen2-57B-A14B, Mixtral-8x7B and OLMoE-1B-7B shapes x B = 1, 4, 16, 64: measured
    routing cost, expected saving, on / off. Sections 2-4 force the gate on (``gate="always"``): they check the policy.
-6. ``int4`` — LYNX over 4-bit experts (issue 39; the paper: +10 % on top of INT4): the 2-layer Qwen2-57B-A14B
+6. ``int4`` — LYNX over 4-bit experts (the paper: +10 % on top of INT4): the 2-layer Qwen2-57B-A14B
    model's experts in int4 (``lab.int4_experts.Int4Experts``, PyTorch's tinygemm int4 matmul per expert, group 128,
    bf16 activations: ``torch.ops.aten._weight_int4pack_mm`` on CUDA). First the CUDA packing against the CPU kernel
    (4 experts, same int4 weights: relative error < 2e-2) and the int4 error against the bf16 experts (info); then
@@ -61,7 +61,7 @@ Sections (run in this order; each is skipped with a printed note when the time b
    (printed for the record). The ``vllm`` section also checks ``stats_every``'s write: no host sync in the step
    (``set_sync_debug_mode("error")``), the file written from the asynchronous copy.
 
-7. ``slo`` — throughput under a TPOT SLO (issue 39) in transformers' continuous batching (``generate_batch``) on the
+7. ``slo`` — throughput under a TPOT SLO in transformers' continuous batching (``generate_batch``) on the
    2-layer Qwen2-57B-A14B config, bf16, C = 1..128, unpatched / LYNX / OEA / XShare (``lynx_hf.eval.slo``): the most
    tokens/s whose TPOT meets the unpatched TPOT at C = 8, 16, 32 and multiples of its batch-1 TPOT. The CPU run
    (docs/results.md) turns compute-bound near 32 requests; a GPU should stay memory-bound far past 64.
@@ -984,7 +984,7 @@ def section_vllm(args, dev, budget) -> None:
 
 
 def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
-    """``stats_every`` (issue 44 item 6): the end of a step with decode tokens copies the device accumulators to host
+    """``stats_every``: the end of a step with decode tokens copies the device accumulators to host
     buffers (non_blocking, a CUDA event) and writes the stats file from them once the event completed: no host sync
     inside the step (``torch.cuda.set_sync_debug_mode("error")`` around it), and the file has the step."""
     import json
@@ -1029,7 +1029,7 @@ def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
 
 def section_torch_capture(args, dev, budget) -> None:
     """Whether the plugin's step with the torch routing ops (``routing_backend="torch"``) can be captured in a CUDA
-    graph (issue 44 item 5: the plugin refuses it on captured engines, since the ops create tensors from Python scalars
+    graph (the plugin refuses it on captured engines, since the ops create tensors from Python scalars
     on the device inside the step). Printed for the record (info): a capture that succeeds means the refusal could be
     lifted. Last: a failed capture can leave the device's capture state broken for the rest of the process."""
     from lynx_hf.vllm import plans, state

@@ -1,4 +1,4 @@
-"""Compiled static-cache ``generate`` with LYNX on a GPU, one variant per process (issue 44 item 1).
+"""Compiled static-cache ``generate`` with LYNX on a GPU, one variant per process.
 
 What a GPU takes by default: ``model.generate(..., cache_implementation="static")`` compiles the decode forward with
 transformers' default ``CompileConfig()`` (inductor, ``mode="reduce-overhead"``: CUDA graphs). The 2-layer Qwen2-MoE of

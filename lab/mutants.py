@@ -229,7 +229,7 @@ MUTANTS: tuple[Mutant, ...] = (
           "    seed = seed  # mutant: the prefill rows' experts no longer seed\n"),),
         (CORE + "test_prefill_rows_keep_their_routing_and_seed_the_critical_set",),
     ),
-    # -- issues 37 / 38: the cost gate, offloaded experts, the selection rule, the generic probe, detection, config
+    # -- the cost gate, offloaded experts, the selection rule, the generic probe, detection, config
     Mutant(
         "gate_margin_one",
         "the cost gate decides at 1x the cost (a saving between 1x and the margin x the cost switches the policy on)",
@@ -300,7 +300,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_step_not_in_key",
         "the decision key leaves out the engine's step (experts implementation, storage, offload, selection rule) (C41)",
-        (("lynx_hf/gate/key.py", '"step": describe(step),', '"step": None,'),),
+        (("lynx_hf/gate/key.py", "engine=_json(step),", 'engine="null",'),),
         (GATE + "test_C41_the_key_holds_what_the_step_runs",),
     ),
     Mutant(
@@ -311,7 +311,7 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "gate_expert_timing_any_threads",
-        "the batched-MLP expert timing is reused at another thread count (its key drops the threads) (issue 47)",
+        "the batched-MLP expert timing is reused at another thread count (its key drops the threads)",
         (("lynx_hf/gate/measure.py",
           "    ekey = (shape.hidden, shape.intermediate, str(edtype), str(plan.device), tokens, shape.num_experts, threads)",
           "    ekey = (shape.hidden, shape.intermediate, str(edtype), str(plan.device), tokens, shape.num_experts)"),),
@@ -449,7 +449,7 @@ MUTANTS: tuple[Mutant, ...] = (
         (("lynx_hf/patcher.py", "    if config is None:\n        base = current\n", "    if config is None:\n        base = None\n"),),
         ("tests/patching/test_api.py::test_C43_repatch_applies_overrides_on_top_of_the_current_config",),
     ),
-    # -- issue 47: re-patching from a file, the generating model inside a wrapper, the SLO point, the vLLM step kinds
+    # -- re-patching from a file, the generating model inside a wrapper, the SLO point, the vLLM step kinds
     Mutant(
         "repatch_file_merged",
         "a config file given to patch on a patched model is merged into the running config (left-out fields keep "
@@ -504,13 +504,13 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "flatness_silent",
-        "the router-flatness probe never warns (the default moving much routing mass costs accuracy silently; issue 45)",
+        "the router-flatness probe never warns (the default moving much routing mass costs accuracy silently)",
         (("lynx_hf/flatness.py", '        if f["moved"] > MOVED_THRESHOLD:\n', '        if f["moved"] < 0.0:  # mutant\n'),),
         ("tests/policies/test_flatness.py::test_flat_router_warns_once_with_both_figures_and_the_sweep_command",),
     ),
     Mutant(
         "price_depth_ignored",
-        "the routing-mass price is not scaled with the model's depth (LynxConfig.price_ref_layers ignored; issue 45)",
+        "the routing-mass price is not scaled with the model's depth (LynxConfig.price_ref_layers ignored)",
         (("lynx_hf/policies/lynx.py", "    return price * ref / moe_layers\n", "    return price  # mutant\n"),),
         ("tests/policies/test_price_depth.py::test_patch_gives_every_layer_its_models_depth",),
     ),
@@ -544,12 +544,25 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/accelerator/test_triton_path.py::test_kernel_runs_only_from_the_plans_token_threshold",),
     ),
     Mutant(
-        "gate_key_new_field",
-        "RoutePlan.kernel_min_tokens described in the gate's key even at its default: every shipped table misses",
-        (("lynx_hf/gate/key.py", 'f.metadata.get("key") == "omit_default" and getattr', 'False and getattr'),),
-        ("tests/policies/test_gate_shipped.py",),
+        "gate_measure_code_changed_unversioned",
+        "the measuring code changes (L2 flush of a quarter the size) under the same MEASURE_VERSION: stale caches served",
+        (("lynx_hf/gate/measure.py", "L2_FLUSH_BYTES = 256 << 20", "L2_FLUSH_BYTES = 64 << 20"),),
+        (STORE + "test_measure_version_pins_the_measuring_code",),
     ),
-    # -- issue 56: the decision store, the rule's floor, mixed steps, rank agreement, the plugin's accounting, the
+    Mutant(
+        "stage_bound_to_kept_plan",
+        "make_plan binds the stages around the remap to a plan that keeps the routing (policy none)",
+        (("lynx_hf/core.py", "        if kernel is keep_routing and stage.remaps_only:",
+          "        if False and stage.remaps_only:"),),
+        ("tests/decode/test_routing_core.py::test_the_stage_contract_binds_report_and_reset_in_one_place",),
+    ),
+    Mutant(
+        "gate_key_measure_version_left_out",
+        "the decision key names measuring code 1 whatever the version: an older code's cache entry is served",
+        (("lynx_hf/gate/key.py", "        measure=MEASURE_VERSION)", "        measure=1)"),),
+        (STORE + "test_stale_cache_of_an_older_measuring_code_is_measured_again",),
+    ),
+    # -- the decision store, the rule's floor, mixed steps, rank agreement, the plugin's accounting, the
     # flatness guard, the .data fingerprint (an independent probe found them breakable with every test green)
     Mutant(
         "gate_user_table_after_memory",
@@ -620,8 +633,8 @@ MUTANTS: tuple[Mutant, ...] = (
         "never measured)",
         (("lynx_hf/patcher.py",
           "    flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured\n"
-          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
-          "    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
+          "    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n",
+          "    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate=\"auto\")\n"
           "    flatness.plan_stage,  # mutant: below the gate\n"),),
         ("tests/policies/test_flatness.py::test_default_gate_warns_exactly_when_the_mass_moved_is_over_the_threshold",),
     ),

@@ -1,4 +1,4 @@
-"""Where a vLLM CPU decode step's time goes, and what the lynx_hf plugin adds to it (issue 25 item 5). No engine is
+"""Where a vLLM CPU decode step's time goes, and what the lynx_hf plugin adds to it. No engine is
 started: every part calls vLLM's own code (router, ``cpu_fused_moe`` experts kernel, dense GEMM dispatch) or the
 plugin's custom op directly, at the served models' shapes. Runs in the vLLM environment (.venv-vllm).
 
@@ -11,11 +11,11 @@ Part ``op`` -- the plugin's added time per MoE layer per decode step, on a const
 ``lynx_hf.vllm.steps.write_kinds``, telemetry on, gate "always", under ``inference_mode`` as in vLLM's worker), for
 policy none and lynx, beside vLLM's routing alone (``CPURouter._compute_routing``, what the op follows): ``masked``
 (the body on the step described with masks, ``lynx_hf.vllm.plans.masked_step`` passed to
-``lynx_hf.vllm.op.remap_step``: the path every step took before issue 25 item 5, what mixed steps take now), ``fused``
+``lynx_hf.vllm.op.remap_step``: the path every step took before the fused one, what mixed steps take now), ``fused``
 (the same body on the plain decode step ``plans.DECODE_STEP``: the core's one-call fused path that records its own
 telemetry, what an all-decode step takes on CPU) and ``op`` (``torch.ops.lynx_vllm.remap_routing`` itself: the fused
 path plus the op's dispatch, what a served step pays). ``masked`` and ``fused`` are called without the op's dispatch,
-so they compare like for like. No longer measured (issue 35 removed the switches from the plugin): the masked path
+so they compare like for like. No longer measured (the plugin has no switches for them any more): the masked path
 through the op's dispatch (the ``before`` column of earlier tables; ~10 us above ``masked``) and the op body on one
 torch thread (``SINGLE_THREAD``: in a served engine vLLM's CPU worker makes ``torch.set_num_threads`` a no-op that
 logs, and the toggle made decode slower). Shapes: fixture A (N 32, k 4), DeepSeek-V2-Lite (N 64, k 6; its greedy
@@ -293,7 +293,7 @@ def step_table(r: dict, tpot=None) -> str:
 def op_table(rows: list[dict]) -> str:
     out = [f"Plugin op, ms per MoE layer per decode step ({rows[0]['rows']} decode rows, bf16 logits, telemetry on, "
            "torch threads as the worker's; added = vLLM routing + the plugin - vLLM routing alone). masked: the body on "
-           "the step described with masks (the path before issue 25 item 5; mixed steps now); fused: the same body on "
+           "the step described with masks (the path before the fused one; mixed steps now); fused: the same body on "
            "the plain decode step (one-call fused path, telemetry in that call); both without the op's dispatch; op: "
            "torch.ops.lynx_vllm.remap_routing (the fused path + the op's dispatch: what a served all-decode step "
            "pays):", "",

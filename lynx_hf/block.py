@@ -26,14 +26,11 @@ from .core import (
     RoutePlan,
     Step,
     StepInputs,
-    WeightRule,
     host_reads_allowed,
     make_plan,
 )
 from .errors import UnsupportedModelError
-from .experts import implementations, original_implementation, register, uses_interface
-from .gate import LayerShape
-from .kernels.backend import routing_ops
+from .experts import ExpertsPath, implementations, register, unwrap
 from .kernels.step_spec import FusedSelection
 from .patches import SPECS
 from .patches.base import fp32_logits  # the family specs' default selection scores (the logits in fp32)
@@ -50,9 +47,10 @@ RULE_VERIFIED, RULE_PENDING, RULE_REFUSED = "verified", "pending", "refused"
 
 
 class BlockRouting:
-    """The patch state of one MoE block (plain Python object, never a module). Every attribute is set in
-    ``__init__``; the features write only the ones declared for them there (``offload``, ``offload_reason``,
-    ``extra_expert_ms``: ``lynx_hf.offload``)."""
+    """The patch state of one MoE block (plain Python object, never a module): its routing. Every attribute is set in
+    ``__init__``; the features write only the ones declared for them there (``offload``, ``offload_reason``:
+    ``lynx_hf.offload``; the experts path: ``lynx_hf.experts``). What the cost gate weighs of the block is read by
+    ``lynx_hf.facts`` (a ``lynx_hf.gate.LayerFacts``)."""
 
     def __init__(self, model_state, spec, name: str, block: torch.nn.Module, rule) -> None:
         """``rule``: the block's ``lynx_hf.patches.base.BlockRule``, what ``spec.validate`` returned for it."""
@@ -75,20 +73,16 @@ class BlockRouting:
         self.watched = self._fingerprint() if rule.watch else None
         self.telemetry = BlockTelemetry()
         self.plan: RoutePlan | None = None
-        self.original_impl: str | None = None  # the experts implementation before "lynx" (lynx_hf.experts)
-        self.experts_impls = (None, None, None)  # its forward function, the interface's grouped_mm, the compiled one
-        # why the sparse kernel / grouped_mm may not read the experts' weights (None: they may), valid once
-        # storage_checked (lynx_hf.experts.install); before that neither sparse path runs
-        self.storage_checked = False
-        self.kernel_reason: str | None = None
-        self.grouped_reason: str | None = None
+        # what lynx_hf.experts.install decided for the experts (lynx_hf.experts.ExpertsPath: the implementation they
+        # had, why a sparse path may not read their weights; None: not checked, neither sparse path runs), and the
+        # functions of that implementation (its forward, the interface's grouped_mm, the compiled one), resolved once
+        self.experts_path = None
+        self.experts_impls = (None, None, None)
         self._forward_attr = None  # (attribute, had instance value, previous value) for Llama-4
         # experts offloaded by accelerate (lynx_hf.offload.install / remove): the OffloadedExperts reading them per
-        # expert (None: not read per expert), why not (None: they are, or not looked at), and the measured transfer
-        # of one expert the cost gate adds to the saving of each avoided one (ms; 0 without gate="auto")
+        # expert (None: not read per expert) and why not (None: they are, or not looked at)
         self.offload = None
         self.offload_reason: str | None = None
-        self.extra_expert_ms = 0.0
         # the cost gate kept the model's own routing on the last decode step (lynx_hf.gate: Routed.gated_off), so the
         # "lynx" experts implementation runs the model's own (lynx_hf.experts); set by the router hook every decode step
         self.gated_off = False
@@ -98,13 +92,21 @@ class BlockRouting:
 
     @property
     def kernel_allowed(self) -> bool:
-        """Whether the sparse Triton kernel may read the experts' weights (checked at patch time)."""
-        return self.storage_checked and self.kernel_reason is None
+        """Whether the sparse Triton kernel may read the experts' weights (checked at patch time: ``experts_path``)."""
+        return self.experts_path is not None and self.experts_path.kernel_reason is None
 
     @property
     def grouped_allowed(self) -> bool:
         """Whether transformers' ``grouped_mm`` may read the experts' weights (checked at patch time)."""
-        return self.storage_checked and self.grouped_reason is None
+        return self.experts_path is not None and self.experts_path.grouped_reason is None
+
+    def set_experts_path(self, path) -> None:
+        """Take what ``lynx_hf.experts.install`` decided for this block's experts (an ``ExpertsPath`` or ``None``); the
+        functions of its implementation are resolved now where the experts dispatch through the interface."""
+        self.experts_path = path
+        self.experts_impls = (None, None, None)
+        if path is not None and path.original is not None:
+            self.experts_impls = implementations(unwrap(self.experts)[0], path.original)
 
     def __getstate__(self):  # pickle / deepcopy: the family spec by family name, the plan re-resolved on first use
         state = dict(self.__dict__)
@@ -121,13 +123,17 @@ class BlockRouting:
     def __setstate__(self, state):
         state["spec"] = next(spec for spec in SPECS if spec.family == state["spec"])
         # a state pickled before these attributes existed
-        for name, value in (("selection", None), ("offload", None), ("offload_reason", None), ("extra_expert_ms", 0.0),
-                            ("gated_off", False), ("pending_reason", None), ("watch", ()), ("watched", None),
-                            ("carried_gate", None)):
+        state.pop("extra_expert_ms", None)  # pickled before the transfer cost moved to lynx_hf.facts.layer_facts
+        if "experts_path" not in state:  # pickled before lynx_hf.experts.install returned an ExpertsPath
+            old = [state.pop(name, None) for name in ("original_impl", "kernel_reason", "grouped_reason")]
+            state["experts_path"] = ExpertsPath(*old) if state.pop("storage_checked", False) else None
+        for name, value in (("selection", None), ("offload", None), ("offload_reason", None), ("gated_off", False),
+                            ("pending_reason", None), ("watch", ()), ("watched", None), ("carried_gate", None)):
             state.setdefault(name, value)
         self.__dict__.update(state)
         self.experts_impls = (None, None, None)  # resolved again on first use (a state pickled with two entries too)
-        if state.get("original_impl") is not None:  # the copied config names "lynx": a fresh process needs it
+        if state.get("experts_path") is not None and state["experts_path"].original is not None:
+            # the copied config names "lynx": a fresh process needs it
             register()
 
     def prepare_telemetry(self) -> None:
@@ -149,92 +155,6 @@ class BlockRouting:
         self.plan = make_plan(config, MoELayer(self.num_experts, self.top_k, device,
                                                moe_layers=len(self.model_state.blocks)), stages=stages)
         return self.plan
-
-    def gate_probe(self, run, inputs: StepInputs):
-        """What the router hook adds to a decode step the policy runs on, for the cost gate (``lynx_hf.gate``) to time:
-        unpack the router's output, this block's own selection scores, ``run(inputs)`` (the plan's step below the
-        gate; telemetry into ``inputs.telemetry``), repack. ``inputs``: a step on synthetic router output (``logits
-        [T, N]``, ``weights`` / ``idx [T, k]``). Returns the repacked output."""
-        output = (inputs.logits, inputs.weights, inputs.idx)
-        logits, weights, idx = self.spec.unpack(output)
-        rule = self.rule if self.rule is not None else WeightRule("softmax_all")
-        out = run(StepInputs(inputs.step, logits, weights, idx, rule, host_reads_allowed(logits), self._scores_fn(),
-                             inputs.telemetry))
-        return self.spec.repack(output, logits, out.weights, out.idx)
-
-    def expert_fn(self):
-        """The model's own experts implementation as ``fn(hidden [T, H], idx [T, k], weights [T, k])``, which the cost
-        gate times for the saving per avoided expert (``lynx_hf.gate.measure_module_expert_ms``); ``None`` when the
-        experts module does not use transformers' experts interface or its weights are not materialized (offload)."""
-        experts = self.experts
-        if not isinstance(experts, torch.nn.Module) or not uses_interface(experts) or \
-                any(p.device.type == "meta" for p in experts.parameters()):
-            return None
-        try:
-            own = implementations(experts, original_implementation(experts))[0]
-        except (AttributeError, KeyError, TypeError, ValueError):
-            return None
-        return None if own is None else (lambda h, i, w: own(experts, h, i, w))
-
-    def kernel_fn(self):
-        """The sparse Triton expert kernel over this block's experts as ``fn(hidden [T, H], idx [T, k], weights [T, k])``
-        (what ``lynx_hf.experts`` runs where the plan says ``uses_kernel``), for the cost gate to time the saving per
-        avoided expert on the path decode takes; ``None`` where the kernel may not read the experts' weights
-        (:attr:`kernel_allowed`) or the experts are not on CUDA (under the CPU interpreter the kernel is a test tool: it
-        is not timed)."""
-        experts = self.experts
-        if not self.kernel_allowed or not hasattr(experts, "gate_up_proj") or not hasattr(experts, "down_proj") \
-                or experts.gate_up_proj.device.type != "cuda":
-            return None
-        try:
-            ops = routing_ops("triton")
-        except (ImportError, RuntimeError, ValueError):
-            return None
-        return lambda h, i, w: ops.sparse_moe(h, i, w, experts.gate_up_proj, experts.down_proj, exact_grid=False)
-
-    def step_key(self) -> dict:
-        """What this block's decode step runs besides its plan and shape, for the cost gate's key
-        (``lynx_hf.gate.key.make_key``; ``docs/cases.md`` C41): the family, its selection scores (function, and the
-        block's selection-bias rule or what the function reads of the router: grouping, method), the weight rule,
-        the experts module's class, the experts implementation it runs (its config's, e.g. ``grouped_mm`` or
-        ``eager``), how its weights are stored (each tensor's class, dtype, device; a quantized or wrapped tensor is
-        another class) and whether they are read per expert from an offload (``lynx_hf.offload``, with the resident
-        cache's budget)."""
-        experts = self.experts
-        impl = None
-        if isinstance(experts, torch.nn.Module) and uses_interface(experts):
-            try:
-                impl = original_implementation(experts)
-            except (AttributeError, KeyError, TypeError, ValueError):
-                impl = None
-        storage = ()
-        if isinstance(experts, torch.nn.Module):
-            storage = tuple(sorted({(type(t).__name__, str(t.dtype), t.device.type)
-                                    for t in [*experts.parameters(), *experts.buffers()]}))
-        offloaded = None
-        if self.offload is not None:
-            offloaded = ("experts", self.model_state.config.expert_cache_bytes)
-        rule_of = self.spec.selection_rule_of
-        selection = self.selection if self.selection is not None else \
-            (rule_of(self.router) if rule_of is not None else None)
-        return {"family": self.spec.family, "scores": self.spec.selection_scores, "selection": selection,
-                "weight": self.rule, "forward": self.spec.decode_forward,
-                "experts": (type(experts).__qualname__, impl, storage, offloaded)}
-
-    def layer_shape(self) -> LayerShape:
-        """What the cost gate (``lynx_hf.gate``) measures this block at: N, k, H (the router weight's input size),
-        I (one expert's intermediate size: the dimension of the experts' ``down_proj`` that is not H; ``None`` if
-        there is no such tensor), the router's and the experts' weight dtypes."""
-        weight = getattr(self.router, "weight", None)
-        hidden = int(weight.shape[-1]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
-        down = getattr(self.experts, "down_proj", None)
-        intermediate = None
-        if hidden is not None and isinstance(down, torch.Tensor) and down.dim() == 3:
-            dims = [int(d) for d in down.shape[1:]]
-            intermediate = next((d for d in dims if d != hidden), hidden) if hidden in dims else None
-        dtype = weight.dtype if isinstance(weight, torch.Tensor) and weight.is_floating_point() else torch.float32
-        expert_dtype = down.dtype if isinstance(down, torch.Tensor) and down.is_floating_point() else None
-        return LayerShape(self.num_experts, self.top_k, hidden, intermediate, dtype, expert_dtype)
 
     def _plan_for(self, device: torch.device) -> RoutePlan:
         plan = self.plan
@@ -482,21 +402,6 @@ def _digest(tensor: torch.Tensor) -> str:
     raw = flat.view(torch.uint8) if flat.element_size() > 0 and flat.numel() else flat
     return hashlib.blake2b(raw.cpu().numpy().tobytes() + f"{tensor.dtype}{tuple(tensor.shape)}".encode(),
                            digest_size=16).hexdigest()
-
-
-def gate_stage(block: BlockRouting, config) -> gate.PlanGate | None:
-    """The cost gate of ``block``'s plan (``lynx_hf.patcher.PLAN_STAGES``; ``lynx_hf.gate.for_config``: ``None`` unless
-    ``config.gate == "auto"``): measured at the block's shape (:meth:`BlockRouting.layer_shape`), on the model's own
-    experts implementation (:meth:`BlockRouting.expert_fn`; the sparse kernel, :meth:`BlockRouting.kernel_fn`, at the
-    step sizes where the plan runs it), timing the router hook's whole work
-    (:meth:`BlockRouting.gate_probe`), an offloaded expert's transfer added to the saving per avoided expert
-    (:attr:`BlockRouting.extra_expert_ms`)."""
-    if config.gate != "auto":
-        return None
-    return gate.for_config(config, block.layer_shape(), extra_expert_ms=block.extra_expert_ms,
-                           expert_fn=block.expert_fn(), route_fn=block.gate_probe, selection=block._scores_fn(),
-                           step_key=block.step_key(), kernel_fn=block.kernel_fn(),
-                           carried=getattr(block, "carried_gate", None))
 
 
 def _param_device(module) -> torch.device | None:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import torch
 
-from .core import DECODE, MIXED, Routed, RoutePlan, Runner, Step, StepInputs, WeightRule, keep_routing
+from .core import DECODE, MIXED, Routed, RoutePlan, Runner, StageBase, Step, StepInputs, WeightRule
 from .kernels import telemetry_slots as slots
 from .kernels.routing_torch import in_strict_sync_free
 from .telemetry import BlockTelemetry
@@ -46,14 +46,15 @@ _STEPS: "weakref.WeakValueDictionary[int, _Bound]" = weakref.WeakValueDictionary
 _HANDLES = itertools.count(1)
 
 
-class CompiledCpuStep:
+class CompiledCpuStep(StageBase):
     """The compiled-CPU stage (module docstring). Stateless: one instance may be handed to any number of plans."""
 
     name = NAME
 
     def bind(self, plan: RoutePlan, inner: Runner) -> Optional[Runner]:
-        """``None`` off CPU and for a plan that never remaps; else the runner that takes the op while traced."""
-        if plan.device.type != "cpu" or plan.kernel is keep_routing:
+        """``None`` off CPU; else the runner that takes the op while traced (``lynx_hf.core.make_plan`` binds it to
+        plans that remap only)."""
+        if plan.device.type != "cpu":
             return None
         bound = _Bound(plan, inner)
         handle = next(_HANDLES)

@@ -211,16 +211,16 @@ class LynxConfig:
     def from_file(cls, path: str | os.PathLike, base: "LynxConfig | None" = None) -> "LynxConfig":
         """A config from a JSON file holding one object of fields (what :meth:`to_file` and ``lynx-hf sweep``
         write): ``{"policy": "lynx", "mass_price": 0.109375, ...}``. Fields left out take ``base``'s values
-        (default ``LynxConfig()``); values may be JSON-typed or strings, parsed as by :meth:`from_options`;
-        renamed fields (``k0``, ``backend``) are mapped with a ``FutureWarning``; the key ``"_about"``
-        (:data:`FILE_NOTE_KEY`, notes on what made the file) is ignored.
+        (default ``LynxConfig()``); values may be JSON-typed or strings, parsed as by :meth:`from_options`; the key
+        ``"_about"`` (:data:`FILE_NOTE_KEY`, notes on what made the file) is ignored; a name that is no field (a
+        former name such as ``k0`` or ``backend`` included) is refused.
 
         The one file format of ``lynx_hf.patch(model, "lynx_config.json")``, ``lynx-hf generate --config``,
         lm-eval's ``model_args=...,lynx_config=FILE`` and the vLLM plugin's ``config_file``.
 
         Raises ``FileNotFoundError`` when ``path`` is not a file and :class:`LynxConfigError` (its message
-        starts with the path) when the file is not JSON, not an object, or has an unknown, removed or
-        invalid field (named).
+        starts with the path) when the file is not JSON, not an object, or has an unknown or invalid field
+        (named).
         """
         path = Path(path)
         if not path.is_file():

@@ -141,18 +141,70 @@ Runner = Callable[["RoutePlan", StepInputs], Routed]
 class Stage(Protocol):
     """A decode-step feature composed into a plan by :func:`make_plan` (``stages=``), as vLLM's modular kernel composes
     its parts: the cost gate (``lynx_hf.gate.PlanGate``), the offload resident seed (``lynx_hf.offload.ResidentSeed``),
-    the compiled-CPU op (``lynx_hf.compiled_cpu.CompiledCpuStep``). The core knows none of them.
+    the flatness guard (``lynx_hf.flatness``), the compiled-CPU op (``lynx_hf.compiled_cpu.CompiledCpuStep``), vLLM's
+    padding rows (``lynx_hf.vllm``). The core knows none of them; each subclasses :class:`StageBase`.
 
-    ``name``: how :meth:`RoutePlan.stage` finds it. ``bind(plan, inner)`` is called once, by :func:`make_plan`, with
-    the plan (its stages not composed yet) and the runner below this stage (the stages after it in ``stages``, then
-    :func:`decode_step`); it returns the runner that replaces ``inner`` (it calls ``inner`` or not), or ``None``: the
-    stage does nothing for this plan and is left out. A stage that counts gives ``summary() -> dict`` (plain JSON,
-    reported by ``lynx_hf.stats`` under its name) and ``reset()`` (``lynx_hf.reset_stats``).
+    ``name``: how :meth:`RoutePlan.stage` finds it. ``remaps_only``: the stage works around the policy's remap, so
+    :func:`make_plan` leaves it out of a plan that keeps the routing (its kernel :func:`keep_routing`: policy ``none``,
+    k = N). ``bind(plan, inner)`` is called once, by :func:`make_plan`, with the plan (its stages not composed yet) and
+    the runner below this stage (the stages after it in ``stages``, then :func:`decode_step`); it returns the runner
+    that replaces ``inner`` (it calls ``inner`` or not), or ``None``: the stage does nothing for this plan and is left
+    out. ``summary() -> dict or None`` (plain JSON, reported under its name by :func:`stage_report`: ``lynx_hf.stats``
+    and the vLLM plugin's stats), ``reset()`` (its counters zeroed: :func:`reset_stages`) and ``note(num_tokens,
+    decode_rows, steps)`` (decode steps that ran without it: a layer an engine bypasses, a CUDA-graph replay).
     """
 
     name: str
+    remaps_only: bool
 
     def bind(self, plan: "RoutePlan", inner: Runner) -> Optional[Runner]: ...
+
+    def summary(self) -> Optional[dict]: ...
+
+    def reset(self) -> None: ...
+
+    def note(self, num_tokens: int, decode_rows: Optional[int] = None, steps: int = 1) -> None: ...
+
+
+class StageBase:
+    """What every :class:`Stage` starts from: ``remaps_only`` True, and no-op :meth:`summary` (``None``: nothing to
+    report), :meth:`reset` and :meth:`note`; a subclass gives ``name`` and :meth:`bind`, and overrides what it
+    counts."""
+
+    name: str = ""
+    #: left out of a plan that keeps the routing (:func:`make_plan`); False for a stage every step needs
+    remaps_only: bool = True
+
+    def bind(self, plan: "RoutePlan", inner: Runner) -> Optional[Runner]:
+        raise NotImplementedError(f"{type(self).__name__}.bind")
+
+    def summary(self) -> Optional[dict]:
+        """Plain JSON of what the stage counted, or ``None`` (nothing to report: left out of :func:`stage_report`)."""
+        return None
+
+    def reset(self) -> None:
+        """Zero what the stage counts (its decisions and caches stay)."""
+
+    def note(self, num_tokens: int, decode_rows: Optional[int] = None, steps: int = 1) -> None:
+        """Count ``steps`` decode steps of ``num_tokens`` tokens (``decode_rows`` of them decoding; ``None``: all) that
+        ran without this stage (a bypassed layer, a CUDA-graph replay)."""
+
+
+def stage_report(plan: Optional["RoutePlan"]) -> dict:
+    """``{stage.name: stage.summary()}`` of every stage of ``plan`` that reports (its summary not ``None``), outermost
+    first; ``{}`` for no plan. The one reader of the stages' reports, for every engine."""
+    out = {}
+    for stage in () if plan is None else plan.stages:
+        summary = stage.summary()
+        if summary is not None:
+            out[stage.name] = summary
+    return out
+
+
+def reset_stages(plan: Optional["RoutePlan"]) -> None:
+    """Zero the counters of every stage of ``plan`` (:meth:`StageBase.reset`; decisions stay); nothing for no plan."""
+    for stage in () if plan is None else plan.stages:
+        stage.reset()
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
@@ -198,12 +250,10 @@ class RoutePlan:
     host_ops: object = None
     fused: object = None
     expert_ops: object = None
-    # left out of the cost gate's key while 1 (lynx_hf.gate.key.describe): the keys of plans made before the field
-    # existed, and the shipped decision tables indexed by them, stay the same
-    kernel_min_tokens: int = dataclasses.field(default=1, metadata={"key": "omit_default"})
+    kernel_min_tokens: int = 1
     stages: tuple = dataclasses.field(default=(), compare=False)
     runner: Optional[Runner] = dataclasses.field(default=None, compare=False, repr=False)
-    # the cost gate's key has it through ``kernel`` (device_step); it holds per-thread buffers: not compared
+    # it holds per-thread buffers: not compared
     fused_device: object = dataclasses.field(default=None, compare=False, repr=False)
 
     def run(self, inputs: StepInputs) -> Routed:
@@ -251,7 +301,8 @@ AUTO_KERNEL_MIN_TOKENS = 4
 def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] = ()) -> RoutePlan:
     """Resolve ``config`` (a ``LynxConfig``) for one MoE ``layer`` (:class:`MoELayer`: N experts, top-k, device):
     routing backend, policy parameters, ops, expert kernel and the decode-step function (:attr:`RoutePlan.kernel`),
-    then compose ``stages`` around it (:class:`Stage`, outermost first; each bound once, here).
+    then compose ``stages`` around it (:class:`Stage`, outermost first; each bound once, here; a stage that is
+    ``remaps_only`` is not bound to a plan that keeps the routing).
 
     ``routing_backend``: ``"auto"`` gives Triton on CUDA, torch elsewhere (a ``meta`` device: torch).
     ``expert_path``: ``"triton"`` selects the sparse Triton expert kernel for every decode step; ``"auto"`` selects it
@@ -293,6 +344,8 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
                      expert_ops=expert_ops, kernel_min_tokens=kernel_min_tokens, fused_device=fused_device)
     runner, bound = decode_step, []
     for stage in reversed(tuple(stages)):  # innermost first: each stage wraps what is below it
+        if kernel is keep_routing and stage.remaps_only:  # nothing remaps: the stages around the remap stay out
+            continue
         wrapped = stage.bind(plan, runner)
         if wrapped is not None:
             runner = wrapped
@@ -306,7 +359,7 @@ def make_plan(config: "LynxConfig", layer: MoELayer, *, stages: Sequence[Stage] 
 def decode_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
     """The plan's decode step below its stages: :func:`keep_routing` for a step the plan keeps
     (:meth:`RoutePlan.keeps`: a lone token under a policy that keeps it), else :attr:`RoutePlan.kernel`."""
-    if inputs.idx.shape[0] == 1 and plan.policy.single_token_identity:
+    if plan.keeps(inputs.idx.shape[0]):
         return keep_routing(plan, inputs)
     return plan.kernel(plan, inputs)
 
@@ -352,6 +405,11 @@ def device_step(plan: RoutePlan, inputs: StepInputs) -> Routed:
     critical set, remap, weight rule, merge with the rows that keep their routing, telemetry. The same routing as
     :func:`remap` + :func:`record_step`; no host read, no allocation after a step size's first step."""
     return _launch(plan, inputs, keep=False)
+
+
+#: the decode-step functions by the name the cost gate's key gives them (``lynx_hf.gate.key.GateKey.step``): a key
+#: names the kind of step measured, never a function, so renaming one keeps every stored decision
+STEP_KINDS = {"keep": keep_routing, "fused": fused_step, "device": device_step, "remap": remap_step}
 
 
 def _launch(plan: RoutePlan, inputs: StepInputs, keep: bool) -> Routed:
@@ -473,5 +531,6 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
 
 
 __all__ = ["PREFILL", "DECODE", "VERIFY", "MIXED", "Step", "PREFILL_STEP", "WeightRule", "StepInputs", "Routed",
-           "Runner", "Stage", "MoELayer", "RoutePlan", "make_plan", "decode_step", "keep_routing", "remap_step",
-           "fused_step", "device_step", "remap", "record_step", "host_reads_allowed"]
+           "Runner", "Stage", "StageBase", "stage_report", "reset_stages", "MoELayer", "RoutePlan", "make_plan",
+           "decode_step", "keep_routing", "remap_step", "STEP_KINDS", "fused_step", "device_step", "remap",
+           "record_step", "host_reads_allowed"]

@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import inspect
 import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -271,7 +272,7 @@ def _lynx_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwar
                                                        *args, **kwargs)
     own, grouped, compiled_own = state.experts_impls
     if own is None:  # after unpickling / deep copy: resolved again, once
-        state.experts_impls = implementations(self, state.original_impl)
+        state.experts_impls = implementations(self, state.experts_path.original)
         own, grouped, compiled_own = state.experts_impls
     if args or kwargs or state.step.kind == "prefill":
         return own(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
@@ -295,8 +296,8 @@ def _grouped_capturable(experts) -> bool:
     """Whether transformers' ``grouped_mm`` runs its native kernel here: under ``torch.compile`` only for bf16 weights
     (``transformers.integrations.moe._can_use_grouped_mm``); otherwise it falls back to a per-expert loop that reads
     the group offsets on the host (``offs.tolist()``), a host sync that a CUDA-graph capture refuses (what a
-    static-cache ``generate`` compiles by default on CUDA: ``CompileConfig(mode="reduce-overhead")``; seen on an H200,
-    issue 44). There ``batched_mm`` runs instead where the model's own is ``grouped_mm`` (:func:`implementations`)."""
+    static-cache ``generate`` compiles by default on CUDA: ``CompileConfig(mode="reduce-overhead")``; seen on an H200).
+    There ``batched_mm`` runs instead where the model's own is ``grouped_mm`` (:func:`implementations`)."""
     if not torch.compiler.is_compiling():
         return True
     weight = getattr(experts, "gate_up_proj", None)
@@ -382,55 +383,67 @@ def adopt(state) -> None:
             _hold(config, before)
 
 
-def install(state) -> None:
-    """Install ``"lynx"`` on the model of ``state`` (a ``lynx_hf.patcher.ModelState``) for a remapping policy.
+@dataclass(frozen=True)
+class ExpertsPath:
+    """What :func:`install` decided for one patched block's experts (``BlockRouting.experts_path``):
+
+    ``original``: the experts implementation its config named before ``"lynx"`` (``None``: the experts do not
+    dispatch through transformers' experts interface, so ``"lynx"`` is not theirs); ``kernel_reason``: why the sparse
+    Triton kernel may not read their weights (``None``: it may); ``grouped_reason``: the same for transformers'
+    ``grouped_mm`` (``None``: it may)."""
+
+    original: str | None
+    kernel_reason: str | None
+    grouped_reason: str | None
+
+
+def install(state) -> tuple:
+    """Install ``"lynx"`` on the model of ``state`` (a ``lynx_hf.patcher.ModelState``) for a remapping policy; returns
+    one :class:`ExpertsPath` per patched block (``state.blocks``' order), or ``None`` for a block whose storage was not
+    checked (neither sparse path may run): the caller hands each to its block (``BlockRouting.set_experts_path``).
 
     For each patched block: the experts module that dispatches through the interface (inside PEFT wrappers,
-    :func:`unwrap`) gets its ``BlockRouting`` under :data:`EXPERTS_ATTR`, which records the implementation
-    it had, its functions, and why a sparse path may not read its weights (``kernel_reason`` for the Triton
-    kernel, ``grouped_reason`` for ``grouped_mm``; ``None`` = allowed; ``storage_checked`` set). Blocks whose experts do not
-    dispatch through the interface (Llama-4, custom experts) get ``kernel_reason`` from their family spec's
-    ``kernel_storage(experts)`` if it has one, else a reason. Every other interface-dispatching experts
-    module of the model (they share the config whose implementation changes) records the implementation it
-    had, so it keeps running it. Only the configs of the patched experts modules are switched to ``"lynx"``;
-    what each had is read before, per config (:func:`original_implementation`: never ``"lynx"``, which a
-    config shared with a patched model already says), and kept in ``state.experts_impl_before`` as
-    ``[(config, implementation)]``. Experts modules of other models that share one of those configs dispatch
-    to ``"lynx"`` too and run the recorded implementation (they are not patched blocks). Idempotent; undone
-    exactly by :func:`remove`.
+    :func:`unwrap`) gets its ``BlockRouting`` under :data:`EXPERTS_ATTR`; its path records the implementation it had
+    and why a sparse path may not read its weights. Blocks whose experts do not dispatch through the interface
+    (Llama-4, custom experts) get ``kernel_reason`` from their family spec's ``kernel_storage(experts)`` if it has
+    one, else a reason. Every other interface-dispatching experts module of the model (they share the config whose
+    implementation changes) records the implementation it had, so it keeps running it. Only the configs of the
+    patched experts modules are switched to ``"lynx"``; what each had is read before, per config
+    (:func:`original_implementation`: never ``"lynx"``, which a config shared with a patched model already says), and
+    kept in ``state.experts_impl_before`` as ``[(config, implementation)]``. Experts modules of other models that share
+    one of those configs dispatch to ``"lynx"`` too and run the recorded implementation (they are not patched blocks).
+    Idempotent (an installed block's path is returned as it is); undone exactly by :func:`remove`.
     """
     model = state.model
+    paths = {}
     blocks = []
     for block in state.blocks:
         inner, wrappers = unwrap(block.experts)
         if uses_interface(inner):
             blocks.append((block, inner, wrappers))
+            paths[block] = block.experts_path
             continue
         check = getattr(block.spec, "kernel_storage", None)
         if wrappers:
-            block.kernel_reason = _wrapped_reason(wrappers)
+            reason = _wrapped_reason(wrappers)
         elif check is not None:
-            block.kernel_reason = check(block.experts)
+            reason = check(block.experts)
         else:
-            block.kernel_reason = "the experts do not dispatch through transformers' experts interface"
-        block.grouped_reason = block.kernel_reason
-        block.storage_checked = True
+            reason = "the experts do not dispatch through transformers' experts interface"
+        paths[block] = ExpertsPath(None, reason, reason)
     if state.experts_impl_before is not None or not blocks or not hasattr(model, "set_experts_implementation"):
-        return
+        return tuple(paths[block] for block in state.blocks)
     register()
     configs: dict[int, tuple] = {}  # id(config) -> (config, implementation before "lynx")
     for block, inner, wrappers in blocks:
         config = inner.config
         if id(config) not in configs:
             configs[id(config)] = (config, _hold(config, original_implementation(inner)))
-        block.original_impl = configs[id(config)][1]
-        block.experts_impls = implementations(inner, block.original_impl)
+        original = configs[id(config)][1]
         if wrappers:
-            block.kernel_reason = block.grouped_reason = _wrapped_reason(wrappers)
+            paths[block] = ExpertsPath(original, _wrapped_reason(wrappers), _wrapped_reason(wrappers))
         else:
-            block.kernel_reason = kernel_storage(inner)
-            block.grouped_reason = storage_reason(inner)
-        block.storage_checked = True
+            paths[block] = ExpertsPath(original, kernel_storage(inner), storage_reason(inner))
         object.__setattr__(inner, EXPERTS_ATTR, block)
     for module in model.modules():
         if EXPERTS_ATTR not in module.__dict__ and uses_interface(module):
@@ -438,6 +451,7 @@ def install(state) -> None:
     state.experts_impl_before = list(configs.values())
     for config, _ in state.experts_impl_before:
         config._experts_implementation_internal = IMPLEMENTATION  # this config only (sub-configs have their own)
+    return tuple(paths[block] for block in state.blocks)
 
 
 def remove(state) -> None:

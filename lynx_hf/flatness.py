@@ -37,7 +37,7 @@ import warnings
 import torch
 
 from . import policies
-from .core import Runner, Step, StepInputs, keep_routing
+from .core import Runner, StageBase, Step, StepInputs
 from .errors import LynxAccuracyWarning
 from .kernels.routing_torch import relative_weights
 
@@ -128,8 +128,8 @@ class ModelFlatness:
                 stacklevel=2)
 
 
-class FlatnessStage:
-    """The probe's stage in one layer's plan (``lynx_hf.core.Stage``): for its first :data:`STEPS` eager decode
+class FlatnessStage(StageBase):
+    """The probe's stage in one layer's plan (``lynx_hf.core.Stage``; not bound to a plan that keeps the routing): for its first :data:`STEPS` eager decode
     steps of more than one token it adds, on the device, the live decode tokens' top-1 excess shares and the routing
     mass the steps below it (the cost gate, the policy) moved; then it passes every step through."""
 
@@ -143,8 +143,6 @@ class FlatnessStage:
         self._value: tuple[float, float] | None = None
 
     def bind(self, plan, inner: Runner):
-        if plan.kernel is keep_routing:
-            return None
         self.model.layers[self.layer] = self
 
         def run(p, inputs: StepInputs):

@@ -58,7 +58,7 @@ from collections import OrderedDict
 
 import torch
 
-from .core import PREFILL, Routed, RoutePlan, Runner, StepInputs, keep_routing
+from .core import PREFILL, Routed, RoutePlan, Runner, StageBase, StepInputs
 from .experts import dispatch, original_implementation, unwrap
 from .state import state_of
 
@@ -633,8 +633,8 @@ def _plan(block):
 def install(state) -> None:
     """Install :class:`OffloadedExperts` on every patched block of ``state`` (a ``lynx_hf.patcher.ModelState``) whose
     experts accelerate offloads, when ``state.config.offload_path == "experts"``; sets ``block.offload`` (``None``
-    elsewhere), ``block.offload_reason`` and ``block.extra_expert_ms`` (with ``gate="auto"``: the transfer of one
-    expert, :meth:`OffloadedExperts.probe_ms`, timed only if the cost gate measures). Called before the blocks' plans
+    elsewhere) and ``block.offload_reason`` (the cost gate reads the transfer of one expert,
+    :meth:`OffloadedExperts.probe_ms`, through ``lynx_hf.facts.layer_facts``: timed only if it measures). Called before the blocks' plans
     are made (``lynx_hf.patcher``), so each plan composes its :class:`ResidentSeed` stage once. Idempotent: installed
     ones are removed first (cache and counters restart)."""
     remove(state)
@@ -648,8 +648,6 @@ def install(state) -> None:
         offloaded = OffloadedExperts(block, module, hook, store, shapes, layout, config.expert_cache_bytes, num_experts)
         offloaded.attach()
         block.offload = offloaded
-        if config.gate == "auto":  # the cost gate weighs the transfer an avoided expert saves (timed if it measures)
-            block.extra_expert_ms = offloaded.probe_ms
 
 
 def remove(state) -> None:
@@ -658,7 +656,6 @@ def remove(state) -> None:
     for block in state.blocks:
         offloaded, block.offload = block.offload, None
         block.offload_reason = None
-        block.extra_expert_ms = 0.0
         if offloaded is not None:
             offloaded.restore()
 
@@ -670,7 +667,7 @@ def reset(state) -> None:
             block.offload.reset()
 
 
-class ResidentSeed:
+class ResidentSeed(StageBase):
     """The stage of an offloaded block's plan (``lynx_hf.core.Stage``): the resident experts of ``offloaded`` (its
     :class:`OffloadedExperts`) seed the critical set of each step the policy runs on (cache-aware remapping,
     ``StepInputs.seed``); nothing resident, or a step the plan keeps (one token): the step as it is."""
@@ -681,9 +678,7 @@ class ResidentSeed:
         self.offloaded = offloaded
 
     def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
-        """``None`` for a plan that never remaps; else the runner that adds the seed."""
-        if plan.kernel is keep_routing:
-            return None
+        """The runner that adds the seed (``lynx_hf.core.make_plan`` binds it to plans that remap only)."""
         offloaded = self.offloaded
 
         def run(plan: RoutePlan, inputs: StepInputs) -> Routed:

@@ -5,17 +5,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import json
 import os
 import types
 import warnings
 
 import torch
 
-from . import compiled_cpu, flatness, gate, offload, policies
+from . import compiled_cpu, facts, flatness, gate, offload, policies
 from . import experts as experts_impl
-from .block import BlockRouting, gate_stage
+from .block import BlockRouting
 from .config import LynxConfig
+from .core import reset_stages, stage_report
 from .detection import StepTracker, cache_length, generation_scope
 from .errors import LynxConfigError, UnsupportedModelError
 from .kernels.backend import resolve_backend
@@ -31,7 +31,7 @@ from .telemetry import LynxStats, mode_of
 #: decode-step feature is one module with such a function, plus one line here.
 PLAN_STAGES = (
     flatness.plan_stage,  # router flatness on the first decode steps, warned where the default is unmeasured
-    gate_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
+    facts.plan_stage,  # the cost gate (lynx_hf.gate; LynxConfig.gate="auto")
     offload.plan_stage,  # resident offloaded experts seed the critical set (lynx_hf.offload)
     compiled_cpu.plan_stage,  # torch.compile on CPU: the eager step as one opaque op (lynx_hf.compiled_cpu)
 )
@@ -395,11 +395,11 @@ def _note_table(state: ModelState) -> None:
         return
     try:
         entries = gate.STORE.user_table(table).entries.values()
-        seen = sorted({(str(e.get("key", {}).get("parts", {}).get("shape", {}).get("dtype")),
-                        e.get("key", {}).get("threads")) for e in entries if isinstance(e, dict)}, key=str)
+        seen = sorted({(str(e.get("key", {}).get("dtype")), e.get("key", {}).get("threads"))
+                       for e in entries if isinstance(e, dict)}, key=str)
     except (OSError, ValueError, AttributeError):
         seen = []
-    mine = sorted({(str(json.loads(g.key.parts)["shape"].get("dtype")), g.key.threads) for g in gates}, key=str)
+    mine = sorted({(g.key.dtype, g.key.threads) for g in gates}, key=str)
     words = lambda pairs: ", ".join(f"{d.removeprefix('torch.')} at {t} threads" for d, t in pairs) or "none"  # noqa: E731
     warnings.warn(f"lynx_hf: the gate table {table} matches none of this model's {len(gates)} gated MoE layers, so "
                   f"their decisions come from elsewhere ({gates[0].source}); its entries are for {words(seen)}, this "
@@ -452,7 +452,8 @@ def _sync_experts_impl(state: ModelState) -> None:
     # decided in lynx_hf.experts.install / remove (PEFT wrappers unwrapped, other experts modules sharing the
     # config keep the implementation they had).
     if policies.get(state.config.policy).remaps:
-        experts_impl.install(state)
+        for block, path in zip(state.blocks, experts_impl.install(state)):
+            block.set_experts_path(path)
     else:
         experts_impl.remove(state)
 
@@ -545,20 +546,13 @@ def reset_stats(model: torch.nn.Module) -> None:
     offload.reset(state)
     for block in state.blocks:
         block.telemetry.reset()
-        for stage in () if block.plan is None else block.plan.stages:
-            reset = getattr(stage, "reset", None)
-            if reset is not None:
-                reset()
+        reset_stages(block.plan)
 
 
 def _stage_summaries(config: LynxConfig, plan) -> dict:
     """``{stage.name: stage.summary()}`` of every stage of ``plan`` that reports (``Stage.summary``), with a
     ``"gate"`` entry always: ``{"gate": "always"}`` where the policy runs on every decode step (``gate="always"``, or
     a plan that never remaps)."""
-    out = {"gate": {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
-                    "steps_skipped": 0}}
-    for stage in () if plan is None else plan.stages:
-        summary = getattr(stage, "summary", None)
-        if summary is not None:
-            out[stage.name] = summary()
+    out = {"gate": gate.report_without_gate(config)}
+    out.update(stage_report(plan))
     return out

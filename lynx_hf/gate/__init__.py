@@ -9,20 +9,22 @@ timed step depends on, stored, and read by every process, rank and run that has 
 
 - :mod:`.decision`: :class:`GateDecision`, the pure rule :func:`decide`, the closed-form :func:`by_rule`, and
   :data:`TUNING`, every constant as one frozen :class:`Tuning`;
-- :mod:`.key`: :func:`make_key` / :class:`GateKey`, derived from the plan, the layer shape, the engine's step
-  description and the device (:func:`device_kind`);
+- :mod:`.key`: :func:`make_key` / :class:`GateKey`, declared readable fields of the plan, the layer shape, the
+  engine's step description and the device (:func:`device_kind`), plus the measuring code's :data:`MEASURE_VERSION`;
 - :mod:`.table`: :class:`DecisionTable` files and the process's :class:`DecisionStore` (:data:`STORE`: a user
   table, the shipped tables, the per-user cache, else a measurement written to that cache);
 - :mod:`.measure`: the measurement itself (private generators, no global state touched);
-- :mod:`.stage`: :class:`PlanGate`, the stage of a layer's plan (``lynx_hf.core.Stage``), and :mod:`.report`.
+- :mod:`.stage`: :class:`LayerFacts` (what an engine knows of a layer), :func:`plan_stage` (the one reader of
+  ``LynxConfig.gate``) and :class:`PlanGate`, the stage of a layer's plan (``lynx_hf.core.Stage``); :mod:`.report`.
 
 Engine-independent (no transformers import). Units: milliseconds per layer-step throughout.
 """
 
 from ..config import GATE_ENV as ENV
 from .decision import TUNING, GateDecision, Tuning, always_on, bucket_of, by_rule, decide, expected_unique
-from .key import GateKey, describe, device_kind, make_key
+from .key import FORMAT, GateKey, device_kind, make_key, readable
 from .measure import (
+    MEASURE_VERSION,
     cannot_measure,
     measure_bucket,
     measure_expert_ms,
@@ -32,7 +34,7 @@ from .measure import (
     synthetic_routing,
 )
 from .report import off_line, patch_note
-from .stage import NAME, LayerShape, PlanGate, for_config, of
+from .stage import NAME, LayerFacts, LayerShape, PlanGate, of, plan_stage, report_without_gate
 from .table import CACHE_ENV, SHIPPED_DIR, STORE, DecisionStore, DecisionTable, ForeignTableError, cache_dir, cache_name
 
 #: the step sizes (tokens) measured per layer (``TUNING.buckets``)
@@ -40,7 +42,7 @@ BUCKETS = TUNING.buckets
 
 __all__ = ["ENV", "NAME", "BUCKETS", "TUNING", "Tuning", "GateDecision", "LayerShape", "PlanGate", "GateKey",
            "DecisionTable", "DecisionStore", "ForeignTableError", "STORE", "CACHE_ENV", "SHIPPED_DIR", "cache_dir",
-           "cache_name", "decide", "always_on",
-           "by_rule", "expected_unique", "bucket_of", "describe", "device_kind", "make_key", "cannot_measure",
+           "cache_name", "decide", "always_on", "by_rule", "expected_unique", "bucket_of", "readable", "device_kind",
+           "make_key", "FORMAT", "MEASURE_VERSION", "cannot_measure",
            "measure_bucket", "measure_layer", "measure_routing", "measure_expert_ms", "measure_module_expert_ms",
-           "synthetic_routing", "off_line", "patch_note", "for_config", "of"]
+           "synthetic_routing", "off_line", "patch_note", "LayerFacts", "plan_stage", "report_without_gate", "of"]

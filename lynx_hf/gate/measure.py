@@ -30,8 +30,13 @@ from .decision import TUNING, GateDecision, Tuning, by_rule, decide
 
 #: the version of this measuring code, part of every decision key (``lynx_hf.gate.key.GateKey.measure``): bumped when
 #: what is timed or how a bucket is decided changes, so the decisions an older measurement stored miss (and stay in the
-#: files for the builds that wrote them) while every other part of a key, the tables' format and the file names stay
-VERSION = 1
+#: files for the builds that wrote them) while every other part of a key, the tables' format and the file names stay.
+#: Pinned by ``tests/policies/test_gate_store.py::test_measure_version_pins_the_measuring_code`` to a hash of this
+#: module's code (docstrings and comments left out): a change to the code fails that test until this is bumped.
+#: 2: on CUDA the saving per expert is timed with L2 flushed and on the experts path each step size runs, a captured
+#: engine's routing cost as a graph replay, under expert parallelism a rank's own share saved (1 measured none of it)
+MEASURE_VERSION = 2
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -156,7 +161,7 @@ def measure_routing(plan, num_tokens: int, dtype: torch.dtype = torch.float32, t
     ``cost_ms``: shortest time of ``plan.run(inputs)`` on synthetic logits (:func:`synthetic_routing`, every token a
     decode token; ``mixed``: described as a continuous-batching step with per-token masks, as the vLLM plugin does),
     with a scratch telemetry in mode ``telemetry``; ``route_fn(run, inputs)``: the engine's whole per-step routing
-    path around ``run(inputs)`` (e.g. ``lynx_hf.block.BlockRouting.gate_probe``), timed instead, except on a step
+    path around ``run(inputs)`` (e.g. ``lynx_hf.facts.gate_probe``), timed instead, except on a step
     the plan keeps; ``selection``: the layer's selection scores (:func:`synthetic_routing`); ``captured``: the step
     runs inside a captured CUDA graph (``LayerShape.captured``: a vLLM engine with CUDA graphs), so on CUDA the cost
     is the time of a graph replay (:func:`_time_captured_ms`; eager where the capture fails, and off CUDA). The experts before /

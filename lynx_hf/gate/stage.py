@@ -19,7 +19,7 @@ from typing import ClassVar
 
 import torch
 
-from ..core import Routed, RoutePlan, Runner, StepInputs, keep_routing
+from ..core import Routed, RoutePlan, Runner, StageBase, StepInputs
 from .decision import TUNING, GateDecision, Tuning, always_on, bucket_of, decide
 from .key import GateKey, make_key
 from .measure import cannot_measure, measure_layer, rule_at, rule_layer
@@ -39,8 +39,9 @@ class LayerShape:
     """What the gate measures a layer at: ``num_experts`` (N), ``top_k`` (k), ``hidden`` (H) and ``intermediate``
     (I, one expert's intermediate size) or ``None`` where unknown, the router logits' ``dtype``, the expert
     weights' ``expert_dtype``, ``mixed_steps`` (the engine's steps carry per-token masks, so the routing cost is
-    measured on that path), ``ep_size`` (expert-parallel ranks: the saving counts this rank's experts) and ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the
-    routing cost is timed as a graph replay: no per-kernel launch on the host; left out of the key while False)."""
+    measured on that path), ``ep_size`` (expert-parallel ranks: the saving counts this rank's experts) and
+    ``captured`` (the engine replays its decode forward from CUDA graphs, so on CUDA the routing cost is timed as a
+    graph replay: no per-kernel launch on the host). Each is a field of the decision key (``GateKey``)."""
 
     num_experts: int
     top_k: int
@@ -49,14 +50,14 @@ class LayerShape:
     dtype: torch.dtype = torch.float32
     expert_dtype: torch.dtype | None = None
     mixed_steps: bool = False
-    captured: bool = field(default=False, metadata={"key": "omit_default"})
+    captured: bool = False
     #: expert-parallel ranks the layer's experts are split over (vLLM under EP: each rank runs N / ``ep_size`` of
     #: them), so a rank saves the avoided experts that are its own: ``1 / ep_size`` of them in expectation
-    ep_size: int = field(default=1, metadata={"key": "omit_default"})
+    ep_size: int = 1
 
 
 @dataclass(eq=False)  # identity: a RoutePlan holding it stays hashable
-class PlanGate:
+class PlanGate(StageBase):
     """The gate of one plan (one MoE layer on one device).
 
     Given by the engine: ``shape``; ``telemetry`` (``LynxConfig.telemetry``: the mode the cost is timed in);
@@ -121,13 +122,10 @@ class PlanGate:
 
     # -- composition ------------------------------------------------------------------------------------------
     def bind(self, plan: RoutePlan, inner: Runner) -> Runner | None:
-        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``): ``None`` for a plan that never remaps (no
-        gate); else the decisions are got now (:meth:`resolve`) and the returned runner asks the gate once per
-        layer-step: a step the plan keeps (one token) runs ``inner`` with ``gated_off`` from the bucket's decision;
+        """Compose the gate into ``plan`` (``lynx_hf.core.make_plan``, which binds it to plans that remap only): the
+        decisions are got now (:meth:`resolve`) and the returned runner asks the gate once per layer-step: a step the plan keeps (one token) runs ``inner`` with ``gated_off`` from the bucket's decision;
         off, the model's own routing (the same objects, nothing recorded, counted as skipped, ``gated_off``); on,
         ``inner``."""
-        if plan.kernel is keep_routing:
-            return None
         self.plan, self.inner = replace(plan, runner=inner), inner
         self.resolve()
         return self._run
@@ -270,6 +268,10 @@ class PlanGate:
             self.skipped[num_tokens] += steps
         return on
 
+    def note(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1) -> None:
+        """:meth:`count` (``lynx_hf.core.StageBase.note``): decode steps that ran without the gate."""
+        self.count(num_tokens, decode_rows, steps)
+
     def skip(self, num_tokens: int) -> None:
         """Count one decode step the gate kept the model's routing on (eager only)."""
         if not torch.compiler.is_compiling():
@@ -296,16 +298,58 @@ class PlanGate:
                 "steps_skipped": int(sum(self.skipped.values()))}
 
 
-def for_config(config, shape: LayerShape, extra_expert_ms: float = 0.0, expert_fn=None, route_fn=None,
-               selection=None, step_key: object = None, kernel_fn=None, carried: tuple | None = None) -> PlanGate | None:
-    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): ``None``
-    unless ``config.gate == "auto"``; else a :class:`PlanGate` of a layer of ``shape`` (the other arguments are its
-    fields) reading ``config.gate_table`` first. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
+@dataclass(frozen=True)
+class LayerFacts:
+    """What an engine knows of one MoE layer that the cost gate weighs: one frozen value, built by the engine's adapter
+    (HF: ``lynx_hf.facts.layer_facts``; vLLM: ``lynx_hf.vllm``'s plan making) and read by :func:`plan_stage`.
+
+    - ``shape``: the :class:`LayerShape` the gate measures at;
+    - ``step``: the engine's description of what else its step runs, plain data for the key (``GateKey.engine``);
+    - ``expert_fn``: the layer's own experts path ``fn(hidden [T, H], idx [T, k] int64, weights [T, k])``, timed for
+      the saving per avoided expert (``None``: the batched-MLP model of it);
+    - ``kernel_fn``: the same through the sparse Triton kernel, timed at the step sizes where the plan runs it
+      (``RoutePlan.uses_kernel``; ``None``: none);
+    - ``route_fn``: the engine's per-step routing path ``fn(run, inputs)``, timed for the cost (``None``: the step
+      below the gate alone);
+    - ``selection``: the layer's selection scores ``fn(logits [T, N]) -> [T, N]`` fp32 (``-inf``: forbidden; ``None``:
+      the logits);
+    - ``extra_expert_ms``: a further cost per expert read (ms; e.g. an offloaded expert's transfer), or a function
+      returning it, called only when the gate measures or uses its rule;
+    - ``carried``: a copied model's ``(GateKey, decisions, source)`` from the layer it was copied from, or ``None``.
+    """
+
+    shape: LayerShape
+    step: object = None
+    expert_fn: object = None
+    kernel_fn: object = None
+    route_fn: object = None
+    selection: object = None
+    extra_expert_ms: object = 0.0
+    carried: tuple | None = None
+
+
+def plan_stage(facts, config) -> PlanGate | None:
+    """The cost gate to hand to ``lynx_hf.core.make_plan`` (``stages=``) for ``config`` (a ``LynxConfig``): the one
+    reader of ``config.gate`` and the one constructor of a gate, for every engine. ``None`` unless ``config.gate ==
+    "auto"``; else a :class:`PlanGate` of the layer ``facts`` describe (a :class:`LayerFacts`, or a function returning
+    one, called only here when the gate is on), reading ``config.gate_table`` first, timing in the mode
+    ``config.telemetry``. It gets its decisions when bound (:meth:`PlanGate.bind`)."""
     if config.gate != "auto":
         return None
-    return PlanGate(shape, telemetry=config.telemetry, extra_expert_ms=extra_expert_ms, expert_fn=expert_fn,
-                    kernel_fn=kernel_fn, route_fn=route_fn, selection=selection, step_key=step_key,
-                    table=config.gate_table, tuning=TUNING, carried=carried)
+    if not isinstance(facts, LayerFacts):
+        facts = facts()
+    return PlanGate(facts.shape, telemetry=config.telemetry, extra_expert_ms=facts.extra_expert_ms,
+                    expert_fn=facts.expert_fn, kernel_fn=facts.kernel_fn, route_fn=facts.route_fn,
+                    selection=facts.selection, step_key=facts.step, table=config.gate_table, tuning=TUNING,
+                    carried=facts.carried)
+
+
+def report_without_gate(config) -> dict:
+    """The ``"gate"`` entry of the stats of a layer whose plan has no gate: ``{"gate": "always", ...}`` under
+    ``config.gate == "always"``, else ``"auto (policy does not remap)"`` (a plan that keeps the routing), with no step
+    sizes and no skipped steps (plain JSON, the shape of :meth:`PlanGate.summary`)."""
+    return {"gate": "always" if config.gate == "always" else "auto (policy does not remap)", "by_tokens": {},
+            "steps_skipped": 0}
 
 
 def of(plan: RoutePlan | None) -> PlanGate | None:

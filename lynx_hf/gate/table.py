@@ -3,7 +3,8 @@
 Where a layer's decisions come from, first match wins (:meth:`DecisionStore.decisions`):
 
 1. the user's table, ``LynxConfig.gate_table`` (written by ``lynx-hf tune``);
-2. the tables the project ships for the machines it has measured (``lynx_hf/gate/tables/*.json``);
+2. the tables the project ships for the machines it has measured (``lynx_hf/gate/tables/<device kind>.<what it
+   holds>.json``);
 3. this process's memory of what it already read or measured;
 4. the per-user cache, one file per device kind and format under :func:`cache_dir` (``$LYNX_HF_CACHE``, else
    ``$XDG_CACHE_HOME/lynx_hf``, else ``~/.cache/lynx_hf``; ``~`` and ``$VAR`` expanded), read under a file lock;
@@ -11,7 +12,7 @@ Where a layer's decisions come from, first match wins (:meth:`DecisionStore.deci
    process, rank and run on this machine reads the same decision, and a second process that asked meanwhile waits
    and reads it instead of measuring again.
 
-The format (one JSON object): ``{"format": 1, "entries": {digest: {"key": {...}, "decisions": {bucket: {...}},
+The format (one JSON object): ``{"format": 2, "entries": {digest: {"key": {...}, "decisions": {bucket: {...}},
 "source": str, "seconds": float}}}``, ``decisions`` as ``GateDecision.to_dict``. Vllm's tuned fused-MoE configs and
 Triton's autotune cache are the models: looked up by what the kernel depends on, measured once, never timed again in
 the serving process.
@@ -90,10 +91,12 @@ class ForeignTableError(ValueError):
     """A decision file of another format (another lynx_hf build): read by none of its entries, never rewritten."""
 
 
-def decode_entry(entry, tuning=TUNING) -> dict:
+def decode_entry(entry, tuning=TUNING, digest: str | None = None) -> dict:
     """``{bucket: GateDecision}`` of one stored entry (the module docstring's format), every field checked. An entry
-    whose key names ``tuning`` (its digest) must hold exactly that tuning's buckets. Raises ``ValueError`` saying
-    what is wrong (a ``KeyError`` / ``TypeError`` of a field is turned into one)."""
+    whose key names ``tuning`` (its digest) must hold exactly that tuning's buckets; one stored under ``digest``
+    whose key is a :class:`~lynx_hf.gate.key.GateKey` must hash to it (so no entry is served under another key's
+    index). Raises ``ValueError`` saying what is wrong (a ``KeyError`` / ``TypeError`` of a field is turned into
+    one)."""
     if not isinstance(entry, dict):
         raise ValueError(f"an entry must be an object, got {type(entry).__name__}")
     decisions = entry.get("decisions")
@@ -114,6 +117,14 @@ def decode_entry(entry, tuning=TUNING) -> dict:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"step size {bucket}: {exc}") from None
     key = entry.get("key")
+    if digest is not None and isinstance(key, dict):
+        try:
+            stated = GateKey.from_dict(key).digest()
+        except (KeyError, TypeError, ValueError):  # not a key of this format: nothing to check it against
+            stated = None
+        if stated is not None and stated != digest:
+            raise ValueError(f"its key hashes to {stated}, not to the digest it is stored under (a hand-edited key: "
+                             f"its decisions may be another key's, e.g. an older measuring code's)")
     if isinstance(key, dict) and key.get("tuning") == tuning.digest() and set(out) != set(tuning.buckets):
         missing = sorted(set(tuning.buckets) - set(out))
         raise ValueError(f"step sizes {sorted(out)} are not the tuning's {list(tuning.buckets)}"
@@ -162,7 +173,7 @@ class DecisionTable:
         table = cls(data["entries"], path)
         for digest, entry in table.entries.items():
             try:
-                table._decoded[digest] = decode_entry(entry)
+                table._decoded[digest] = decode_entry(entry, digest=digest)
             except ValueError as exc:
                 if strict:
                     raise ValueError(f"{path}: gate decision entry {digest} is not a valid decision: {exc}") from None

@@ -39,9 +39,22 @@ from typing import ClassVar
 import torch
 
 from ..core import DECODE as _DECODE_KIND
-from ..core import MIXED, MoELayer, Routed, RoutePlan, Step, StepInputs, host_reads_allowed, keep_routing, make_plan
+from ..core import (
+    MIXED,
+    MoELayer,
+    Routed,
+    RoutePlan,
+    StageBase,
+    Step,
+    StepInputs,
+    host_reads_allowed,
+    keep_routing,
+    make_plan,
+    reset_stages,
+    stage_report,
+)
 from ..errors import UnsupportedModelError
-from ..gate import BUCKETS, LayerShape, PlanGate, bucket_of
+from ..gate import BUCKETS, LayerFacts, LayerShape, PlanGate, bucket_of, plan_stage
 from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import mode_of
@@ -105,7 +118,7 @@ def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tu
 
 
 @dataclass(eq=False)
-class PaddingRows:
+class PaddingRows(StageBase):
     """The stage of a vLLM layer's plan (``lynx_hf.core.Stage``) that keeps vLLM's padding rows out of the step: rows
     whose expert ids are -1 (:func:`padding_rows`) are neither decode nor live for the stages below it and the
     decode-step function (the remap, the critical set's votes, the union, the telemetry: :func:`without_padding`),
@@ -114,6 +127,8 @@ class PaddingRows:
 
     #: how ``RoutePlan.stage`` finds it
     name: ClassVar[str] = "padding"
+    #: bound to a plan that keeps the routing too: policy ``none`` must not see vLLM's -1 ids either
+    remaps_only: ClassVar[bool] = False
 
     def bind(self, plan: RoutePlan, inner):
         """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``); ``None`` (left out) for a plan whose decode step
@@ -156,7 +171,7 @@ def plan_for(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> Rou
 
 def step_key(layer: Layer) -> dict:
     """What a vLLM layer's step runs besides its plan and shape, for the cost gate's decision key
-    (``lynx_hf.gate.key.make_key``, described by ``lynx_hf.gate.key.describe``): the router's rule (its class,
+    (``lynx_hf.gate.key.make_key``, made plain by ``lynx_hf.gate.key.readable``): the router's rule (its class,
     selection and weight rule: :class:`lynx_hf.vllm.routers.RouterRule`), the selection-scores function, the weight
     rule, and the runner's experts class and quant method class (the experts kernel whose time the saving is)."""
     runner = layer.runner() if layer.runner is not None else None
@@ -179,10 +194,8 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
                        mixed_steps=cfg.phase != "decode" and device.type != "cpu",
                        # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
                        captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
-    stages = [PaddingRows()]
-    if cfg.gate == "auto":
-        stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
-                                  step_key=step_key(layer), table=cfg.gate_table))
+    facts = lambda: LayerFacts(shape, step=step_key(layer), expert_fn=_experts_fn(layer, device))  # noqa: E731
+    stages = [stage for stage in (plan_stage(facts, cfg), PaddingRows()) if stage is not None]
     # the model's MoE layers in this process (a pipeline-parallel stage holds only its own: fewer)
     return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device, moe_layers=max(1, len(target_layers()))),
                      stages=stages)
@@ -303,11 +316,7 @@ def count_replays(num_tokens: int) -> None:
 def stage_summaries(layer: Layer) -> dict:
     """What each stage of the layer's plan that counts reports (``Stage.summary``), by stage name; the cost gate's
     entry is :func:`gate_summary`'s (always present)."""
-    out = {}
-    for stage in () if layer.plan is None else layer.plan.stages:
-        summary = getattr(stage, "summary", None)
-        if summary is not None and stage.name != PlanGate.name:
-            out[stage.name] = summary()
+    out = {name: summary for name, summary in stage_report(layer.plan).items() if name != PlanGate.name}
     out[PlanGate.name] = gate_summary(layer)
     return out
 
@@ -332,10 +341,7 @@ def reset_layer(layer: Layer) -> None:
     STATE.pending_skips.clear()  # not counted yet: dropped with the counters
     layer.telemetry.reset()
     layer.skipped = 0
-    for stage in () if layer.plan is None else layer.plan.stages:
-        reset = getattr(stage, "reset", None)
-        if reset is not None:
-            reset()
+    reset_stages(layer.plan)
 
 
 def _experts_fn(layer: Layer, device: torch.device):

@@ -11,7 +11,7 @@ import torch
 import lynx_hf
 from helpers import families as fam
 from lynx_hf import LynxConfig
-from lynx_hf.core import DECODE, MIXED, MoELayer, Step, StepInputs, make_plan, remap
+from lynx_hf.core import DECODE, MIXED, MoELayer, StageBase, Step, StepInputs, make_plan, remap
 
 SOFTMAX_ALL = types.SimpleNamespace(kind="softmax_all", renormalize=False, scale=1.0, renorm_eps=0.0)
 
@@ -164,3 +164,55 @@ def test_plain_scores_reuse_the_cast_with_the_same_result(dtype, step_name):
         b = fn(plan, StepInputs(Step(DECODE), logits, weights, idx, SOFTMAX_ALL, host, lambda x: x.float()))
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert a[0].dtype == dtype and a[1].dtype == idx.dtype
+
+
+class _Recorder(StageBase):
+    """A stage that counts the steps it wraps and reports them (``summary``), or reports nothing (``quiet``)."""
+
+    def __init__(self, name, remaps_only=True, quiet=False):
+        self.name, self.remaps_only, self.quiet, self.steps, self.bound = name, remaps_only, quiet, 0, 0
+
+    def bind(self, plan, inner):
+        self.bound += 1
+
+        def run(plan, inputs):
+            self.steps += 1
+            return inner(plan, inputs)
+
+        return run
+
+    def summary(self):
+        return None if self.quiet else {"steps": self.steps}
+
+    def reset(self):
+        self.steps = 0
+
+
+@pytest.mark.parametrize("policy", ["none", "lynx"])
+def test_the_stage_contract_binds_report_and_reset_in_one_place(policy):
+    """``make_plan`` binds no ``remaps_only`` stage to a plan that keeps the routing (policy none), and binds one with
+    ``remaps_only`` False to every plan; :func:`stage_report` reports each stage whose summary is not ``None`` by its
+    name, :func:`reset_stages` zeroes them; the base's ``summary`` / ``reset`` / ``note`` are no-ops. The counts are
+    the steps run (the oracle: two steps)."""
+    from lynx_hf.core import keep_routing, reset_stages, stage_report
+
+    around, always, quiet = _Recorder("around"), _Recorder("always", remaps_only=False), _Recorder("quiet", quiet=True)
+    plan = make_plan(LynxConfig(policy=policy, routing_backend="torch"), MoELayer(8, 2, "cpu"),
+                     stages=[around, always, quiet])
+    keeps = policy == "none"
+    assert (plan.kernel is keep_routing) == keeps and plan.keeps(4) == keeps
+    assert [s.name for s in plan.stages] == (["always"] if keeps else ["around", "always", "quiet"])
+    assert (around.bound, always.bound, quiet.bound) == ((0, 1, 0) if keeps else (1, 1, 1))
+    logits = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    weights, idx = torch.softmax(logits, -1).topk(2, dim=-1)
+    for _ in range(2):
+        plan.run(StepInputs(Step(DECODE), logits, weights, idx, SOFTMAX_ALL, True))
+    want = {"always": {"steps": 2}} if keeps else {"around": {"steps": 2}, "always": {"steps": 2}}
+    assert stage_report(plan) == want and stage_report(None) == {}
+    reset_stages(plan)
+    reset_stages(None)
+    assert all(v == {"steps": 0} for v in stage_report(plan).values())
+    base = StageBase()
+    assert base.summary() is None and base.reset() is None and base.note(4, 2, steps=3) is None
+    with pytest.raises(NotImplementedError):
+        base.bind(plan, None)

@@ -396,9 +396,9 @@ def test_config_fields_and_module_path(tmp_path, one_thread):
 def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thread, monkeypatch, fresh_gate_store):
     """gate="auto" on an offloaded model: each block's gate adds the probe's per-expert transfer time to the saving
     of every avoided expert (lynx_hf.gate.decide's extra_expert_ms), timed when the gate measures (an empty decision
-    cache here); unpatch drops it."""
+    cache here); unpatch drops it. The block's ``LayerFacts`` (``lynx_hf.facts``) carry the transfer."""
     import lynx_hf.gate.stage
-    from lynx_hf import gate
+    from lynx_hf import facts, gate
 
     monkeypatch.setattr(lynx_hf.gate.stage, "TUNING", gate.Tuning(buckets=(1, 4)))  # two buckets keep it short
     model = offloaded("mixtral", "cpu_offload", tmp_path)
@@ -409,7 +409,7 @@ def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thre
         model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False)
     gates = [gate.of(block.plan) for block in state.blocks]
     for block, g in zip(state.blocks, gates):
-        assert block.offload is not None and block.extra_expert_ms == block.offload.probe_ms  # timed if measured
+        assert block.offload is not None and facts.layer_facts(block).extra_expert_ms == block.offload.probe_ms
         assert block.plan.device.type == "cpu" and g is not None
     # the layers share one key: the first measured (with its own transfer probe), the others read its decisions
     assert gates[0].source.startswith("measured") and all(g.decisions == gates[0].decisions for g in gates)
@@ -417,7 +417,7 @@ def test_cost_gate_weighs_the_transfer_of_an_offloaded_expert(tmp_path, one_thre
     assert d.extra_expert_ms == state.blocks[0].offload.probe_ms() > 0
     assert d.saving_ms == pytest.approx(d.experts_saved * (d.expert_ms + d.extra_expert_ms))
     lynx_hf.unpatch(model)
-    assert all(b.extra_expert_ms == 0.0 and b.offload is None for b in state.blocks)
+    assert all(b.offload is None and facts.layer_facts(b).extra_expert_ms == 0.0 for b in state.blocks)
 
 
 def test_not_offloaded_blocks_are_left_alone(one_thread):

@@ -269,7 +269,7 @@ def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
         ref = _generate(model, ids, mask)
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
         block = lynx_hf.patcher._state(model).blocks[0]
-        assert gate.of(block.plan) is not None and block.layer_shape().hidden is not None
+        assert gate.of(block.plan) is not None and lynx_hf.facts.layer_shape(block).hidden is not None
         out = _generate(model, ids, mask)
         summary = lynx_hf.stats(model).summary()
     assert len(calls) == 1  # measured once (here: the fixed decisions) for every layer of the one key
@@ -692,8 +692,9 @@ def test_C41_the_key_holds_what_the_step_runs(fixed_gate):
         torch.set_num_threads(threads)
     plain = key_of(fam.build("deepseek_v3", n_group=1, topk_group=1))
     grouped = key_of(fam.build("deepseek_v3"))  # 4 groups, top-2
-    assert plain != grouped and json.loads(plain.parts)["shape"] == json.loads(grouped.parts)["shape"]
-    assert '"n_group": 4' in grouped.parts and '"topk_group": 2' in grouped.parts
+    shape = ("num_experts", "top_k", "hidden", "intermediate", "dtype", "expert_dtype")
+    assert plain != grouped and [getattr(plain, f) for f in shape] == [getattr(grouped, f) for f in shape]
+    assert '"n_group": 4' in grouped.engine and '"topk_group": 2' in grouped.engine
     assert len(calls) == 7
 
 
@@ -751,8 +752,7 @@ def test_a_user_table_is_read_first_and_is_the_decision(tmp_path, fresh_store, c
     said = f"on at {', '.join(map(str, on_at))} tokens" if on_at else "off at every step size"
     assert said in capsys.readouterr().out
     # the process's memory still holds what tune measured for this key: the table must win over it (issue 56)
-    assert gate.STORE.lookup(gate.GateKey(**{k: v for k, v in entry["key"].items() if k != "parts"},
-                                          parts=json.dumps(entry["key"]["parts"], sort_keys=True))) is not None
+    assert gate.STORE.lookup(gate.GateKey.from_dict(entry["key"])) is not None
     model = fam.build("qwen2_moe")  # the checkpoint's weights
     ids, mask = fam.prompts(8, 6)
     with lynx_hf.patched(model, policy="none"):
@@ -913,3 +913,37 @@ def test_a_user_table_wins_over_what_this_process_measured_before(fixed_gate, tm
     lynx_hf.unpatch(model)
     assert planned.key == measured.key and planned.source == f"table {path}"
     assert not any(d.on for d in planned.decisions.values()) and len(calls) == 1
+
+
+def test_layer_facts_are_the_gates_one_input_and_plan_stage_its_one_constructor():
+    """The HF adapter (``lynx_hf.facts.layer_facts``) builds one frozen ``LayerFacts`` of a block, its shape read from
+    the model's config here (the oracle); ``gate.plan_stage`` reads ``config.gate`` and builds the gate from the facts
+    (made only where the gate is on: a function of them is never called under ``gate="always"``)."""
+    import dataclasses
+
+    from lynx_hf import LynxConfig
+
+    model = fam.build("qwen2_moe")
+    lynx_hf.patch(model, policy="lynx", gate="always")
+    block = lynx_hf.patcher._state(model).blocks[0]
+    facts = lynx_hf.facts.layer_facts(block)
+    cfg = model.config
+    dtype = block.router.weight.dtype
+    assert facts.shape == gate.LayerShape(cfg.num_experts, cfg.num_experts_per_tok, cfg.hidden_size,
+                                          cfg.moe_intermediate_size, dtype, dtype)
+    assert facts.step["family"] == "qwen2_moe" and facts.extra_expert_ms == 0.0 and facts.carried is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        facts.shape = None
+    made = []
+
+    def lazy():
+        made.append(True)
+        return facts
+
+    assert gate.plan_stage(lazy, LynxConfig(gate="always")) is None and not made
+    planned = gate.plan_stage(lazy, LynxConfig(gate="auto", telemetry="counts"))
+    assert made and isinstance(planned, gate.PlanGate) and planned.decisions == {}
+    assert (planned.shape, planned.step_key, planned.telemetry, planned.table) == (facts.shape, facts.step, "counts",
+                                                                                   None)
+    assert planned.route_fn is facts.route_fn and planned.expert_fn is facts.expert_fn
+    lynx_hf.unpatch(model)

@@ -1,11 +1,11 @@
 """The shipped decision tables (``lynx_hf/gate/tables``) are found by the keys a patch makes today.
 
-A key is the plan, shape, step and telemetry described field by field (``lynx_hf.gate.key.describe``), so any new field
-of ``RoutePlan`` (or of what it holds) changes every digest and the shipped tables silently miss: every process then
-measures at patch time again (``lab.bench_gate``: 18 s at a Qwen2-57B layer shape, once per machine and cache). This
-test rebuilds the keys of the fixture-A entries (``python -m lab.bench_gate --ship``) on any machine: the entry's
-device kind and thread count, with what ``patch`` describes here for the rest. (It caught ``RoutePlan.kernel_min_tokens``,
-now left out of the key while it holds its default.)"""
+A key is a set of declared, readable fields (``lynx_hf.gate.key.GateKey``); a field added to one of them changes every
+digest and the shipped tables silently miss: every process then measures at patch time again (``lab.bench_gate``: 18 s
+at a Qwen2-57B layer shape, once per machine and cache). This test rebuilds the keys of the fixture-A entries (``python
+-m lab.bench_gate --ship``) on any machine: the entry's device kind and thread count, with what ``patch`` describes
+here for the rest. (The key of format 1 described the plan's objects by reflection; it caught
+``RoutePlan.kernel_min_tokens`` moving every digest.) Each shipped file is named as what it holds."""
 
 import dataclasses
 import json
@@ -26,27 +26,39 @@ TABLES = sorted(gate.SHIPPED_DIR.glob("*.json"))
 def _fixture_entries():
     for path in TABLES:
         for digest, entry in json.loads(path.read_text())["entries"].items():
-            if entry["source"].startswith("fixture-a"):
-                yield path.name, digest, entry
+            if entry["source"].startswith("fixture-a") and entry["key"]["device"].startswith("cpu"):
+                yield path.name, digest, entry  # a CPU plan: what a patch here makes (a GPU's is another backend)
 
 
-#: what numba decides in a CPU plan's key: its one-call decode step, the kernel that runs it and its host ops (the shipped
-#: machines have numba)
-NUMBA_FIELDS = ("fused", "kernel", "host_ops")
+#: what numba decides in a CPU key: the one-call decode step and the host ops (the shipped machines have numba)
+NUMBA_FIELDS = ("step", "host_ops")
 
 
-def _without_numba(parts: dict) -> dict:
-    return {**parts, "plan": {k: v for k, v in parts["plan"].items() if k not in NUMBA_FIELDS}}
+def test_stale_shipped_tables_are_named_as_what_they_hold():
+    """Every shipped file is ``<device kind>.<what it holds>.json``, every entry's key of this build's format and
+    measuring code (none is served stale), and a cut of a real model's shape says so in its file name and source (a
+    1-layer Qwen2-57B-A14B is no checkpoint: the 28-layer model's remaps are priced by depth, another key)."""
+    assert TABLES
+    for path in TABLES:
+        data = json.loads(path.read_text())
+        assert data["format"] == gate.FORMAT
+        kinds = {gate.table.slug(e["key"]["device"]) for e in data["entries"].values()}
+        assert len(kinds) == 1 and path.name.startswith(kinds.pop() + "."), path.name
+        for digest, entry in data["entries"].items():
+            key = gate.GateKey.from_dict(entry["key"])
+            assert key.measure == gate.MEASURE_VERSION and key.digest() == digest, (path.name, digest)
+            cut = "1-layer-cut" in path.name
+            assert cut == ("1-layer cut" in entry["source"]), (path.name, entry["source"])
+            assert cut or entry["source"].startswith("fixture-a"), (path.name, entry["source"])
 
 
 @pytest.mark.parametrize("numba", ["as_installed", "absent"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixture_a_keys_of_today_find_the_shipped_entries(dtype, numba, monkeypatch):
     """On an install with numba the whole key and its digest; without it (and with numba hidden here, ``absent``, so
-    the branch runs on every install) every part but :data:`NUMBA_FIELDS`: a new field anywhere else still shows
-    (issue 56: without numba the test used to compare no key at all)."""
+    the branch runs on every install) every field but :data:`NUMBA_FIELDS`: a new field anywhere else still shows."""
     entries = [(name, digest, entry) for name, digest, entry in _fixture_entries()
-               if entry["key"]["parts"]["shape"]["dtype"] == str(dtype)]
+               if entry["key"]["dtype"] == str(dtype)]
     assert entries, "no shipped fixture-A entry for this dtype"
     if numba == "absent":
         monkeypatch.setattr(routing_cpu, "AVAILABLE", False)
@@ -62,19 +74,19 @@ def test_fixture_a_keys_of_today_find_the_shipped_entries(dtype, numba, monkeypa
     with_numba = numba == "as_installed" and routing_cpu.AVAILABLE
     for name, digest, entry in entries:
         there = dataclasses.replace(key, device=entry["key"]["device"], threads=entry["key"]["threads"])
-        parts, shipped = json.loads(there.parts), entry["key"]["parts"]
-        assert there.tuning == entry["key"]["tuning"], name
+        mine, shipped = there.to_dict(), entry["key"]
         if with_numba:
-            assert parts == shipped and there.digest() == digest, name
+            assert mine == shipped and there.digest() == digest, name
         else:
-            assert parts["plan"]["fused"] is None and shipped["plan"]["fused"] is not None
-            assert _without_numba(parts) == _without_numba(shipped), name
+            assert (mine["step"], mine["host_ops"]) == ("remap", "torch") != (shipped["step"], shipped["host_ops"])
+            assert {k: v for k, v in mine.items() if k not in NUMBA_FIELDS} == \
+                {k: v for k, v in shipped.items() if k not in NUMBA_FIELDS}, name
 
 
 def test_a_captured_step_is_its_own_key_and_off_cuda_is_timed_eagerly(monkeypatch):
-    """``LayerShape.captured`` (a CUDA-graph engine: the vLLM plugin sets it from the engine's mode) is part of the key
-    when True -- its decisions come from a graph replay's routing cost, not the launch-bound eager one -- and left out
-    while False (the keys above). Off CUDA there is no graph to time: the eager timing, whatever ``captured`` says."""
+    """``LayerShape.captured`` (a CUDA-graph engine: the vLLM plugin sets it from the engine's mode) is a field of the
+    key -- its decisions come from a graph replay's routing cost, not the launch-bound eager one. Off CUDA there is no
+    graph to time: the eager timing, whatever ``captured`` says."""
     from lynx_hf import LynxConfig
     from lynx_hf.core import MoELayer, make_plan
     from lynx_hf.gate import measure as gm
@@ -84,8 +96,8 @@ def test_a_captured_step_is_its_own_key_and_off_cuda_is_timed_eagerly(monkeypatc
     captured = dataclasses.replace(eager, captured=True)
     k_eager, k_captured = (gate.make_key(plan, shape, None, True) for shape in (eager, captured))
     assert k_eager.digest() != k_captured.digest()
-    assert "captured" not in json.loads(k_eager.parts)["shape"]
-    assert json.loads(k_captured.parts)["shape"]["captured"] is True
+    assert (k_eager.captured, k_captured.captured) == (False, True)
+    assert dataclasses.replace(k_captured, captured=False) == k_eager
 
     def no_graph(*args, **kwargs):
         raise AssertionError("a CUDA graph was timed off CUDA")

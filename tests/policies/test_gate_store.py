@@ -121,11 +121,12 @@ def test_C56_a_cache_file_of_another_build_is_left_as_it_is(fixed_gate, fresh_ga
     replaced by this build's, the other build's decisions erased)."""
     lynx_hf.patch(fam.build("qwen2_moe"), policy="lynx", gate="auto")
     path = _cache_file(fresh_gate_store)
-    foreign = json.dumps({"format": 2, "entries": {"0123456789abcdef0123": {"decisions": {"1": {"on": "maybe"}}}}})
+    other = gate.FORMAT + 1
+    foreign = json.dumps({"format": other, "entries": {"0123456789abcdef0123": {"decisions": {"1": {"on": "maybe"}}}}})
     path.write_text(foreign)
     gate.STORE.reset()
     model = fam.build("qwen2_moe")
-    with pytest.warns(UserWarning, match="format 2.*left as it is"):
+    with pytest.warns(UserWarning, match=f"format {other}.*left as it is"):
         lynx_hf.patch(model, policy="lynx", gate="auto")
     assert lynx_hf.is_patched(model) and len(fixed_gate) == 2 and _gate(model).source.startswith("measured")
     assert path.read_text() == foreign
@@ -144,29 +145,136 @@ def test_C56_a_cache_file_that_is_no_table_is_kept_aside(fixed_gate, fresh_gate_
     assert len(json.loads(path.read_text())["entries"]) == 1
 
 
-def test_C56_a_new_measuring_version_misses_and_keeps_the_older_entries(fixed_gate, fresh_gate_store, monkeypatch):
-    """The measuring code's version is part of the key: a build whose version is 2 measures again and adds its entry
-    beside version 1's, which stays as it was (another installed build still reads it); version 1 keys keep the
-    digests they had before the field existed (the shipped tables stay valid): hand-computed here."""
-    import dataclasses
+def _code_digest(source: str) -> str:
+    """A hash of a module's code: its syntax tree without docstrings, comments, layout or the ``MEASURE_VERSION``
+    assignment itself (so a reworded comment does not count as a change of what is measured), written back as source
+    by ``ast.unparse`` (stable across Python releases, unlike ``ast.dump``'s field listing)."""
+    import ast
     import hashlib
 
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) and \
+                isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    tree.body = [n for n in tree.body if not (isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "MEASURE_VERSION" for t in n.targets))]
+    return hashlib.sha256(ast.unparse(tree).encode()).hexdigest()[:16]
+
+
+#: the code of each measuring version (``lynx_hf/gate/measure.py``, :func:`_code_digest`). A change to that code fails
+#: :func:`test_measure_version_pins_the_measuring_code`: bump ``MEASURE_VERSION`` (every stored decision of the older
+#: code then misses: measured again) and pin the new digest here, with a line saying what changed.
+MEASURED_CODE = {
+    # L2 flushed between CUDA expert timings, the experts path each step size runs, a captured engine's cost as a
+    # graph replay, an expert-parallel rank's own share of the saving
+    2: "b405edf0358858e4",
+}
+
+
+def test_measure_version_pins_the_measuring_code():
+    """The measuring code hashes to the digest pinned for ``MEASURE_VERSION``: a change to what is timed or how a
+    bucket is decided cannot ship under an older version (the L2-flush change once did: CUDA expert costs x 2.5, and
+    caches written before it were still served). The hash sees code, not prose: a mutated constant changes it, a
+    reworded docstring or comment does not."""
+    from pathlib import Path
+
+    import lynx_hf.gate.measure as gm
+
+    source = Path(gm.__file__).read_text(encoding="utf-8")
+    digest = _code_digest(source)
+    assert MEASURED_CODE.get(gate.MEASURE_VERSION) == digest, (
+        f"lynx_hf/gate/measure.py's code hashes to {digest}, not to the digest pinned for MEASURE_VERSION "
+        f"{gate.MEASURE_VERSION}: bump MEASURE_VERSION and pin the new digest in MEASURED_CODE")
+    assert "L2_FLUSH_BYTES = 256 << 20" in source
+    assert _code_digest(source.replace("L2_FLUSH_BYTES = 256 << 20", "L2_FLUSH_BYTES = 0")) != digest
+    assert _code_digest(source.replace("MEASURE_VERSION = ", "# reworded\nMEASURE_VERSION = ", 1)) == digest
+    assert _code_digest(source.replace('"""Measuring', '"""Timing', 1)) == digest
+
+
+def test_stale_cache_of_an_older_measuring_code_is_measured_again(fixed_gate, fresh_gate_store):
+    """A per-user cache written by the measuring code before this one (``MEASURE_VERSION - 1``, its key otherwise the
+    same) is never served: the patch measures again, adds its entry, and the older one stays byte for byte (the build
+    that wrote it still reads it). The stale decisions (on at every step size) differ from the measured ones (off
+    below 4 tokens), so serving them would show. An entry of the older code filed under this key's digest (a hand
+    edit) is no decision of this key either: warned, measured again, replaced."""
+    import dataclasses
+
+    lynx_hf.patch(fam.build("qwen2_moe"), policy="lynx", gate="auto")
+    assert len(fixed_gate) == 1
+    path = _cache_file(fresh_gate_store)
+    (digest, entry), = json.loads(path.read_text())["entries"].items()
+    key = gate.GateKey.from_dict(entry["key"])
+    assert key.digest() == digest and key.measure == gate.MEASURE_VERSION
+    stale_key = dataclasses.replace(key, measure=gate.MEASURE_VERSION - 1)
+    stale = {b: _decision(True) for b in gate.BUCKETS}
+    table = gate.DecisionTable()
+    table.put(stale_key, stale, "the older measuring code")
+    table.save(path)
+    stale_entry = json.loads(path.read_text())["entries"][stale_key.digest()]
+
+    gate.STORE.reset()
     model = fam.build("qwen2_moe")
     lynx_hf.patch(model, policy="lynx", gate="auto")
-    key = _gate(model).key
-    assert key.measure == 1
-    old_fields = {k: v for k, v in dataclasses.asdict(key).items() if k != "measure"}
-    assert key.digest() == hashlib.sha256(json.dumps(old_fields, sort_keys=True).encode()).hexdigest()[:20]
-    path = _cache_file(fresh_gate_store)
-    (digest1, entry1), = json.loads(path.read_text())["entries"].items()
-
-    monkeypatch.setattr(gate.key, "MEASURE_VERSION", 2)
-    gate.STORE.reset()
-    newer = fam.build("qwen2_moe")
-    lynx_hf.patch(newer, policy="lynx", gate="auto")
-    assert _gate(newer).key.measure == 2 and _gate(newer).key.digest() != digest1 and len(fixed_gate) == 2
+    assert len(fixed_gate) == 2 and _gate(model).source.startswith("measured")
+    assert _gate(model).key == key and _gate(model).decisions == {b: _decision(b >= 4) for b in gate.BUCKETS}
+    assert _gate(model).decisions != stale
     entries = json.loads(path.read_text())["entries"]
-    assert len(entries) == 2 and entries[digest1] == entry1
+    assert set(entries) == {digest, stale_key.digest()} and entries[stale_key.digest()] == stale_entry
+
+    entries[digest] = stale_entry  # the older code's entry under this key's digest
+    path.write_text(json.dumps({"format": gate.FORMAT, "entries": entries}))
+    gate.STORE.reset()
+    again = fam.build("qwen2_moe")
+    with pytest.warns(UserWarning, match=f"{digest}.*hashes to {stale_key.digest()}"):
+        lynx_hf.patch(again, policy="lynx", gate="auto")
+    assert len(fixed_gate) == 3 and _gate(again).decisions == {b: _decision(b >= 4) for b in gate.BUCKETS}
+    assert json.loads(path.read_text())["entries"][digest]["key"]["measure"] == gate.MEASURE_VERSION
+
+
+def test_stale_keys_never_come_from_a_rename_they_are_readable_fields():
+    """A key names what was measured (declared fields, as vLLM names its tuned configs), never a function or class of
+    this package: renaming the policy's class and the decode-step function leaves the key (format 1 described them by
+    qualified name: a rename missed every table), while a measured fact (H, the dtype, the telemetry mode) changes it.
+    The fields are hand-written here (the oracle), the engine's description made plain (a function in it ``None``)."""
+    from lynx_hf import LynxConfig, core
+
+    plan = core.make_plan(LynxConfig(routing_backend="torch", tau=1.0, mass_price=None), core.MoELayer(16, 4, "cpu"))
+    shape = gate.LayerShape(16, 4, 64, 32, torch.bfloat16, torch.bfloat16)
+    engine = {"family": "qwen2_moe", "weight": core.WeightRule("softmax_all"), "scores": len}
+    key = gate.make_key(plan, shape, engine, True)
+    fields = key.to_dict()
+    assert {k: fields[k] for k in ("num_experts", "top_k", "hidden", "intermediate", "dtype", "expert_dtype", "policy",
+                                   "backend", "expert_path", "telemetry", "captured", "mixed", "ep_size", "format",
+                                   "measure")} == {
+        "num_experts": 16, "top_k": 4, "hidden": 64, "intermediate": 32, "dtype": "torch.bfloat16",
+        "expert_dtype": "torch.bfloat16", "policy": "lynx", "backend": "torch", "expert_path": "model",
+        "telemetry": "full", "captured": False, "mixed": False, "ep_size": 1, "format": gate.FORMAT,
+        "measure": gate.MEASURE_VERSION}
+    assert fields["params"]["tau"] == 1.0 and fields["params"]["mass_price"] is None
+    assert fields["engine"] == {"family": "qwen2_moe", "scores": None, "weight": {"kind": "softmax_all", "renormalize": False,
+                                                                  "scale": 1.0, "renorm_eps": 0.0}}
+    assert fields["step"] in ("fused", "remap") and "lynx_hf" not in json.dumps(fields)
+    assert "N=16,k=4,H=64,I=32,dtype=bfloat16" in key.readable()
+
+    renamed = type("RenamedPolicy", (type(plan.policy),), {"__module__": "lynx_hf.policies.renamed"})()
+    step, names = plan.kernel, (plan.kernel.__name__, plan.kernel.__qualname__)
+    try:
+        step.__name__ = step.__qualname__ = "renamed_step"
+        assert gate.make_key(dataclasses_replace(plan, policy=renamed), shape, engine, True).digest() == key.digest()
+    finally:
+        step.__name__, step.__qualname__ = names
+    for changed in (dataclasses_replace(shape, hidden=128), dataclasses_replace(shape, dtype=torch.float32)):
+        assert gate.make_key(plan, changed, engine, True).digest() != key.digest()
+    assert gate.make_key(plan, shape, engine, "counts").telemetry == "counts"
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
 
 
 # -- C57: paths as deployments write them -------------------------------------------------------------------------
@@ -254,7 +362,10 @@ def test_C57_a_lock_file_this_user_may_only_read_still_guards_the_write(fixed_ga
         return real_open(file, mode, *args, **kwargs)
 
     (fresh_gate_store / "gate").mkdir(parents=True)
-    key_file = gate.STORE.cache_file(gate.GateKey(gate.device_kind("cpu"), 1, "{}", "x"))
+    from lynx_hf import LynxConfig, core
+
+    plan = core.make_plan(LynxConfig(), core.MoELayer(8, 2, "cpu"))
+    key_file = gate.STORE.cache_file(gate.make_key(plan, gate.LayerShape(8, 2, 16, 8), None, True))
     key_file.with_name(key_file.name + ".lock").write_text("")  # the other user's lock file
     monkeypatch.setattr(gt, "open", as_other_user, raising=False)
     model = fam.build("qwen2_moe")

@@ -233,3 +233,45 @@ def test_no_import_circle():
         if v not in index:
             visit(v)
     assert not circles, circles
+
+
+#: (module, function) -> why it reads ``LynxConfig.gate`` (the gate's own constructor and report are the rule); the vLLM
+#: plugin's readers by package (its modules split and move: the function names the reader)
+GATE_READERS = {
+    ("lynx_hf.gate.stage", "plan_stage"): "the one reader: whether a plan gets a gate, for every engine",
+    ("lynx_hf.gate.stage", "report_without_gate"): "the stats entry of a layer whose plan has no gate",
+    ("lynx_hf.vllm", "gate_summary"): "the vLLM plugin's stats entry of a layer with no plan yet: the "
+                                      "configured gate's name",
+    ("lynx_hf.vllm", "needs_agreement"): "the vLLM plugin's rank agreement (tensor-parallel ranks exchange the gate's "
+                                         "decisions only where there is a gate)",
+}
+
+
+def _gate_reads(name: str, source: str | None = None) -> set[tuple[str, str]]:
+    """``(module, function)`` of every read of a config's ``gate`` field (``config.gate`` / ``cfg.gate`` /
+    ``cfg.lynx.gate`` / ``self.config.gate``) in module ``name`` (its file, or ``source``)."""
+    tree = ast.parse(MODULES[name].read_text() if source is None else source)
+    owner = {}
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for child in ast.walk(func):
+                owner.setdefault(id(child), func.name)
+    reads = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "gate":
+            base = node.value
+            base_name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+            if base_name in ("config", "cfg", "lynx"):
+                module = "lynx_hf.vllm" if name.startswith("lynx_hf.vllm.") else name
+                reads.add((module, owner.get(id(node), "<module>")))
+    return reads
+
+
+def test_config_gate_is_read_by_the_gates_constructor_alone():
+    """``LynxConfig.gate`` decides whether a plan has a cost gate in one place (``lynx_hf.gate.plan_stage``), for both
+    engines; every other reader is listed in :data:`GATE_READERS` with its reason (``lynx_hf.config``, the field's
+    home, aside). The reader is found by the syntax tree, so a new ``if config.gate == "auto"`` elsewhere fails."""
+    reads = set().union(*(_gate_reads(name) for name in MODULES if name != "lynx_hf.config"))
+    assert reads == set(GATE_READERS), sorted(reads ^ set(GATE_READERS))
+    planted = "def install(state):\n    if state.config.gate == 'auto':\n        pass\n"
+    assert _gate_reads("lynx_hf.offload", planted) == {("lynx_hf.offload", "install")}

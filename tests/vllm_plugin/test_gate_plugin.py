@@ -263,9 +263,11 @@ def test_layer_on_at_some_step_size_keeps_the_op(attached):
     plans.before_forward(_ModelRunner(mode=3))
     assert not one.bypass and STATE.bypassed == ()
     # the decision key names what the step runs besides the plan: vLLM's router class and its rules (issue 43)
-    step = json.loads(gate.of(one.plan).key.parts)["step"]
+    step = json.loads(gate.of(one.plan).key.engine)
     assert step["router"]["router"] == "CPURouter" and step["weight"]["kind"] == "softmax_all"
+    # a function is no measured fact (None): the router's rule beside it says what the selection scores compute
     assert set(step) == {"router", "scores", "weight", "experts", "quant_method", "expert_map"}
+    assert step["scores"] is None and "lynx_hf" not in json.dumps(step)
     logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
     targets = _graph_targets(lambda x: router._compute_routing(None, x, None), logits)
     assert sum("lynx_vllm.remap_routing" in t for t in targets) == 1
