@@ -255,8 +255,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_mixed_on_every_row",
         "a mixed step is decided as if every row decoded (the host's decode-row count ignored)",
-        (("lynx_hf/gate/stage.py", "        if not self.on(num_tokens, inputs.step.decode_rows):",
-          "        if not self.on(num_tokens):"),),
+        (("lynx_hf/gate/stage.py", "        d = self.decision(num_tokens, inputs.step.decode_rows)",
+          "        d = self.decision(num_tokens)"),),
         ("tests/decode/test_decode_default_gate.py::"
          "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows",),
     ),

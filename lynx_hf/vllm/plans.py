@@ -176,13 +176,16 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
     shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
                        # the op's steps carry masks, except on CPU (eager: the op body always is) where an all-decode
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
-                       mixed_steps=cfg.phase != "decode" and device.type != "cpu",
-                       # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
-                       captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
+                       mixed_steps=cfg.phase != "decode" and device.type != "cpu", ep_size=shape.ep_size)
     stages = [PaddingRows()]
     if cfg.gate == "auto":
+        # a CUDA-graph engine replays its captured sizes' steps and steps eagerly at the others (a size above the
+        # largest graph, a mixed step outside the graphs): the gate holds both prices (``PlanGate.replayed``: the
+        # routing timed as a replay, no launches; its own: timed eagerly), and a call being captured takes the
+        # replay's (issue 54 N10, docs/cases.md C66)
         stages.insert(0, PlanGate(shape, telemetry=cfg.telemetry, expert_fn=_experts_fn(layer, device),
-                                  step_key=step_key(layer), table=cfg.gate_table))
+                                  step_key=step_key(layer), table=cfg.gate_table,
+                                  replays=bool(STATE.start.captured), replay_now=_capturing_on(device)))
     # the model's MoE layers in this process (a pipeline-parallel stage holds only its own: fewer)
     return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device, moe_layers=max(1, len(target_layers()))),
                      stages=stages)
@@ -231,10 +234,11 @@ def gated_off_everywhere(plan: RoutePlan) -> bool:
     gate = gate_of(plan)
     if gate is None:
         return False
-    for b in step_buckets():
-        decision = gate.decision(b)
-        if decision.on or decision.reason.startswith("not "):  # "not measured ...", "not decided yet"
-            return False
+    for one in (gate, gate.replayed):  # eager and, on a captured engine, replayed steps
+        for b in () if one is None else step_buckets():
+            decision = one.decision(b)
+            if decision.on or not decision.measured:
+                return False
     return True
 
 
@@ -289,15 +293,16 @@ def count_replays(num_tokens: int) -> None:
     """After a forward of ``num_tokens`` tokens with decode tokens, in an engine whose forward is captured in CUDA
     graphs (``STATE.start.captured``): a layer whose op body did not run in it (:func:`mark_calls`; bypassed layers
     aside, :func:`skip_bypassed` counts those) was replayed, and a replay repeats what the body did at capture, the
-    gate's decision included (a host-side branch on the static T; the decode rows are not known at capture); its
-    gate counts the step as the body would have: the step size seen (``PlanGate.on``) and, where the gate is off
-    there, one step skipped. The telemetry needs nothing here: its device accumulators are added into by the replay
+    gate's decision included (a host-side branch on the static T, the replay's price: ``PlanGate.replay_decision``;
+    the decode rows are not known at capture); its gate counts the step as the body would have (``PlanGate.count``
+    with ``replay``: the gate's one accounting path): the step size seen and, where the gate is off there, one step
+    skipped. The telemetry needs nothing here: its device accumulators are added into by the replay
     itself."""
     for layer in target_layers():  # the drafter's layers run after the step, with no plan (no gate to count)
         if not layer.bypass and layer.plan is not None and layer.calls == layer.step_calls:
             gate = gate_of(layer.plan)
-            if gate is not None and not gate.on(num_tokens):
-                gate.skip(num_tokens)
+            if gate is not None:
+                gate.count(num_tokens, replay=True)
 
 
 def stage_summaries(layer: Layer) -> dict:
@@ -573,7 +578,7 @@ def warm_up(sizes, seed: int = 0) -> int:
                 layer.telemetry.ensure(device)
             gate = gate_of(plan)
             for t in sizes:
-                if gate is not None and not plan.keeps(t) and not gate.decision(t).on:
+                if gate is not None and not plan.keeps(t) and not gate.replay_decision(t).on:
                     continue  # no graph of this size holds the step (gated_off_call: vLLM's routing, no op)
                 logits = torch.randn(t, layer.num_experts, generator=generator).to(device=device, dtype=dtype)
                 values, ids = torch.topk(logits.float(), layer.top_k, dim=-1)
@@ -597,13 +602,19 @@ def capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _capturing_on(device: torch.device):
+    """``fn() -> bool``: :func:`capturing` on ``device`` (looked up at each call), the gate's ``replay_now``."""
+    return lambda: capturing(device)
+
+
 def gated_off_call(layer: Layer, router_logits) -> bool:
     """Whether this router call of ``layer`` keeps vLLM's routing by its cost gate, known on the host before the op
     (issue 54 N10): the router wrapper then returns vLLM's routing without calling the op, so a step the gate keeps
     off runs no kernel of the plugin (no masks, no copies of vLLM's tensors). Asked outside ``torch.compile`` tracing
     only (a traced branch on T would be frozen for every size; on CPU vLLM traces the MoE layer, on a GPU its
     ``moe_forward`` op is opaque and runs the router in Python). Under a CUDA-graph capture: the gate's decision at the
-    static T (no decode-row count), frozen into that graph as the op's own branch would be, and counted per replay by
+    static T at a replay's price (``PlanGate.replay_decision``; no decode-row count), frozen into that graph as the
+    op's own branch would be (a size it keeps off adds no op to that graph), and counted per replay by
     :func:`count_replays`; in an eager step the host describes (every row the step's, >= 1 decode row): the decision
     on its decode rows, counted as the op's gate counts it. Else (no plan yet, no gate, a step the host does not
     describe) the op decides. The layer's op call is counted all the same (``Layer.calls``: it was routed through the
@@ -616,7 +627,7 @@ def gated_off_call(layer: Layer, router_logits) -> bool:
     if plan.keeps(num_tokens):  # a lone token: the step below the gate runs (its telemetry) whatever it decides
         return False
     if capturing(router_logits.device):
-        if gate.decision(num_tokens).on:
+        if gate.replay_decision(num_tokens).on:  # the price of a replay (the capture's graph is replayed)
             return False
     else:
         step = STATE.step

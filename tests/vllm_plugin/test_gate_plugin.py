@@ -407,3 +407,61 @@ def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached,
     router._compute_routing(None, logits, None)
     steps.end_step()
     assert called == [8, 8] and planned.seen[8] == 1 and planned.skipped[8] == 0  # counted once, by the op's gate
+
+
+@pytest.mark.vllm_code
+def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkeypatch):
+    """Issue 54 N10 (cases C66): an engine captured in CUDA graphs replays its captured sizes' steps but steps eagerly
+    at the others (a size above the largest graph, a mixed step outside the graphs), where each of the routing's
+    kernels is launched from the host: the replay's price is ~7x too cheap there. The layer's gate holds both
+    (``PlanGate.replayed``: the decisions timed as a replay, keyed apart; its own: timed eagerly). The measurement
+    answers by the shape's ``captured`` field: a replay is worth it at 4 and 8 tokens, an eager step at 8 only. So the
+    captures at 4 and 8 (stood in by ``plans.capturing``) both hold the op and remap there (the replay's decision),
+    an eager decode step of 4 tokens keeps vLLM's routing without the op (the eager decision, counted skipped), one of
+    8 runs it, and the replays are counted with the replay's decision (seen, not skipped). Before, every decision of a
+    captured engine was the replay's."""
+    from lynx_hf.gate import stage as gate_stage
+
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    measured = []
+
+    def measure_layer(planned, expert_times, tuning=gate.TUNING):
+        measured.append(planned.shape.captured)
+        on = {4, 8} if planned.shape.captured else {8}
+        return {b: gate.decide(1.0, 4.0 if b in on else 0.0, 1.0, margin=tuning.margin) for b in tuning.buckets}
+
+    monkeypatch.setattr(gate_stage, "measure_layer", measure_layer)
+    monkeypatch.setattr(plans, "captured", lambda model_runner, device: True)  # a CUDA-graph engine
+    plans.before_forward(_ModelRunner(mode=3))
+    planned = gate.of(one.plan)
+    assert STATE.start.captured and not one.bypass and sorted(measured) == [False, True]
+    assert not planned.shape.captured and planned.replayed is not None and planned.replayed.shape.captured
+    assert planned.key != planned.replayed.key
+    assert not planned.decision(4).on and planned.replay_decision(4).on and planned.decision(8).on
+    called = []
+    real = op.remap_layer
+    monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    want = {t: layers.original_routing(router)(None, logits[:t], None) for t in (4, 8)}
+    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    for t in (8, 4):  # the captures, largest first: both graphs hold the op, which remaps (the replay's decision)
+        _decode_step(t)
+        got = router._compute_routing(None, logits[:t], None)
+        steps.end_step()
+        assert not torch.equal(got[1], want[t][1])
+    assert called == [8, 4] and not planned.seen  # captures are no steps
+    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    _decode_step(4)  # eager at 4: the eager price, off: no op
+    got = router._compute_routing(None, logits[:4], None)
+    steps.end_step()
+    assert called == [8, 4] and torch.equal(got[1], want[4][1]) and torch.equal(got[0], want[4][0])
+    _decode_step(8)  # eager at 8: on
+    got = router._compute_routing(None, logits, None)
+    steps.end_step()
+    assert called == [8, 4, 8] and not torch.equal(got[1], want[8][1])
+    for t in (4, 8):  # replays: no op body runs; counted with the replay's decision
+        _decode_step(t)
+        steps.end_step()
+    assert dict(planned.seen) == {4: 2, 8: 2} and dict(planned.skipped) == {4: 1}
+    entry = plans.gate_summary(one)["by_tokens"]
+    assert entry[4]["on"] is False and entry[4]["replayed_on"] is True and entry[8]["replayed_on"] is True
