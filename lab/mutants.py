@@ -596,7 +596,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "vllm_bypass_skips_once",
         "the vLLM plugin's bypassed layers count one skipped step per step size read, however many were skipped",
-        (("lynx_hf/vllm/plans.py", "                gate.count(num_tokens, decode_rows, steps)",
+        (("lynx_hf/vllm/bypass.py", "                gate.count(num_tokens, decode_rows, steps)",
           "                gate.count(num_tokens, decode_rows)"),),
         (GV + "test_bypassed_layers_count_every_step_they_skip",),
     ),

@@ -66,7 +66,7 @@ class Layer:
     #: the cost gate's layer shape (H, I from the runner's FusedMoEConfig where known; None: N and k only)
     gate_shape: LayerShape | None = None
     #: True: the cost gate keeps vLLM's routing at every step size this engine can run
-    #: (:func:`lynx_hf.vllm.plans.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
+    #: (:func:`lynx_hf.vllm.bypass.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
     bypass: bool = False
     #: op calls of this layer (its body entered; eager and compiled forwards, not CUDA-graph replays), the count at the
     #: last worker step with decode tokens, and consecutive such steps without a call (the liveness rule per layer)
@@ -81,7 +81,7 @@ class Layer:
     runs: int | None = None
     seen_runs: int = 0
     #: ``calls`` when the current step's input preparation ran (CUDA-graph engines: a step whose forward leaves it
-    #: unchanged was a replay; :func:`lynx_hf.vllm.plans.count_replays`)
+    #: unchanged was a replay; :func:`lynx_hf.vllm.bypass.count_replays`)
     step_calls: int = 0
 
 
@@ -141,7 +141,7 @@ class ProcessState:
     #: every layer is bypassed: no op reads the step buffer, so a step writes only its counts
     all_bypassed: bool = False
     #: (tokens, decode rows) -> steps the bypassed layers skipped since their gates last counted them
-    #: (:func:`lynx_hf.vllm.plans.skip_bypassed`: one dict update per step, not one gate call per layer)
+    #: (:func:`lynx_hf.vllm.bypass.skip_bypassed`: one dict update per step, not one gate call per layer)
     pending_skips: Counter = field(default_factory=Counter)
     step: StepBuffer = field(default_factory=StepBuffer)
     counts: StepCounts = field(default_factory=StepCounts)

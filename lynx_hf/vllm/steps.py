@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import plans, telemetry
+from . import bypass, telemetry
 from .state import DECODE, PADDING, PREFILL, STATE, buffer, warn_once
 
 __all__ = ["token_kinds", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
@@ -142,13 +142,13 @@ def write_kinds(kinds, device) -> None:
     step.num_prefill = total - step.num_decode
     step.active = True
     if STATE.start.captured:
-        plans.mark_calls()  # a step whose forward then calls no op is a CUDA-graph replay (end_step)
+        bypass.mark_calls()  # a step whose forward then calls no op is a CUDA-graph replay (end_step)
     counts = STATE.counts
     counts.steps += 1
     if step.num_decode:
         counts.decode_steps += 1
         counts.seen_decode += 1
-        plans.skip_bypassed(total, step.num_decode)
+        bypass.skip_bypassed(total, step.num_decode)
         if step.num_prefill:
             counts.mixed_steps += 1
 
@@ -160,7 +160,7 @@ def end_step() -> None:
     step = STATE.step
     had_decode = step.active and step.num_decode > 0
     if had_decode and STATE.start.captured:
-        plans.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
+        bypass.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
     step.active = False
     step.num_decode = step.num_prefill = step.num_tokens = 0
     if step.kind is not None and step.dirty:

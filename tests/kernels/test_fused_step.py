@@ -23,7 +23,7 @@ from lynx_hf.kernels import routing_torch as rt
 from lynx_hf.kernels.step_spec import FusedPolicy, FusedSelection
 from lynx_hf.selection import BiasedSelection
 from lynx_hf.telemetry import BlockTelemetry
-from lynx_hf.vllm.plans import without_padding
+from lynx_hf.vllm.rows import without_padding
 
 POLICIES = [("lynx", {}), ("lynx", {"mass_price": None}), ("oea", {}), ("xshare", {"xshare_warmup": 1}),
             ("lynx", {"price_unit": "sqrt"}), ("none", {})]

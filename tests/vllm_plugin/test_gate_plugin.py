@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from lynx_hf import gate  # noqa: E402
 from lynx_hf.core import RoutePlan, WeightRule  # noqa: E402
 from lynx_hf.kernels.routing_torch import strict_sync_free  # noqa: E402
-from lynx_hf.vllm import layers, op, plans, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import bypass, layers, op, plans, rows, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PREFILL, STATE  # noqa: E402
 from plugin_steps import moe_config, set_kinds  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_a_step_without_decode_rows_returns_at_once_outside_a_capture(plugin_sta
     capturing = {"now": False}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
     cpu_buffer = steps.buffer
-    monkeypatch.setattr(op, "buffer", lambda device, rows: cpu_buffer(torch.device("cpu"), rows))
+    monkeypatch.setattr(rows, "buffer", lambda device, n: cpu_buffer(torch.device("cpu"), n))
     on_device = types.SimpleNamespace(shape=(8, 8), device=torch.device("cuda"))  # what step_for reads of the logits
     assert op.host_counts(torch.device("cuda"), False) and op.host_counts(torch.device("cpu"), False)
     assert op.step_for(one, on_device, False) is None  # eager, no step prepared
@@ -322,7 +322,7 @@ def test_n11_gate_caches_stay_bounded_over_many_step_shapes(attached):
     for t, r in shapes:
         steps.write_kinds([DECODE] * r + [PREFILL] * (t - r), "cpu")
         steps.end_step()
-        assert len(STATE.pending_skips) <= 256  # plans.PENDING_MAX: 64
+        assert len(STATE.pending_skips) <= 256  # bypass.PENDING_MAX: 64
     entry = telemetry.snapshot()["layers"][0]["gate"]
     assert entry["steps_skipped"] == 10_000
 
@@ -380,7 +380,7 @@ def test_n12_under_expert_parallelism_the_gate_weighs_this_ranks_experts(plugin_
 def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached, monkeypatch):
     """Issue 54 N10: a layer on at some sizes (8) and off at others (4) is not bypassed, but where its gate is off the
     hooked vLLM ``CPURouter`` returns vLLM's routing without calling the op: under a CUDA-graph capture at 4 (the
-    capture stood in by ``plans.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
+    capture stood in by ``bypass.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
     frozen per graph size), and an eager decode step of 4 tokens runs none either; the gate counts that step as
     skipped, and the layer still counts as routed through the plugin (liveness). At 8 the op runs in both."""
     router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
@@ -390,12 +390,12 @@ def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached,
     real = op.remap_layer
     monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
     logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
-    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: True, raising=False)
     for t in (8, 4):  # the captures, largest first
         got = router._compute_routing(None, logits[:t], None)
     want = layers.original_routing(router)(None, logits[:4], None)
     assert called == [8] and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: False, raising=False)
     calls = one.calls
     _decode_step(4)
     got = router._compute_routing(None, logits[:4], None)
@@ -416,7 +416,7 @@ def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkey
     kernels is launched from the host: the replay's price is ~7x too cheap there. The layer's gate holds both
     (``PlanGate.replayed``: the decisions timed as a replay, keyed apart; its own: timed eagerly). The measurement
     answers by the shape's ``captured`` field: a replay is worth it at 4 and 8 tokens, an eager step at 8 only. So the
-    captures at 4 and 8 (stood in by ``plans.capturing``) both hold the op and remap there (the replay's decision),
+    captures at 4 and 8 (stood in by ``bypass.capturing``) both hold the op and remap there (the replay's decision),
     an eager decode step of 4 tokens keeps vLLM's routing without the op (the eager decision, counted skipped), one of
     8 runs it, and the replays are counted with the replay's decision (seen, not skipped). Before, every decision of a
     captured engine was the replay's."""
@@ -443,14 +443,14 @@ def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkey
     monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
     logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
     want = {t: layers.original_routing(router)(None, logits[:t], None) for t in (4, 8)}
-    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: True, raising=False)
     for t in (8, 4):  # the captures, largest first: both graphs hold the op, which remaps (the replay's decision)
         _decode_step(t)
         got = router._compute_routing(None, logits[:t], None)
         steps.end_step()
         assert not torch.equal(got[1], want[t][1])
     assert called == [8, 4] and not planned.seen  # captures are no steps
-    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: False, raising=False)
     _decode_step(4)  # eager at 4: the eager price, off: no op
     got = router._compute_routing(None, logits[:4], None)
     steps.end_step()
@@ -463,5 +463,5 @@ def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkey
         _decode_step(t)
         steps.end_step()
     assert dict(planned.seen) == {4: 2, 8: 2} and dict(planned.skipped) == {4: 1}
-    entry = plans.gate_summary(one)["by_tokens"]
+    entry = bypass.gate_summary(one)["by_tokens"]
     assert entry[4]["on"] is False and entry[4]["replayed_on"] is True and entry[8]["replayed_on"] is True

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # 
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: E402
 
 from lynx_hf import LynxConfigError, LynxHookError, UnsupportedModelError  # noqa: E402
-from lynx_hf.vllm import checks, compat, install, layers, op, plans, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import bypass, checks, compat, install, layers, op, plans, rows, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm import config as plugin_config  # noqa: E402
 from lynx_hf.vllm.state import DECODE, STATE  # noqa: E402
 from plugin_steps import moe_config, set_kinds  # noqa: E402
@@ -155,7 +155,7 @@ def test_configure_under_captured_graphs_refuses_what_replays_cannot_follow(one_
 @pytest.mark.parametrize("phase", ["auto", "decode"])
 def test_gate_counts_are_right_under_replays(fixed_gate, plugin_state, phase):
     """Item 3, the gate's counters: in a captured engine a replayed step runs no op body, so nothing on the host
-    counted it; the step hooks now do (``plans.mark_calls`` at the input preparation, ``plans.count_replays`` after
+    counted it; the step hooks now do (``bypass.mark_calls`` at the input preparation, ``bypass.count_replays`` after
     the forward, for each layer whose op was not called). Simulated on CPU: the same steps (4 and 8 tokens; the gate
     on at bucket 8, off at 4) run eagerly (the op called) and as replays (``start.captured``, the op not called) give
     the same gate summary: hand-worked, sizes seen {4: 3, 8: 2}, 3 steps skipped (the three 4-token steps)."""
@@ -184,7 +184,7 @@ def test_gate_counts_are_right_under_replays(fixed_gate, plugin_state, phase):
             if not replay:
                 torch.ops.lynx_vllm.remap_routing(*routing[t], 0)
             steps.end_step()
-        return plans.gate_summary(layer)
+        return bypass.gate_summary(layer)
 
     eager, replayed = run(False), run(True)
     assert replayed == eager
@@ -830,7 +830,7 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     monkeypatch.setattr(plans, "captured", lambda runner, device: True)
     monkeypatch.setattr(plans, "torch_backend_layers", lambda: [])
     monkeypatch.setattr(plans, "host_reads_allowed", lambda tensor: False)
-    monkeypatch.setattr(op, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
+    monkeypatch.setattr(rows, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
     below = []  # (T, capturing) of each call of the step below the gate
     make = plans.make_layer_plan
 
