@@ -465,3 +465,41 @@ def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkey
     assert dict(planned.seen) == {4: 2, 8: 2} and dict(planned.skipped) == {4: 1}
     entry = bypass.gate_summary(one)["by_tokens"]
     assert entry[4]["on"] is False and entry[4]["replayed_on"] is True and entry[8]["replayed_on"] is True
+
+
+@pytest.mark.vllm_code
+def test_every_gate_count_goes_through_one_accounting_path_and_the_op_asks_plans_once(attached, monkeypatch):
+    """Issue 55 item 3: the gate's own stage (an op step), a step the router wrapper keeps off before the op
+    (``bypass.gated_off_call``), a replayed step (``bypass.count_replays``) and a bypassed layer's pending skips
+    (``bypass.flush_skips``) all count through ``PlanGate.account``; the op's body makes one call into the plans per
+    layer-step (``plans.remap``), and the bypass reads ``GateDecision.measured``, not the reason's wording."""
+    from lynx_hf.gate.stage import PlanGate
+
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    plans.before_forward(_ModelRunner(mode=3))
+    accounted, asked = [], []
+    real_account, real_remap = PlanGate.account, plans.remap
+    monkeypatch.setattr(PlanGate, "account", lambda self, t, on, steps=1: accounted.append((t, on, steps)) or
+                        real_account(self, t, on, steps))
+    monkeypatch.setattr(plans, "remap", lambda *args: asked.append(args[1].shape[0]) or real_remap(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    for t in (8, 4):  # the op's gate (on at 8), then the router wrapper before the op (off at 4)
+        _decode_step(t)
+        router._compute_routing(None, logits[:t], None)
+        steps.end_step()
+    assert accounted == [(8, True, 1), (4, False, 1)] and asked == [8]
+    STATE.start.captured = True  # a replay of 8: no op body ran
+    _decode_step(8)
+    steps.end_step()
+    assert accounted[-1] == (8, True, 1) and asked == [8]
+    STATE.start.captured = False
+    bypass.set_bypass(one, True)
+    _decode_step(4)
+    steps.end_step()
+    bypass.flush_skips()
+    assert accounted[-1] == (4, False, 1) and len(accounted) == 4
+    unmeasured = gate.GateDecision(False, float("nan"), float("nan"), float("nan"), float("nan"), reason="why not")
+    assert not unmeasured.measured and gate.decide(1.0, 0.0, 1.0).measured
+    planned = gate.of(one.plan)
+    monkeypatch.setattr(planned, "decisions", {b: unmeasured for b in planned.decisions})
+    assert not bypass.gated_off_everywhere(one.plan)  # off, but on no figure: the gate keeps the op
