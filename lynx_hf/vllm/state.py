@@ -91,8 +91,14 @@ class StepBuffer:
     :data:`DECODE`) in a persistent buffer on the model's device, and the host's counts of it."""
 
     kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
+    device: torch.device | None = None    # the device ``kind`` was made for
     staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
     written: int = 0                      # entries of ``staging`` the last step wrote (PADDING after them)
+    #: on CUDA, pinned host copies (:func:`host_buffer`; D11): the copy to ``kind`` is truly asynchronous, so the
+    #: host never refills a pinned buffer whose copy may not have run yet: two of them take turns (``spare``:
+    #: ``(host copy, written, event)`` of the other one), each refilled after the event recorded behind its last copy
+    copied: object = None                 # the event recorded after the last copy from ``staging`` (pinned only)
+    spare: tuple | None = None
     num_tokens: int = 0
     num_decode: int = 0
     num_prefill: int = 0
@@ -229,16 +235,52 @@ def isolated(options=None, capacity: int = 0):
         vars(STATE).update(saved)
 
 
+def device_buffer(capacity: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int8 ``[capacity]`` tensor on ``device`` (the kinds buffer)."""
+    return torch.zeros(capacity, dtype=torch.int8, device=device)
+
+
+def host_buffer(capacity: int, pin: bool) -> torch.Tensor:
+    """A zeroed int8 ``[capacity]`` host tensor, in page-locked (pinned) memory where ``pin``: a host-to-device copy
+    from it is a plain DMA, truly asynchronous (from pageable memory the driver first copies it into a pinned buffer of
+    its own, on the host, in the step)."""
+    return torch.zeros(capacity, dtype=torch.int8, pin_memory=pin)
+
+
+def pinned(device: torch.device) -> bool:
+    """Whether the host copies of the kinds for ``device`` are pinned: a CUDA device (ROCm included) and a torch
+    that can pin memory there."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def buffer(device: torch.device, rows: int) -> torch.Tensor:
-    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use)."""
+    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use),
+    and its host copies: on CPU the buffer itself; on CUDA two pinned ones that take turns (:class:`StepBuffer`,
+    ``spare``; issue 54 D11, docs/cases.md C67); else one pageable one."""
     step = STATE.step
-    if step.kind is None or step.kind.device != device:
+    if step.kind is None or step.device != device:
         capacity = max(STATE.capacity, rows, 1)
-        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
-        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+        step.kind, step.device = device_buffer(capacity, device), device
+        step.copied = step.spare = None
+        if device.type == "cpu":
+            step.staging = step.kind
+        elif pinned(device):
+            step.staging, step.copied = host_buffer(capacity, True), torch.cuda.Event()
+            step.spare = (host_buffer(capacity, True), 0, torch.cuda.Event())
+        else:
+            step.staging = host_buffer(capacity, False)
         step.written = 0
     return step.kind
 
 
-__all__ = ["buffer", "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+def take_turns(step: StepBuffer) -> None:
+    """Pinned host copies (``step.spare``): the other one becomes ``step.staging``, once the copy last made from it
+    has run (its event: it was recorded a step ago, so the host practically never waits)."""
+    host, written, copied = step.spare
+    step.spare = (step.staging, step.written, step.copied)
+    step.staging, step.written, step.copied = host, written, copied
+    copied.synchronize()
+
+
+__all__ = ["buffer", "device_buffer", "host_buffer", "pinned", "take_turns", "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
            "warn_once", "resolve_config", "new_engine", "isolated"]

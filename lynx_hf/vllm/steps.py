@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from . import bypass, telemetry
-from .state import DECODE, PADDING, PREFILL, STATE, buffer, warn_once
+from .state import DECODE, PADDING, PREFILL, STATE, buffer, take_turns, warn_once
 
 __all__ = ["token_kinds", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
 
@@ -129,6 +129,8 @@ def write_kinds(kinds, device) -> None:
         if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
             warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
             return
+        if step.spare is not None:
+            take_turns(step)  # pinned host copies: the one whose last copy has run
         staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
         staging[:total] = kinds
         if step.written > total:
@@ -137,6 +139,8 @@ def write_kinds(kinds, device) -> None:
         step.dirty = True
         if kind is not step.staging:
             kind.copy_(step.staging, non_blocking=True)
+            if step.copied is not None:
+                step.copied.record()  # behind the copy: the host refills this copy after it
     step.num_tokens = total
     step.num_decode = int(np.count_nonzero(kinds == DECODE))
     step.num_prefill = total - step.num_decode

@@ -887,3 +887,56 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     # under capture the step below the gate runs where the gate is on (8) and for a lone token (its own routing kept,
     # its telemetry recorded); never at 2 or 4 (the gate's branch on the static T)
     assert {t for t, cap in below if cap} == {8, 1}
+
+
+@pytest.mark.vllm_code
+def test_d11_the_step_masks_host_copies_are_pinned_and_refilled_only_after_their_copy(plugin_state, monkeypatch):
+    """Issue 54 D11 (cases C67): on CUDA the step mask's host copy is page-locked (pinned), so its copy to the device
+    buffer is a plain asynchronous DMA (from pageable memory the driver first copies it on the host, in the step). A
+    pinned copy may still be pending when the next step's kinds are written, so two host copies take turns, each
+    refilled only after the event recorded behind its last copy. No GPU here: the device and host allocations are the
+    plugin's own helpers, observed (the device buffer stood in by a CPU tensor), ``torch.cuda.Event`` a recorder;
+    the steps go through the input preparation's ``steps.write_kinds`` and ``steps.end_step``."""
+    from lynx_hf.vllm.state import PREFILL
+
+    plugin_state({"policy": "lynx"}, capacity=16)
+    requested, log = [], []
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = Event.made
+
+        def record(self):
+            log.append(("record", self.name))
+
+        def synchronize(self):
+            log.append(("wait", self.name))
+
+    monkeypatch.setattr(state, "device_buffer", lambda capacity, device: torch.zeros(capacity, dtype=torch.int8))
+    monkeypatch.setattr(state, "host_buffer",
+                        lambda capacity, pin: requested.append(pin) or torch.zeros(capacity, dtype=torch.int8))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    cuda = torch.device("cuda")
+    sequence = [[DECODE] * 6, [PREFILL] * 2 + [DECODE], [DECODE] * 4, [PREFILL] * 9, [DECODE] * 2]
+    hosts = []
+    for kinds in sequence:
+        steps.write_kinds(kinds, cuda)
+        hosts.append(STATE.step.staging)
+        assert STATE.step.kind.tolist() == kinds + [0] * (16 - len(kinds))  # the step's kinds, padding after them
+        steps.end_step()
+    assert requested == [True, True]  # two pinned host copies, made once
+    assert hosts[0] is hosts[2] is hosts[4] and hosts[1] is hosts[3] and hosts[0] is not hosts[1]
+    # each host copy is refilled after the event recorded behind its previous copy, and recorded again after its copy
+    first, second = log[0][1], log[2][1]
+    assert log == [("wait", first), ("record", first), ("wait", second), ("record", second)] * 2 + \
+        [("wait", first), ("record", first)]
+    # CPU: the buffer is its own host copy, nothing pinned or recorded
+    plugin_state({"policy": "lynx"}, capacity=16)
+    monkeypatch.undo()
+    steps.write_kinds([DECODE] * 3, torch.device("cpu"))
+    assert STATE.step.staging is STATE.step.kind and STATE.step.spare is None
+    steps.end_step()
