@@ -7,9 +7,10 @@ step's rows, then the layer's plan) runs on every step instead of being traced o
 
 The body runs the layer's plan as the HF path does (``plan.run``: the cost gate, the padding rows, the decode-step
 function and its telemetry; :func:`lynx_hf.vllm.plans.remap`, the op's one call into the plans per layer-step) on a
-:class:`~lynx_hf.core.Step` describing the call's rows (:func:`lynx_hf.vllm.rows.step_for`). The host's counts of the step (``STATE.step``: written by the input preparation) are used
-wherever the op body is not being captured into a CUDA graph (:func:`lynx_hf.vllm.rows.host_counts`; eager calls on any device, the op
-body inside vLLM's compiled mode included): a step without decode tokens returns vLLM's routing at once, and the
+:class:`~lynx_hf.core.Step` describing the call's rows (:func:`lynx_hf.vllm.rows.step_for`). The host's counts of the
+step (``STATE.step``: written by the input preparation) are used wherever the op body is not being captured into a CUDA
+graph (:func:`lynx_hf.vllm.rows.host_counts`; eager calls on any device, the op body inside vLLM's compiled mode
+included): a step without decode tokens returns vLLM's routing at once, and the
 count of decode rows is passed on (``Step.decode_rows``), so the cost gate decides a mixed step on its decode rows.
 Under capture the op always records the remap against the step buffer, whose address never changes (a replay
 repeats it). On CPU tensors in eager mode (``host``), a step whose every row is a live decode token is a plain decode

@@ -133,7 +133,8 @@ def step_key(layer: Layer) -> dict:
 
 def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
     """A new plan of ``layer`` for ``cfg`` (a ``LynxConfig``) on ``device``, the router logits having ``dtype``: the
-    cost gate (``gate="auto"``; it gets its decisions now) and :class:`~lynx_hf.vllm.rows.PaddingRows` composed around the decode-step
+    cost gate (``gate="auto"``; it gets its decisions now) and :class:`~lynx_hf.vllm.rows.PaddingRows` composed around
+    the decode-step
     function."""
     shape = layer.gate_shape or LayerShape(layer.num_experts, layer.top_k, None, None)
     shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
@@ -273,7 +274,8 @@ def before_forward(model_runner) -> None:
     """Before the first forward of this worker (hooked on the model runners' ``_dummy_run`` and ``execute_model``;
     once): every layer's plan is made on the runner's device (its cost gate gets its decisions), the decisions are
     agreed across the tensor-parallel ranks (:func:`agree`: rank 0's, on every rank), and a layer the gate keeps off
-    at every step size this engine can run is bypassed (``Layer.bypass``, :func:`lynx_hf.vllm.bypass.settle_bypass`). Then the forward
+    at every step size this engine can run is bypassed (``Layer.bypass``, :func:`lynx_hf.vllm.bypass.settle_bypass`).
+    Then the forward
     counts as frozen where it is compiled or captured (:func:`frozen`). Raises :class:`~lynx_hf.LynxConfigError`
     where the decisions of several ranks cannot be agreed (``gate="always"`` is the fix the message names)."""
     start = STATE.start
@@ -324,7 +326,8 @@ def warm_up(sizes, seed: int = 0) -> int:
     the step buffer made at the largest size, and each layer's step *below its cost gate* (the padding rows and the
     decode-step function: the fused device step's one launch and its buffers per size, or the routing kernels, and
     the telemetry accumulators; the fused step's launches kept for good, ``kernels.fused_step.pinning``) run once at
-    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token: :func:`lynx_hf.vllm.bypass.gated_off_call` keeps
+    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token:
+    :func:`lynx_hf.vllm.bypass.gated_off_call` keeps
     the others free of the op) on synthetic masked inputs, as a capture describes its rows (the step buffer's masks,
     no decode-row count). So no capture launches a
     kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)

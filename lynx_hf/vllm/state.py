@@ -282,5 +282,6 @@ def take_turns(step: StepBuffer) -> None:
     copied.synchronize()
 
 
-__all__ = ["buffer", "device_buffer", "host_buffer", "pinned", "take_turns", "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+__all__ = ["buffer", "device_buffer", "host_buffer", "pinned", "take_turns",
+           "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
            "warn_once", "resolve_config", "new_engine", "isolated"]
