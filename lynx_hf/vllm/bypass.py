@@ -57,6 +57,8 @@ def gated_off_everywhere(plan: RoutePlan) -> bool:
 
 def set_bypass(layer: Layer, bypass: bool) -> None:
     flush_skips()  # the steps skipped so far belong to the layers bypassed so far
+    if layer.bypass and not bypass:  # the liveness rule starts afresh on a layer that calls the op again
+        layer.seen_calls, layer.seen_runs, layer.misses = layer.calls, layer.runs or 0, 0
     layer.bypass = bool(bypass)
     targets = target_layers()
     STATE.bypassed = tuple(one for one in targets if one.bypass)

@@ -503,3 +503,53 @@ def test_every_gate_count_goes_through_one_accounting_path_and_the_op_asks_plans
     planned = gate.of(one.plan)
     monkeypatch.setattr(planned, "decisions", {b: unmeasured for b in planned.decisions})
     assert not bypass.gated_off_everywhere(one.plan)  # off, but on no figure: the gate keeps the op
+
+
+@pytest.mark.vllm_code
+def test_item7_an_all_bypassed_engine_does_only_the_step_count_on_the_host(attached, monkeypatch):
+    """Issue 54 item 7 (cases C69): where the gate keeps vLLM's routing on every layer at every step size (all
+    bypassed: no op in any forward), a step's host work is its count: the input preparation's hooks (V1 and V2)
+    count the step from its requests (no per-token kinds, no mask buffer), and neither the replay bookkeeping of a
+    captured engine nor the liveness rule loops over the layers. The bypassed gates still count every skipped step."""
+    import numpy as np
+
+    router, one = attached({"policy": "lynx", "gate": "auto"}, set())  # off everywhere: bypassed
+    plans.before_forward(_ModelRunner(mode=3))
+    assert STATE.all_bypassed and one.bypass
+    STATE.start.captured = True  # a CUDA-graph engine: the replay bookkeeping would loop over the layers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("per-token or per-layer host work in an all-bypassed step")
+
+    for module, name in ((steps, "token_kinds"), (steps, "v2_token_kinds"), (steps, "write_kinds"),
+                         (steps, "buffer"), (bypass, "target_layers"), (checks_module(), "target_layers")):
+        monkeypatch.setattr(module, name, refuse)
+    # V1: 3 requests (a 5-token prompt chunk, two decodes) of the persistent batch
+    batch = types.SimpleNamespace(num_reqs=3, req_id_to_index={}, num_computed_tokens_cpu=np.array([0, 9, 7]),
+                                  num_prompt_tokens=np.array([5, 4, 6]))
+    runner = types.SimpleNamespace(input_batch=batch, device=torch.device("cpu"))
+    # V2: the same requests as the InputBatch its prepare_inputs returns
+    v2 = types.SimpleNamespace(num_reqs=3, num_scheduled_tokens=np.array([5, 1, 1]),
+                               is_prefilling_np=np.array([True, False, False]), num_tokens=7)
+    v2_runner = types.SimpleNamespace(pcp_manager=None, device=torch.device("cpu"))
+    logits = torch.randn(7, 8, generator=torch.Generator().manual_seed(7))
+    worker = types.SimpleNamespace(model_runner=runner)
+    for version in ("v1", "v2") * 3:
+        seen = STATE.counts.seen_decode
+        if version == "v1":
+            steps.set_step_v1(runner, types.SimpleNamespace(scheduled_spec_decode_tokens=None), np.array([5, 1, 1]))
+        else:
+            steps.set_step_v2(v2_runner, v2)
+        assert (STATE.step.num_tokens, STATE.step.num_decode, STATE.step.active) == (7, 2, True)
+        router._compute_routing(None, logits, None)  # vLLM's routing, no op
+        steps.end_step()
+        checks_module().after_worker_step(worker, None, seen)
+    monkeypatch.undo()
+    assert STATE.counts.decode_steps == 6 and STATE.counts.mixed_steps == 6 and STATE.step.kind is None
+    assert plans.stage_summaries(one)["gate"]["steps_skipped"] == 6
+
+
+def checks_module():
+    from lynx_hf.vllm import checks
+
+    return checks
