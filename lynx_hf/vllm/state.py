@@ -153,6 +153,9 @@ class ProcessState:
     counts: StepCounts = field(default_factory=StepCounts)
     start: Start = field(default_factory=Start)
     strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
+    #: a served step is running (``WorkerWrapperBase.execute_model``): a forward outside one is a warm-up (the
+    #: Worker's JIT warm-up steps its model runner itself), checked at once (``lynx_hf.vllm.install``)
+    in_worker_step: bool = False
     warned: set = field(default_factory=set)
     #: a ``stats_every`` write waiting for its device-to-host copy (``lynx_hf.vllm.telemetry.PendingWrite``)
     pending_write: object = None

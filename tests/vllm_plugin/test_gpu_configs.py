@@ -940,3 +940,60 @@ def test_d11_the_step_masks_host_copies_are_pinned_and_refilled_only_after_their
     steps.write_kinds([DECODE] * 3, torch.device("cpu"))
     assert STATE.step.staging is STATE.step.kind and STATE.step.spare is None
     steps.end_step()
+
+
+@pytest.mark.vllm_code
+def test_n9_v2_captures_and_the_workers_jit_warm_up_are_seen_by_the_liveness_checks(plugin_state):
+    """Issue 54 N9, partly open before (cases C70): Model Runner V2 captures its CUDA graphs through its own
+    ``CudaGraphManager.capture`` (each size's warm-up forward and capture run by forward functions it makes), not
+    through ``_dummy_run``; and the Worker's JIT warm-up (V2's ``warmup_kernels``) steps the model runner's
+    ``execute_model`` itself, outside ``WorkerWrapperBase.execute_model`` where the liveness rule runs. Both are now
+    checked as a ``_dummy_run`` is: a layer whose ``MoERunner`` ran without reaching the hooked router stops the start
+    at once, naming it. This vLLM's own ``CudaGraphManager.capture`` is the one hooked. A served step keeps the
+    per-step rule (``LIVENESS_STEPS`` steps)."""
+    manager = install.graph_manager()
+    assert manager is not None and manager.__name__ == "CudaGraphManager"
+    table = {(cls, name): hook for cls, name, hook in install.hooks(compat.minor(compat.installed_version()))}
+    assert table[(manager, "capture")] is install._graph_capture
+    plugin_state({"policy": "lynx", "gate": "always"})
+    first, second = (_RunnerWithForward(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts")
+                     for i in (0, 1))
+    layers.attach(first)
+    layers.attach(second)
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def forward(rows):
+        for one in (first, second):
+            one._forward_impl(None, logits[:rows], None)
+
+    install._dummy_run(lambda self, *args, **kwargs: forward(4), runner, 4)  # the profiling run: plans made
+    assert STATE.start.started
+
+    def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):  # as CudaGraphManager's
+        for desc in (8, 4):
+            create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
+            create_forward_fn(desc, warmup=False)(CUDAGraphMode.FULL)
+
+    def create_forward_fn(desc, warmup):
+        return lambda cg_mode: forward(desc)
+
+    install._graph_capture(capture, None, create_forward_fn)  # every layer routed: passes
+
+    def execute_model(self, *args, **kwargs):  # a JIT warm-up decode step of 4 tokens
+        set_kinds([DECODE] * 4)
+        forward(4)
+
+    install._runner_execute(execute_model, runner)
+    wrapper = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
+    served = lambda: install._worker_execute(  # noqa: E731 - a served step, as the hooked worker runs it
+        lambda self, output: install._runner_execute(execute_model, runner), wrapper, None)
+    served()
+    second.routes = False  # its runner now runs without reaching the hooked router
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*model\.layers\.1\.mlp"):
+        install._graph_capture(capture, None, create_forward_fn)
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*model\.layers\.1\.mlp"):
+        install._runner_execute(execute_model, runner)
+    # a served step (inside the hooked WorkerWrapperBase.execute_model): the per-step rule, not at once
+    served()
+    assert STATE.layers[1].misses == 1 and not STATE.in_worker_step
