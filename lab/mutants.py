@@ -580,7 +580,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_mixed_cached_by_tokens",
         "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
-        (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
+        (("lynx_hf/gate/stage.py", "        key = (\"mixed\", tokens, rows_key)\n", "        key = (\"mixed\", tokens)\n"),),
         (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",
          "tests/decode/test_decode_default_gate.py::"
          "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows"),
@@ -667,7 +667,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_replay_ignored",
         "a step traced by torch.compile on CUDA takes the eager gate decisions, not the CUDA-graph replay's",
-        (("lynx_hf/gate/stage.py", "        if self.replayed is not None and torch.compiler.is_compiling():",
+        (("lynx_hf/gate/stage.py", "        if self.replayed is not None and self.replaying():",
           "        if False:"),),
         ("tests/policies/test_gate_replayed.py::test_a_traced_step_on_cuda_takes_the_replayed_decisions",),
     ),
