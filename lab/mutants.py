@@ -665,6 +665,38 @@ MUTANTS: tuple[Mutant, ...] = (
          "step"),
     ),
     Mutant(
+        "vllm_eager_steps_at_replay_prices",
+        "a captured vLLM engine holds only the replay's prices: its eager steps are decided as replays (issue 54 N10)",
+        (("lynx_hf/vllm/plans.py", "replays=bool(STATE.start.captured)", "replays=False"),),
+        ("tests/vllm_plugin/test_gate_plugin.py::test_n10_eager_steps_of_a_captured_engine_take_eager_prices",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "vllm_pinned_copy_refilled_early",
+        "the step mask's pinned host copies: the host refills one without waiting for its last copy (issue 54 D11)",
+        (("lynx_hf/vllm/state.py", "    copied.synchronize()\n", "    pass\n"),),
+        ("tests/vllm_plugin/test_gpu_configs.py::"
+         "test_d11_the_step_masks_host_copies_are_pinned_and_refilled_only_after_their_copy",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "fused_step_every_tile",
+        "the fused step computes the selection scores in every tile, decode rows or not (issue 54 N5)",
+        (("lynx_hf/kernels/fused_step.py", "            if tl.max(dec.to(tl.int32), axis=0) > 0:",
+          "            if True:"),),
+        ("tests/kernels/test_fused_step.py::"
+         "test_n5_a_replayed_mixed_or_prefill_only_step_runs_the_policy_on_its_decode_rows_tiles_only",),
+    ),
+    Mutant(
+        "vllm_jit_warm_up_unchecked",
+        "a forward outside a served step (the Worker's JIT warm-up) is not checked at once (issue 54 N9)",
+        (("lynx_hf/vllm/install.py", "    before = None if STATE.in_worker_step else checks.op_calls()",
+          "    before = None"),),
+        ("tests/vllm_plugin/test_gpu_configs.py::"
+         "test_n9_v2_captures_and_the_workers_jit_warm_up_are_seen_by_the_liveness_checks",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
         "gate_replay_ignored",
         "a step traced by torch.compile on CUDA takes the eager gate decisions, not the CUDA-graph replay's",
         (("lynx_hf/gate/stage.py", "        if self.replayed is not None and self.replaying():",

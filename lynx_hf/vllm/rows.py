@@ -27,7 +27,6 @@ __all__ = ["DECODE_STEP", "masked_step", "step_for", "host_counts", "padding_row
            "inspect_rows", "ROW_ATTRIBUTES", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked"]
 
 #: the plain decode step: every row of the call is a live decode token (no masks)
-#: the plain decode step: every row of the call is a live decode token (no masks)
 DECODE_STEP = Step(_DECODE_KIND)
 
 
