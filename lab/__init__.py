@@ -5,6 +5,7 @@
     python -m lab.bench_int4                       # LYNX over int4 experts (lab.int4_experts) vs bf16
     python -m lab.serving_report                   # transformers serving-shaped batches (continuous batching, ...)
     .venv-vllm/bin/python -m lab.serve_bench       # the vLLM plugin in engines (serve_profile: its op, no engine)
+    .venv-vllm/bin/python -m lab.gate_off_bench    # fixture A in vLLM with the gate off: >= 1.0x unpatched?
     python -m lab.kernel_report                    # every Triton kernel compiled for sm_80 / sm_90, on CPU
     python -m lab.gpu_check                        # the prepared check on a CUDA machine (--dry-run on CPU)
     python -m lab.gpu_compiled [fp32|bf16]         # compiled static-cache generate with LYNX on a CUDA machine

@@ -923,12 +923,12 @@ def _vllm_routing(logits, k: int, pad):
 
 def _vllm_step(options: dict, N: int, k: int, dev, kinds, logits, weights, ids):
     """One layer-step through the plugin's step function on a fresh plugin state: (weights, ids, telemetry)."""
-    from lynx_hf.vllm import plans, state
+    from lynx_hf.vllm import plans, rows, state
 
     with state.isolated({**options, "gate": "always"}, capacity=int(kinds.shape[0])):
         layer = _vllm_layer(N, k)
         plan = plans.plan_for(layer, dev, logits.dtype, state.STATE.config.lynx)
-        out_w, out_ids = plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+        out_w, out_ids = plans.route(layer, plan, rows.masked_step(kinds), logits, weights, ids, False)
         return out_w, out_ids, layer.telemetry.summary()
 
 
@@ -990,7 +990,7 @@ def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
     import json
     import tempfile
 
-    from lynx_hf.vllm import plans, state, steps, telemetry
+    from lynx_hf.vllm import plans, rows, state, steps, telemetry
 
     S = "vllm"
     backend = "auto" if dev.type == "cuda" else "torch"
@@ -1005,7 +1005,7 @@ def _vllm_stats_copy(args, dev, N, k, T, kinds) -> None:
                 logits = (torch.randn(T, N, generator=torch.Generator().manual_seed(3)) * 2).to(dev)
                 weights, ids = _vllm_routing(logits, k, torch.zeros(T, dtype=torch.bool, device=dev))
                 steps.write_kinds(kinds.cpu().numpy(), dev)
-                plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, dev.type == "cpu")
+                plans.route(layer, plan, rows.masked_step(kinds), logits, weights, ids, dev.type == "cpu")
                 if dev.type == "cuda":
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
@@ -1032,7 +1032,7 @@ def section_torch_capture(args, dev, budget) -> None:
     graph (the plugin refuses it on captured engines, since the ops create tensors from Python scalars
     on the device inside the step). Printed for the record (info): a capture that succeeds means the refusal could be
     lifted. Last: a failed capture can leave the device's capture state broken for the rest of the process."""
-    from lynx_hf.vllm import plans, state
+    from lynx_hf.vllm import plans, rows, state
 
     S = "torch_capture"
     if dev.type != "cuda":
@@ -1047,12 +1047,12 @@ def section_torch_capture(args, dev, budget) -> None:
         logits = (torch.randn(T, N, generator=torch.Generator().manual_seed(4)) * 2).to(dev)
         weights, ids = _vllm_routing(logits, k, torch.zeros(T, dtype=torch.bool, device=dev))
         for _ in range(2):
-            plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+            plans.route(layer, plan, rows.masked_step(kinds), logits, weights, ids, False)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph):
-                plans.route(layer, plan, plans.masked_step(kinds), logits, weights, ids, False)
+                plans.route(layer, plan, rows.masked_step(kinds), logits, weights, ids, False)
             note(S, "torch routing ops under a CUDA-graph capture", "captured: the refusal could be lifted")
         except Exception as exc:  # noqa: BLE001 - the expected outcome, printed
             note(S, "torch routing ops under a CUDA-graph capture", f"capture failed (the refusal's reason): "
@@ -1061,7 +1061,7 @@ def section_torch_capture(args, dev, budget) -> None:
 
 def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
     """One layer-step captured in a CUDA graph, replayed on new inputs (the dry run calls it again instead)."""
-    from lynx_hf.vllm import plans, state
+    from lynx_hf.vllm import plans, rows, state
 
     S = "vllm"
     options = at_full_depth(args, "vllm", {"policy": "lynx", "gate": "always",
@@ -1086,7 +1086,7 @@ def _vllm_graph(args, dev, N, k, T, kinds, pad) -> None:
             plan = plans.plan_for(layer, dev, torch.float32, state.STATE.config.lynx)
 
             def step():
-                return plans.route(layer, plan, plans.masked_step(static_kinds), static_logits, static_w, static_ids,
+                return plans.route(layer, plan, rows.masked_step(static_kinds), static_logits, static_w, static_ids,
                                    False)
 
             fill(pad)

@@ -255,8 +255,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_mixed_on_every_row",
         "a mixed step is decided as if every row decoded (the host's decode-row count ignored)",
-        (("lynx_hf/gate/stage.py", "        if not self.on(num_tokens, inputs.step.decode_rows):",
-          "        if not self.on(num_tokens):"),),
+        (("lynx_hf/gate/stage.py", "        d = self.decision(num_tokens, inputs.step.decode_rows)",
+          "        d = self.decision(num_tokens)"),),
         ("tests/decode/test_decode_default_gate.py::"
          "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows",),
     ),
@@ -593,7 +593,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "gate_mixed_cached_by_tokens",
         "a mixed step's derived decision cached by its token count only (200 decode rows take the decision of 4)",
-        (("lynx_hf/gate/stage.py", "        key = (num_tokens, decode_rows)\n", "        key = (num_tokens,)\n"),),
+        (("lynx_hf/gate/stage.py", "        key = (\"mixed\", tokens, rows_key)\n", "        key = (\"mixed\", tokens)\n"),),
         (GATE + "test_two_mixed_steps_of_one_size_with_different_decode_rows_get_their_own_decisions",
          "tests/decode/test_decode_default_gate.py::"
          "test_continuous_batching_steps_follow_the_default_gate_on_their_decode_rows"),
@@ -609,7 +609,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "vllm_bypass_skips_once",
         "the vLLM plugin's bypassed layers count one skipped step per step size read, however many were skipped",
-        (("lynx_hf/vllm/plans.py", "                gate.count(num_tokens, decode_rows, steps)",
+        (("lynx_hf/vllm/bypass.py", "                gate.count(num_tokens, decode_rows, steps)",
           "                gate.count(num_tokens, decode_rows)"),),
         (GV + "test_bypassed_layers_count_every_step_they_skip",),
     ),
@@ -678,9 +678,41 @@ MUTANTS: tuple[Mutant, ...] = (
          "step"),
     ),
     Mutant(
+        "vllm_eager_steps_at_replay_prices",
+        "a captured vLLM engine holds only the replay's prices: its eager steps are decided as replays (issue 54 N10)",
+        (("lynx_hf/vllm/plans.py", "replays=bool(STATE.start.captured)", "replays=False"),),
+        ("tests/vllm_plugin/test_gate_plugin.py::test_n10_eager_steps_of_a_captured_engine_take_eager_prices",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "vllm_pinned_copy_refilled_early",
+        "the step mask's pinned host copies: the host refills one without waiting for its last copy (issue 54 D11)",
+        (("lynx_hf/vllm/state.py", "    copied.synchronize()\n", "    pass\n"),),
+        ("tests/vllm_plugin/test_gpu_configs.py::"
+         "test_d11_the_step_masks_host_copies_are_pinned_and_refilled_only_after_their_copy",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
+        "fused_step_every_tile",
+        "the fused step computes the selection scores in every tile, decode rows or not (issue 54 N5)",
+        (("lynx_hf/kernels/fused_step.py", "            if tl.max(dec.to(tl.int32), axis=0) > 0:",
+          "            if True:"),),
+        ("tests/kernels/test_fused_step.py::"
+         "test_n5_a_replayed_mixed_or_prefill_only_step_runs_the_policy_on_its_decode_rows_tiles_only",),
+    ),
+    Mutant(
+        "vllm_jit_warm_up_unchecked",
+        "a forward outside a served step (the Worker's JIT warm-up) is not checked at once (issue 54 N9)",
+        (("lynx_hf/vllm/install.py", "    before = None if STATE.in_worker_step else checks.op_calls()",
+          "    before = None"),),
+        ("tests/vllm_plugin/test_gpu_configs.py::"
+         "test_n9_v2_captures_and_the_workers_jit_warm_up_are_seen_by_the_liveness_checks",),
+        legs=("floor",), needs_vllm=True,
+    ),
+    Mutant(
         "gate_replay_ignored",
         "a step traced by torch.compile on CUDA takes the eager gate decisions, not the CUDA-graph replay's",
-        (("lynx_hf/gate/stage.py", "        if self.replayed is not None and torch.compiler.is_compiling():",
+        (("lynx_hf/gate/stage.py", "        if self.replayed is not None and self.replaying():",
           "        if False:"),),
         ("tests/policies/test_gate_replayed.py::test_a_traced_step_on_cuda_takes_the_replayed_decisions",),
     ),

@@ -10,9 +10,9 @@ Part ``op`` -- the plugin's added time per MoE layer per decode step, on a const
 (``lynx_hf.vllm.state.isolated``: one layer per policy and path, a 16-token all-decode step written with
 ``lynx_hf.vllm.steps.write_kinds``, telemetry on, gate "always", under ``inference_mode`` as in vLLM's worker), for
 policy none and lynx, beside vLLM's routing alone (``CPURouter._compute_routing``, what the op follows): ``masked``
-(the body on the step described with masks, ``lynx_hf.vllm.plans.masked_step`` passed to
+(the body on the step described with masks, ``lynx_hf.vllm.rows.masked_step`` passed to
 ``lynx_hf.vllm.op.remap_step``: the path every step took before the fused one, what mixed steps take now), ``fused``
-(the same body on the plain decode step ``plans.DECODE_STEP``: the core's one-call fused path that records its own
+(the same body on the plain decode step ``rows.DECODE_STEP``: the core's one-call fused path that records its own
 telemetry, what an all-decode step takes on CPU) and ``op`` (``torch.ops.lynx_vllm.remap_routing`` itself: the fused
 path plus the op's dispatch, what a served step pays). ``masked`` and ``fused`` are called without the op's dispatch,
 so they compare like for like. No longer measured (the plugin has no switches for them any more): the masked path
@@ -74,7 +74,8 @@ def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     from lynx_hf.gate import synthetic_routing
-    from lynx_hf.vllm import layers, op, parse, plans, state, steps
+    from lynx_hf.vllm import layers, op, parse, state, steps
+    from lynx_hf.vllm import rows as step_rows
 
     policies = ("none", "lynx")
     configs = {policy: parse({"policy": policy, "gate": "always"}) for policy in policies}
@@ -84,7 +85,7 @@ def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
         router = CPURouter(top_k=k, global_num_experts=n, renormalize=False)
         with state.isolated({"policy": "none", "gate": "always"}, capacity=max(rows, 16)) as st:
             steps.write_kinds(np.full(rows, state.DECODE, dtype=np.int8), "cpu")  # an all-decode step of `rows`
-            masked = plans.masked_step(steps.buffer(torch.device("cpu"), rows)[:rows])
+            masked = step_rows.masked_step(steps.buffer(torch.device("cpu"), rows)[:rows])
             fns = {}
             for policy in policies:
                 for path in PATHS:
@@ -98,7 +99,7 @@ def profile_op(rows: int = 16, reps: int = 30, inner: int = 200) -> list[dict]:
                         weights, ids = router._compute_routing(None, logits, None)
                         if path == "op":
                             return op.remap_routing(logits, weights, ids, layer.index)
-                        step = masked if path == "masked" else plans.DECODE_STEP
+                        step = masked if path == "masked" else step_rows.DECODE_STEP
                         return op.remap_step(layer, step, logits, weights, ids, True)
 
                     fns[f"{policy}/{path}"] = call

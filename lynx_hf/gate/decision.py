@@ -81,6 +81,12 @@ class GateDecision:
     experts_after: float = float("nan")
     reason: str = ""
 
+    @property
+    def measured(self) -> bool:
+        """Whether the decision rests on figures (measured, a table's, or the closed-form rule's): False for
+        :func:`always_on`'s, taken without any (the layer's sizes unknown, a bucket not decided yet)."""
+        return math.isfinite(self.cost_ms)
+
     def to_dict(self) -> dict:
         """Plain JSON (``None`` for a non-finite figure)."""
         return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}

@@ -104,11 +104,19 @@ class PlanGate(StageBase):
     source: str = ""
     seen: Counter = field(default_factory=Counter)
     skipped: Counter = field(default_factory=Counter)
-    #: on CUDA, for an engine that steps eagerly (``shape.captured`` False, no mixed steps: transformers), the same
-    #: layer's gate timed as a CUDA-graph replay (``LayerShape.captured``): the decisions a step traced by
-    #: ``torch.compile`` takes (transformers' compiled static-cache ``generate`` replays its decode step from CUDA
-    #: graphs, where the routing step costs no per-launch host time); ``None`` elsewhere
+    #: on CUDA, for an engine that steps eagerly (``shape.captured`` False, no mixed steps: transformers), and for an
+    #: engine that says it :attr:`replays`, the same layer's gate timed as a CUDA-graph replay
+    #: (``LayerShape.captured``): the decisions a step traced by ``torch.compile`` or captured (:attr:`replay_now`)
+    #: takes (transformers' compiled static-cache ``generate`` replays its decode step from CUDA graphs, where the
+    #: routing step costs no per-launch host time; vLLM's captured sizes); ``None`` elsewhere
     replayed: "PlanGate | None" = field(default=None, repr=False)
+    #: the engine also replays this layer's step from CUDA graphs while stepping eagerly at other steps (vLLM's
+    #: captured engines: a size above the largest graph, a mixed step outside the graphs): :meth:`resolve` then holds
+    #: the replay-timed decisions in :attr:`replayed` as well, on any device, and the eager ones are this gate's own
+    replays: bool = False
+    #: ``fn() -> bool``: whether the current call is being captured for replay (vLLM: a CUDA-graph capture of the
+    #: op's body), so it takes :attr:`replayed`'s decisions; ``None``: while ``torch.compile`` traces it
+    replay_now: object = field(default=None, repr=False)
     #: decisions derived on first use: above the largest bucket (by rule), mixed steps (by their buckets within the
     #: largest; by (T, decode rows) above it); at most :data:`DERIVED_MAX`, least recently used dropped first
     _derived: OrderedDict = field(default_factory=OrderedDict, repr=False)
@@ -158,7 +166,8 @@ class PlanGate(StageBase):
                     self.key, lambda: measure_layer(self, self.store.expert_times, tuning), self.table)
         self.decisions, self.source = dict(found[0]), found[1]
         self.replayed = None
-        if not shape.captured and not shape.mixed_steps and torch.device(self.plan.device).type == "cuda":
+        if not shape.captured and (self.replays or (not shape.mixed_steps and
+                                                    torch.device(self.plan.device).type == "cuda")):
             twin = PlanGate(replace(shape, captured=True), telemetry=self.telemetry,
                             extra_expert_ms=self.extra_expert_ms, expert_fn=self.expert_fn, kernel_fn=self.kernel_fn,
                             route_fn=self.route_fn, selection=self.selection, step_key=self.step_key, table=self.table,
@@ -173,15 +182,21 @@ class PlanGate(StageBase):
             self.decisions, self.source = dict(decisions), source
             self._derived.clear()
 
+    def replaying(self) -> bool:
+        """Whether the current call is recorded for replay (:attr:`replay_now`, else ``torch.compile`` tracing)."""
+        return bool(self.replay_now()) if self.replay_now is not None else torch.compiler.is_compiling()
+
     def _run(self, plan: RoutePlan, inputs: StepInputs) -> Routed:
-        if self.replayed is not None and torch.compiler.is_compiling():  # traced: replayed from a CUDA graph
+        if self.replayed is not None and self.replaying():  # traced / captured: replayed from a CUDA graph
             return self.replayed._run(plan, inputs)
         num_tokens = inputs.idx.shape[0]  # a static shape: the gate's branch is host-side, no sync
         if plan.keeps(num_tokens):  # a lone token keeps its routing; the bucket's figure says whose experts run
             out = self.inner(plan, inputs)
             return out if self.decision(num_tokens).on else out._replace(gated_off=True)
-        if not self.on(num_tokens, inputs.step.decode_rows):
-            self.skip(num_tokens)
+        d = self.decision(num_tokens, inputs.step.decode_rows)
+        if not torch.compiler.is_compiling():
+            self.account(num_tokens, d.on)
+        if not d.on:
             return Routed(inputs.weights, inputs.idx, None, True)
         return self.inner(plan, inputs)
 
@@ -258,15 +273,27 @@ class PlanGate(StageBase):
             self.seen[num_tokens] += 1
         return d.on
 
-    def count(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1) -> bool:
-        """Count ``steps`` decode steps of ``num_tokens`` tokens (``decode_rows`` decoding) that did not run through
-        the gate (a layer the engine bypasses, a CUDA-graph replay): seen, and skipped where the gate is off there.
-        Returns the decision's ``on``."""
-        on = self.decision(num_tokens, decode_rows).on
+    def replay_decision(self, num_tokens: int) -> GateDecision:
+        """The decision a step of ``num_tokens`` tokens replayed from a CUDA graph takes: :attr:`replayed`'s where
+        this gate holds replay-timed decisions, else its own (no decode-row count: a capture knows none)."""
+        return (self.replayed or self).decision(num_tokens)
+
+    def account(self, num_tokens: int, on: bool, steps: int = 1) -> bool:
+        """The gate's one accounting path: ``steps`` decode steps of ``num_tokens`` tokens seen, and skipped where the
+        decision taken for them was off (``on`` False). The gate's own steps (:meth:`_run`) and the steps that did not
+        run through it (:meth:`count`) both count here. Returns ``on``."""
         self.seen[num_tokens] += steps
         if not on:
             self.skipped[num_tokens] += steps
         return on
+
+    def count(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1, replay: bool = False) -> bool:
+        """Count ``steps`` decode steps of ``num_tokens`` tokens (``decode_rows`` decoding) that did not run through
+        the gate (a layer the engine bypasses, a CUDA-graph replay: ``replay``, which takes
+        :meth:`replay_decision`), with the decision such a step takes (:meth:`account`). Returns the decision's
+        ``on``."""
+        d = self.replay_decision(num_tokens) if replay else self.decision(num_tokens, decode_rows)
+        return self.account(num_tokens, d.on, steps)
 
     def note(self, num_tokens: int, decode_rows: int | None = None, steps: int = 1) -> None:
         """:meth:`count` (``lynx_hf.core.StageBase.note``): decode steps that ran without the gate."""
@@ -294,6 +321,8 @@ class PlanGate(StageBase):
             by_tokens[int(t)] = {k: d[k] for k in ("on", "cost_ms", "saving_ms", "experts_before", "experts_after",
                                                   "expert_ms", "extra_expert_ms")}
             by_tokens[int(t)].update(steps_skipped=int(self.skipped.get(t, 0)), reason=d["reason"])
+            if self.replays and self.replayed is not None:  # the decision a replay of this size takes
+                by_tokens[int(t)]["replayed_on"] = self.replayed.decision(t).on
         return {"gate": "auto", "source": self.source, "by_tokens": by_tokens,
                 "steps_skipped": int(sum(self.skipped.values()))}
 
@@ -315,7 +344,11 @@ class LayerFacts:
       the logits);
     - ``extra_expert_ms``: a further cost per expert read (ms; e.g. an offloaded expert's transfer), or a function
       returning it, called only when the gate measures or uses its rule;
-    - ``carried``: a copied model's ``(GateKey, decisions, source)`` from the layer it was copied from, or ``None``.
+    - ``carried``: a copied model's ``(GateKey, decisions, source)`` from the layer it was copied from, or ``None``;
+    - ``replays``: the engine also replays this layer's step from CUDA graphs while stepping eagerly at other steps
+      (a vLLM engine with CUDA graphs): the gate holds eager and replay prices apart (:attr:`PlanGate.replays`);
+    - ``replay_now``: ``fn() -> bool``, whether the current call is being captured (``None``: ``torch.compile``
+      tracing says so; :attr:`PlanGate.replay_now`).
     """
 
     shape: LayerShape
@@ -326,6 +359,8 @@ class LayerFacts:
     selection: object = None
     extra_expert_ms: object = 0.0
     carried: tuple | None = None
+    replays: bool = False
+    replay_now: object = None
 
 
 def plan_stage(facts, config) -> PlanGate | None:
@@ -341,7 +376,7 @@ def plan_stage(facts, config) -> PlanGate | None:
     return PlanGate(facts.shape, telemetry=config.telemetry, extra_expert_ms=facts.extra_expert_ms,
                     expert_fn=facts.expert_fn, kernel_fn=facts.kernel_fn, route_fn=facts.route_fn,
                     selection=facts.selection, step_key=facts.step, table=config.gate_table, tuning=TUNING,
-                    carried=facts.carried)
+                    carried=facts.carried, replays=facts.replays, replay_now=facts.replay_now)
 
 
 def report_without_gate(config) -> dict:

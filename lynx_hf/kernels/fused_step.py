@@ -284,28 +284,34 @@ def _fused_step_kernel(
         cand = tl.maximum(cand, _union_of(own, vote, offs_n, K, BLOCK_K))
         voters += tl.sum(vote.to(tl.int64), axis=0)
         if POLICY != 4:
-            s = _selection_scores(lg, sin_ptr, offs_t, tm, offs_n, nmask, stride_st, stride_sn, bias, bmin, SEL, SCORE,
-                                  PER_GROUP, GROUPS, TOPK_GROUP, GSCORE, BLOCK_G, TINY)
-            s = tl.where(finite[:, None] | (nmask[None, :] == 0), s, 0.0)  # a non-finite row: zeros (core.remap)
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            tl.store(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], s, mask=tm[:, None])
-            if POLICY == 0:  # routing_torch.relative_weights in 2**-24 fixed point, 0 on rows that do not vote
-                rm = tl.max(s, axis=1)
-                rm = tl.where(rm == float("-inf"), 0.0, rm)
-                rel = tl.where(s == float("-inf"), 0.0, tl.exp(s - rm[:, None]))
-                den = tl.zeros([BLOCK_T], dtype=tl.float32)
-                for j in tl.static_range(K):
-                    e = tl.sum(tl.where(offs_k[None, :] == j, own, 0), axis=1)
-                    den += tl.sum(tl.where(offs_n[None, :] == e[:, None], rel, 0.0), axis=1)
-                w = rel / tl.where(vote, den, 1.0)[:, None]
-                big_w = tl.where(vote[:, None], _fixed_point(w * 16777216.0), 0)
-                tl.store(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], big_w, mask=tm[:, None])
-            if POLICY == 2 or POLICY == 3:
-                if KSEL > 0:
-                    pick = tl.maximum(pick, _topk_union(s, vote, offs_n, nmask, KSEL))
-            if POLICY == 3:
-                p = _softmax_rows(s, nmask)
-                xmass += tl.sum(tl.where(vote[:, None], _fixed_point(p * 16777216.0), 0), axis=0)
+            # a tile without a decode row needs no selection scores: the policy runs on the decode rows' tiles only
+            # (a replayed mixed / prefill-only step; issue 54 N5: the model's routing, copied through, elsewhere)
+            if tl.max(dec.to(tl.int32), axis=0) > 0:
+                s = _selection_scores(lg, sin_ptr, offs_t, tm, offs_n, nmask, stride_st, stride_sn, bias, bmin, SEL,
+                                      SCORE, PER_GROUP, GROUPS, TOPK_GROUP, GSCORE, BLOCK_G, TINY)
+                s = tl.where(finite[:, None] | (nmask[None, :] == 0), s, 0.0)  # a non-finite row: zeros (core.remap)
+                s = tl.where(nmask[None, :], s, float("-inf"))
+                tl.store(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], s, mask=tm[:, None])
+                if POLICY == 0:  # routing_torch.relative_weights in 2**-24 fixed point, 0 on rows that do not vote
+                    rm = tl.max(s, axis=1)
+                    rm = tl.where(rm == float("-inf"), 0.0, rm)
+                    rel = tl.where(s == float("-inf"), 0.0, tl.exp(s - rm[:, None]))
+                    den = tl.zeros([BLOCK_T], dtype=tl.float32)
+                    for j in tl.static_range(K):
+                        e = tl.sum(tl.where(offs_k[None, :] == j, own, 0), axis=1)
+                        den += tl.sum(tl.where(offs_n[None, :] == e[:, None], rel, 0.0), axis=1)
+                    w = rel / tl.where(vote, den, 1.0)[:, None]
+                    big_w = tl.where(vote[:, None], _fixed_point(w * 16777216.0), 0)
+                    tl.store(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], big_w, mask=tm[:, None])
+                if POLICY == 2 or POLICY == 3:
+                    if KSEL > 0:
+                        pick = tl.maximum(pick, _topk_union(s, vote, offs_n, nmask, KSEL))
+                if POLICY == 3:
+                    p = _softmax_rows(s, nmask)
+                    xmass += tl.sum(tl.where(vote[:, None], _fixed_point(p * 16777216.0), 0), axis=0)
+            elif POLICY == 0:  # no voting row: no relative weights (the mass growth reads every row's)
+                tl.store(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :],
+                         tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.int64), mask=tm[:, None])
         if TELEM != 0:
             prefill = (dec == 0) & live
             before = tl.maximum(before, _union_of(own, counted, offs_n, K, BLOCK_K))
@@ -398,44 +404,46 @@ def _fused_step_kernel(
         new_w = own_w
         if POLICY != 4:
             remap = (tl.load(fl_ptr + offs_t, mask=tm, other=0) & 3) == 3
-            s = tl.load(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None], other=float("-inf"))
-            allowed = (s == s) & (s != float("-inf")) & nmask[None, :]
-            tier = tl.where((crit > 0)[None, :] & allowed, 2, tl.where(allowed, 1, 0))
-            taken = offs_n[None, :] >= N
-            out = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
-            for i in tl.static_range(K):
-                mt = tl.max(tl.where(taken, -1, tier), axis=1)
-                c1 = (taken == 0) & (tier == mt[:, None])
-                ms = tl.max(tl.where(c1, s, float("-inf")), axis=1)
-                choice = tl.min(tl.where(c1 & (s == ms[:, None]), offs_n[None, :], BLOCK_N), axis=1)
-                taken = taken | (offs_n[None, :] == choice[:, None])
-                out = tl.where(offs_k[None, :] == i, choice[:, None], out)
-            lg = tl.load(lg_ptr + offs_t[:, None] * stride_lt + offs_n[None, :] * stride_ln, mask=m2,
-                         other=float("-inf")).to(tl.float32)
-            lg = tl.where(remap[:, None] | (nmask[None, :] == 0), lg, 0.0)
-            chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
-            if RULE == 1:
-                p = _softmax_rows(lg, nmask)
-            for i in tl.static_range(K):
-                hit = offs_n[None, :] == tl.sum(tl.where(offs_k[None, :] == i, out, 0), axis=1)[:, None]
+            if tl.max(remap.to(tl.int32), axis=0) > 0:  # a tile without a decode row keeps its routing as it is
+                s = tl.load(s_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], mask=tm[:, None],
+                            other=float("-inf"))
+                allowed = (s == s) & (s != float("-inf")) & nmask[None, :]
+                tier = tl.where((crit > 0)[None, :] & allowed, 2, tl.where(allowed, 1, 0))
+                taken = offs_n[None, :] >= N
+                out = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
+                for i in tl.static_range(K):
+                    mt = tl.max(tl.where(taken, -1, tier), axis=1)
+                    c1 = (taken == 0) & (tier == mt[:, None])
+                    ms = tl.max(tl.where(c1, s, float("-inf")), axis=1)
+                    choice = tl.min(tl.where(c1 & (s == ms[:, None]), offs_n[None, :], BLOCK_N), axis=1)
+                    taken = taken | (offs_n[None, :] == choice[:, None])
+                    out = tl.where(offs_k[None, :] == i, choice[:, None], out)
+                lg = tl.load(lg_ptr + offs_t[:, None] * stride_lt + offs_n[None, :] * stride_ln, mask=m2,
+                             other=float("-inf")).to(tl.float32)
+                lg = tl.where(remap[:, None] | (nmask[None, :] == 0), lg, 0.0)
+                chosen = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
                 if RULE == 1:
-                    v = tl.sum(tl.where(hit, p, 0.0), axis=1)
+                    p = _softmax_rows(lg, nmask)
+                for i in tl.static_range(K):
+                    hit = offs_n[None, :] == tl.sum(tl.where(offs_k[None, :] == i, out, 0), axis=1)[:, None]
+                    if RULE == 1:
+                        v = tl.sum(tl.where(hit, p, 0.0), axis=1)
+                    else:
+                        v = tl.sum(tl.where(hit, lg, 0.0), axis=1)
+                    chosen = tl.where(offs_k[None, :] == i, v[:, None], chosen)
+                if RULE == 1:
+                    w = chosen
+                elif RULE == 2:
+                    cm = tl.max(tl.where(kmask[None, :], chosen, float("-inf")), axis=1)
+                    ex = tl.where(kmask[None, :], tl.exp(chosen - cm[:, None]), 0.0)
+                    w = ex / tl.where(remap, tl.sum(ex, axis=1), 1.0)[:, None]
                 else:
-                    v = tl.sum(tl.where(hit, lg, 0.0), axis=1)
-                chosen = tl.where(offs_k[None, :] == i, v[:, None], chosen)
-            if RULE == 1:
-                w = chosen
-            elif RULE == 2:
-                cm = tl.max(tl.where(kmask[None, :], chosen, float("-inf")), axis=1)
-                ex = tl.where(kmask[None, :], tl.exp(chosen - cm[:, None]), 0.0)
-                w = ex / tl.where(remap, tl.sum(ex, axis=1), 1.0)[:, None]
-            else:
-                w = 1.0 / (1.0 + tl.exp(-chosen))
-            if RENORM:
-                w = w / tl.where(remap, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1) + eps, 1.0)[:, None]
-            w = w * scale
-            new = tl.where(remap[:, None], out, new)
-            new_w = tl.where(remap[:, None], _cast_rtne(w, own_w.dtype), own_w)
+                    w = 1.0 / (1.0 + tl.exp(-chosen))
+                if RENORM:
+                    w = w / tl.where(remap, tl.sum(tl.where(kmask[None, :], w, 0.0), axis=1) + eps, 1.0)[:, None]
+                w = w * scale
+                new = tl.where(remap[:, None], out, new)
+                new_w = tl.where(remap[:, None], _cast_rtne(w, own_w.dtype), own_w)
         if POLICY != 4:  # keep: the caller returns the model's own tensors
             tl.store(oidx_ptr + offs_t[:, None] * K + offs_k[None, :], new.to(own.dtype), mask=km)
             tl.store(ow_ptr + offs_t[:, None] * K + offs_k[None, :], new_w, mask=km)

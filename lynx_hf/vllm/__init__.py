@@ -26,9 +26,12 @@ The package, by job (each module's docstring says more): :mod:`~lynx_hf.vllm.con
 :mod:`~lynx_hf.vllm.layers` (hooking each MoE layer's router; ``configure``), :mod:`~lynx_hf.vllm.routers` (each
 router class's rules), :mod:`~lynx_hf.vllm.steps` (the step mask, model runners V1 / V2),
 :mod:`~lynx_hf.vllm.runners` (the runners hooked by release), :mod:`~lynx_hf.vllm.op` (the custom op),
-:mod:`~lynx_hf.vllm.plans` (plans, cost gate, bypass: every call into the core), :mod:`~lynx_hf.vllm.checks`
-(start check, liveness), :mod:`~lynx_hf.vllm.telemetry` (snapshot, reset, stats file). ``config``, ``compat``,
-``state``, ``steps``, ``runners``, ``checks`` and ``telemetry`` import no vLLM.
+:mod:`~lynx_hf.vllm.plans` (each layer's plan and its cost gate: every call into the core, the op's one call per
+step), :mod:`~lynx_hf.vllm.rows` (which rows of a call the step describes: decode, padding, gathered),
+:mod:`~lynx_hf.vllm.bypass` (where the gate keeps vLLM's routing without the op, and the counts of those steps),
+:mod:`~lynx_hf.vllm.ranks` (the ranks' agreement), :mod:`~lynx_hf.vllm.checks` (start check, liveness),
+:mod:`~lynx_hf.vllm.telemetry` (snapshot, reset, stats file). ``config``, ``compat``, ``state``, ``steps``,
+``runners``, ``rows``, ``bypass``, ``plans``, ``checks`` and ``telemetry`` import no vLLM.
 """
 
 from __future__ import annotations

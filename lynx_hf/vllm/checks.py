@@ -26,7 +26,7 @@ import logging
 import torch
 
 from ..errors import LynxConfigError, LynxHookError, UnsupportedModelError
-from . import compat, plans, ranks
+from . import compat, plans, ranks, rows
 from .runners import HOOKED_RUNNERS, UNHOOKED, hooked_names
 from .state import STATE, resolve_config, target_layers, warn_once
 
@@ -148,7 +148,7 @@ def check_gathered(remaps: bool, names: list[str]) -> None:
 
 def check_sequence_parallel(remaps: bool, names: list[str]) -> None:
     """A policy that remaps (``remaps``) refuses MoE layers that are sequence-parallel by their own configuration
-    (``names``; ``moe_config.is_sequence_parallel``, :func:`lynx_hf.vllm.plans.inspect_rows`): each rank's router sees
+    (``names``; ``moe_config.is_sequence_parallel``, :func:`lynx_hf.vllm.rows.inspect_rows`): each rank's router sees
     its own slice of the step's rows, while the op reads the step mask from row 0, so every rank after the first would
     remap with another rank's mask. Raises :class:`~lynx_hf.UnsupportedModelError`."""
     if remaps and names:
@@ -209,13 +209,13 @@ def mark_drafters(model_runner) -> list[str]:
 
 
 def check_layers(cfg) -> None:
-    """Before the first forward, every target layer's rows (:func:`lynx_hf.vllm.plans.inspect_rows`; a vLLM attribute
+    """Before the first forward, every target layer's rows (:func:`lynx_hf.vllm.rows.inspect_rows`; a vLLM attribute
     it needs and the runner lacks raises :class:`~lynx_hf.UnsupportedModelError`): a remapping policy refuses layers
     that route an all-gathered batch (:func:`check_gathered`) or are sequence-parallel by their own configuration
     (:func:`check_sequence_parallel`). ``cfg``: the :class:`~lynx_hf.vllm.config.PluginConfig`."""
     remaps = plans.remaps(cfg)
-    check_gathered(remaps, plans.gathered_layers())
-    check_sequence_parallel(remaps, plans.sequence_parallel_layers())
+    check_gathered(remaps, rows.gathered_layers())
+    check_sequence_parallel(remaps, rows.sequence_parallel_layers())
 
 
 def check_captured(cfg) -> None:
@@ -330,6 +330,8 @@ def check_layer_calls() -> None:
     (``Layer.drafter``) and are not counted. :data:`LIVENESS_STEPS` consecutive counted steps without a call of a
     layer -> :class:`~lynx_hf.LynxHookError` naming the layers (their MoE forward no longer goes through the hooked
     router)."""
+    if STATE.all_bypassed:  # no layer calls the op: nothing to check, no loop over the layers (item 7)
+        return
     layers = [layer for layer in target_layers() if not layer.bypass]
     any_called = any(layer.calls != layer.seen_calls for layer in layers)
     replay = STATE.start.captured and not any_called

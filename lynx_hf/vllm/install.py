@@ -14,7 +14,10 @@ that runner's ``_dummy_run``                            before the first forward
                                                         (:func:`lynx_hf.vllm.checks.check_warmup`); after the
                                                         first (profiling): some op ran
                                                         (:func:`lynx_hf.vllm.checks.check_profile_run`)
-that runner's ``execute_model``                         the same; after the forward the mask is cleared
+that runner's ``execute_model``                         the same; after the forward the mask is cleared; outside a
+                                                        served step (the Worker's JIT warm-up) checked as a
+                                                        ``_dummy_run`` is
+V2's ``CudaGraphManager.capture``                       each captured size's forwards checked as a ``_dummy_run``
 ``WorkerWrapperBase.init_worker``                       before: a new engine's state and configuration
                                                         (:func:`lynx_hf.vllm.state.new_engine`)
 ``WorkerWrapperBase.initialize_from_config``            the start check (:func:`lynx_hf.vllm.checks.check_start`)
@@ -33,6 +36,8 @@ that runner's ``execute_model``                         the same; after the forw
 from __future__ import annotations
 
 import contextlib
+import importlib
+import inspect
 import logging
 import sys
 import threading
@@ -86,10 +91,35 @@ def _runner_execute(original, self, *args, **kwargs):
     if not STATE.start.started:
         checks.start_forward(self)
     STATE.step.active = False
+    # outside a served step (the Worker's JIT warm-up, vLLM >= 0.32's V2 ``warmup_kernels``, steps the runner
+    # itself, past the worker hook the liveness rule runs in): checked at once, as a ``_dummy_run`` is
+    before = None if STATE.in_worker_step else checks.op_calls()
     try:
-        return original(self, *args, **kwargs)
+        out = original(self, *args, **kwargs)
     finally:
         steps.end_step()
+    if before is not None:
+        checks.check_warmup(before)
+    return out
+
+
+def _graph_capture(original, self, create_forward_fn, *args, **kwargs):
+    """Model Runner V2's CUDA-graph captures (``CudaGraphManager.capture``: each size's warm-up forward and capture,
+    run by its own forward functions, not ``_dummy_run``): each forward checked as a ``_dummy_run`` is
+    (:func:`lynx_hf.vllm.checks.check_warmup`)."""
+
+    def checked_forward_fn(*fn_args, **fn_kwargs):
+        forward_fn = create_forward_fn(*fn_args, **fn_kwargs)
+
+        def forward(*call_args, **call_kwargs):
+            before = checks.op_calls()
+            out = forward_fn(*call_args, **call_kwargs)
+            checks.check_warmup(before)
+            return out
+
+        return forward
+
+    return original(self, checked_forward_fn, *args, **kwargs)
 
 
 def _worker_init(original, self, all_kwargs, *args, **kwargs):
@@ -146,7 +176,11 @@ def _worker_start(original, self, *args, **kwargs):
 
 def _worker_execute(original, self, scheduler_output, *args, **kwargs):
     seen = STATE.counts.seen_decode
-    out = original(self, scheduler_output, *args, **kwargs)
+    STATE.in_worker_step = True
+    try:
+        out = original(self, scheduler_output, *args, **kwargs)
+    finally:
+        STATE.in_worker_step = False
     checks.after_worker_step(self.worker, scheduler_output, seen)
     return out
 
@@ -205,6 +239,9 @@ def hooks(version: tuple | None) -> list:
     for row, cls in resolve_runners(version):
         table += [(cls, row.prepare, _prepare_v1 if row.kind == "v1" else _prepare_v2),
                   (cls, "execute_model", _runner_execute), (cls, "_dummy_run", _dummy_run)]
+    manager = graph_manager()
+    if manager is not None:
+        table.append((manager, "capture", _graph_capture))
     table += [(WorkerWrapperBase, "init_worker", _worker_init),
               (WorkerWrapperBase, "execute_model", _worker_execute),
               (WorkerWrapperBase, "initialize_from_config", _worker_start),
@@ -213,6 +250,30 @@ def hooks(version: tuple | None) -> list:
         if not callable(getattr(cls, name, None)):
             raise AttributeError(f"lynx_hf.vllm: {cls.__name__}.{name} not found in vLLM {compat.installed_version()}")
     return table
+
+
+#: where Model Runner V2's CUDA-graph manager lives (``(module, class)``, first found wins): vLLM 0.32 to 0.34
+GRAPH_MANAGERS = (("vllm.v1.worker.gpu.cudagraph_utils", "CudaGraphManager"),
+                  ("vllm.v1.worker.gpu.cudagraph.manager", "CudaGraphManager"))
+
+
+def graph_manager():
+    """Model Runner V2's ``CudaGraphManager`` whose ``capture(create_forward_fn, ...)`` runs each captured size's
+    forwards (:data:`GRAPH_MANAGERS`), or ``None`` where this vLLM has none of that shape (its captures then go
+    unchecked; a V1 runner captures through ``_dummy_run``, which is)."""
+    for module, name in GRAPH_MANAGERS:
+        try:
+            cls = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError):
+            continue
+        capture = getattr(cls, "capture", None)
+        try:
+            params = list(inspect.signature(capture).parameters)
+        except (TypeError, ValueError):
+            continue
+        if params[1:2] == ["create_forward_fn"]:
+            return cls
+    return None
 
 
 def install() -> None:

@@ -16,7 +16,7 @@ import torch
 
 from ..core import WeightRule
 from ..errors import LynxConfigError, UnsupportedModelError
-from . import checks, plans, routers, telemetry
+from . import bypass, checks, plans, routers, telemetry
 from . import config as plugin_config
 from .op import remap_routing
 from .state import STATE, Layer, resolve_config, target_layers
@@ -107,7 +107,7 @@ def attach(runner) -> None:
         if layer.drafter:  # the drafter's forward (after the step, rows of its own): vLLM's routing, its calls counted
             layer.calls += 1
             return topk_weights, topk_ids
-        if not torch.compiler.is_compiling() and plans.gated_off_call(layer, router_logits):
+        if not torch.compiler.is_compiling() and bypass.gated_off_call(layer, router_logits):
             return topk_weights, topk_ids  # the gate keeps vLLM's routing here: no op, no kernel (issue 54 N10)
         return remap_routing(router_logits, topk_weights, topk_ids, index)
 
@@ -205,7 +205,7 @@ def configure(options) -> bool:
         plans.agree(cfg, made)  # every tensor-parallel rank takes rank 0's decisions (a collective)
         if start.frozen:
             needs = [layer.name for layer in target_layers()
-                     if layer.bypass and not plans.gated_off_everywhere(made[layer.index])]
+                     if layer.bypass and not bypass.gated_off_everywhere(made[layer.index])]
             if needs:
                 raise LynxConfigError(
                     f"lynx_hf.vllm.configure: this engine's forward is compiled (or captured) without the plugin's "
@@ -222,6 +222,6 @@ def configure(options) -> bool:
         else:
             plans.install_plan(layer, made[layer.index], cfg.lynx)
     if made is not None:
-        plans.settle_bypass()  # from the agreed decisions (an eager engine only: a frozen one keeps its bypass)
+        bypass.settle_bypass()  # from the agreed decisions (an eager engine only: a frozen one keeps its bypass)
     telemetry.reset()
     return True

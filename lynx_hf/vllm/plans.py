@@ -1,28 +1,31 @@
-"""Each MoE layer's plan, its stages and the bypass: the plugin's one door to the engine-independent core.
+"""Each MoE layer's plan and its stages: the plugin's one door to the engine-independent core, and the op's one
+call per step (:func:`remap`).
 
 Every call the plugin makes into ``lynx_hf.core`` (``make_plan`` with a ``MoELayer`` and the plugin's stages,
-``RoutePlan.run`` on a ``StepInputs``, ``host_reads_allowed``, the :class:`~lynx_hf.core.Step` values) and into the
-cost gate (``lynx_hf.gate``: ``LayerShape``, the buckets, ``PlanGate`` decisions and counters, found with
-``lynx_hf.gate.of(plan)``) is in this module, so a change of the core's plan API is a change here. A step runs as in
-the HF path (``lynx_hf.block.BlockRouting.route``): :func:`route` calls ``plan.run``, and the plan's stages do the
-rest, outermost first:
+``RoutePlan.run`` on a ``StepInputs``, ``host_reads_allowed``) and every cost gate it makes (``lynx_hf.gate``:
+``LayerShape``, ``PlanGate``) is in this module, so a change of the core's plan API is a change here. What the
+plugin's steps describe (which rows decode, padding rows, rows a layer's router sees) is :mod:`lynx_hf.vllm.rows`;
+where the gate keeps vLLM's routing without the op, and how those steps are counted, is :mod:`lynx_hf.vllm.bypass`.
+A step runs as in the HF path (``lynx_hf.block.BlockRouting.route``): :func:`remap` (the op's body) describes the
+call's rows (:func:`lynx_hf.vllm.rows.step_for`) and calls ``plan.run``, and the plan's stages do the rest, outermost
+first:
 
 1. the cost gate (``gate="auto"``: :class:`lynx_hf.gate.PlanGate`): vLLM's routing where it is off at this call's
-   step size (decided on the host from the static T and the host's count of decode rows, ``Step.decode_rows``);
-   it counts its skips itself;
-2. :class:`PaddingRows`: rows vLLM's router marked as padding (expert id -1) are neither decode nor live below it
-   and come back with vLLM's -1 ids and weights;
+   step size (decided on the host from the static T and the host's count of decode rows, ``Step.decode_rows``; a
+   call being captured into a CUDA graph takes the replay's price, an eager step the eager one); it counts its
+   skips itself;
+2. :class:`lynx_hf.vllm.rows.PaddingRows`: rows vLLM's router marked as padding (expert id -1) are neither decode
+   nor live below it and come back with vLLM's -1 ids and weights;
 3. the plan's decode-step function (``lynx_hf.core``: the policy's remap, or the one-call CPU path), which records
    the telemetry, the loaded-experts slots included (``BlockTelemetry.loaded``).
 
 - :func:`plan_for` makes a layer's plan on first use, or :func:`before_forward` makes every layer's plan before the
   worker's first forward (a profiling / warm-up / capture run or a step): the gate gets its decisions then (a table,
   the per-user cache, or a measurement stored there: ``lynx_hf.gate.table``), and with several tensor-parallel ranks
-  every rank adopts rank 0's (:func:`lynx_hf.vllm.ranks.agree`).
-- A layer the gate keeps off at every step size this engine can run (:func:`gated_off_everywhere`) is *bypassed*:
-  its router returns vLLM's routing without calling the op (:func:`lynx_hf.vllm.layers.attach`), so vLLM's compiled
-  mode, which traces the forward once in its first profiling / warm-up run, compiles vLLM's own routing there. The
-  bypass is decided once, from the agreed decisions; a compiled or captured forward (:func:`frozen`) keeps it.
+  every rank adopts rank 0's (:func:`lynx_hf.vllm.ranks.agree`); the bypass is settled from them
+  (:func:`lynx_hf.vllm.bypass.settle_bypass`).
+- :func:`warm_up`: before the first CUDA-graph capture, each layer's step run once at every captured size whose graph
+  holds it.
 
 Neither path reads a device value on the host nor makes a data-dependent shape, except the host shortcuts on CPU
 tensors in eager mode (``host``: ``lynx_hf.core.host_reads_allowed``).
@@ -33,18 +36,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 
-from ..core import DECODE as _DECODE_KIND
 from ..core import (
-    MIXED,
     MoELayer,
-    Routed,
     RoutePlan,
-    StageBase,
     Step,
     StepInputs,
     host_reads_allowed,
@@ -54,31 +51,51 @@ from ..core import (
     stage_report,
 )
 from ..errors import UnsupportedModelError
-from ..gate import BUCKETS, LayerFacts, LayerShape, PlanGate, bucket_of, plan_stage
+from ..gate import LayerFacts, LayerShape, PlanGate, plan_stage
 from ..gate import of as gate_of
 from ..policies import get as get_policy
 from ..telemetry import mode_of
 from . import ranks
-from .state import DECODE, PADDING, STATE, Layer, buffer, target_layers, warn_once
+from .bypass import capturing_on, gate_summary, gated_off_everywhere, set_bypass, settle_bypass, step_buckets
+from .rows import PaddingRows, masked_step, step_for, unmasked
+from .state import DECODE, STATE, Layer, buffer, target_layers
 
 logger = logging.getLogger("lynx_hf.vllm")
 
-#: the plain decode step: every row of the call is a live decode token (no masks)
-DECODE_STEP = Step(_DECODE_KIND)
-
-__all__ = ["DECODE_STEP", "PaddingRows", "masked_step", "host_reads_allowed", "plan_for", "make_layer_plan",
-           "install_plan", "step_key", "step_buckets", "gated_off_everywhere", "set_bypass", "settle_bypass",
-           "route", "step_inputs", "skip_bypassed", "PENDING_MAX", "mark_calls", "count_replays", "gate_summary", "stage_summaries",
-           "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured", "padding_rows",
-           "without_padding", "is_gathered", "gathered_layers", "sequence_parallel_layers", "unmasked", "inspect_rows",
-           "ROW_ATTRIBUTES", "torch_backend_layers", "capture_sizes", "warm_up", "capturing", "gated_off_call"]
+__all__ = ["remap", "remap_step", "plan_for", "make_layer_plan", "install_plan", "step_key", "route", "step_inputs",
+           "stage_summaries", "reset_layer", "remaps", "layer_shape", "before_forward", "agree", "frozen", "captured",
+           "torch_backend_layers", "capture_sizes", "warm_up"]
 
 
-def masked_step(kinds: torch.Tensor, decode_rows: int | None = None) -> Step:
-    """The :class:`~lynx_hf.core.Step` of a call whose rows have these kinds (int8 ``[T]``, the step buffer's):
-    decode rows ``kinds == DECODE``, live rows ``kinds != PADDING``; ``decode_rows``: how many rows decode where the
-    host knows it (``STATE.step.num_decode``; ``None``: not known, e.g. while a CUDA graph is captured)."""
-    return Step(MIXED, decode=kinds == DECODE, live=kinds != PADDING, decode_rows=decode_rows)
+def remap(layer: Layer, router_logits, topk_weights, topk_ids):
+    """``(topk_weights, topk_ids)`` of one op call of ``layer`` after the plugin's policy on the current step: the op's
+    one call into this module per layer-step (:func:`lynx_hf.vllm.op.remap_layer`). The call's rows
+    (:func:`lynx_hf.vllm.rows.step_for`: ``None``, vLLM's routing as it is, where it has no decode row or the mask does
+    not describe its rows), then :func:`remap_step`. May return its inputs."""
+    host = host_reads_allowed(router_logits)
+    step = step_for(layer, router_logits, host)
+    if step is None:
+        return topk_weights, topk_ids
+    return remap_step(layer, step, router_logits, topk_weights, topk_ids, host)
+
+
+def remap_step(layer: Layer, step, router_logits, topk_weights, topk_ids, host: bool):
+    """``layer``'s routing after its plan (made on first use) on ``step``, a :class:`lynx_hf.core.Step` describing
+    this call's rows: ``plan.run`` (:func:`route`). :func:`remap` passes the step
+    :func:`lynx_hf.vllm.rows.step_for` chose; a caller may pass another description of the same rows (e.g.
+    ``rows.masked_step(kinds)`` for an all-decode step: the masked path, the fused path's reference). Raises
+    :class:`~lynx_hf.UnsupportedModelError` for logits of another width than the layer's logical experts."""
+    if router_logits.shape[-1] != layer.num_experts:  # a static shape: a host-side check
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {layer.name}: router logits of width {router_logits.shape[-1]}, but the layer "
+            f"was attached with {layer.num_experts} logical experts; the policy must see the logical experts only")
+    if topk_ids.shape[-1] != layer.top_k:  # e.g. ROCm AITER's fused shared experts: k + s columns, ids >= N
+        raise UnsupportedModelError(
+            f"lynx_hf.vllm: MoE layer {layer.name}: its router returned {topk_ids.shape[-1]} expert columns for "
+            f"top_k={layer.top_k} (shared experts fused into the routing, ids beyond the {layer.num_experts} routed "
+            "experts); the policy can remap only the routed experts' k columns")
+    plan = plan_for(layer, router_logits.device, router_logits.dtype, STATE.config.lynx)
+    return route(layer, plan, step, router_logits, topk_weights, topk_ids, host)
 
 
 def remaps(cfg) -> bool:
@@ -91,65 +108,6 @@ def layer_shape(num_experts: int, top_k: int, hidden=None, intermediate=None, ex
     """The cost gate's shape of a layer (H and I unknown: the gate cannot measure and keeps the policy on); under
     expert parallelism over ``ep_size`` ranks the gate weighs the experts this rank saves (``LayerShape.ep_size``)."""
     return LayerShape(num_experts, top_k, hidden, intermediate, torch.float32, expert_dtype, ep_size=ep_size)
-
-
-# --------------------------------------------------------------------------- padding rows: a stage of the plan
-
-
-def padding_rows(topk_ids: torch.Tensor, host: bool):
-    """``[T]`` bool, the rows vLLM's router marked as padding (expert id -1: ``FusedTopKRouter`` /
-    ``FusedTopKBiasRouter`` under ``VLLM_MOE_SKIP_PADDING=1``, every row of a CUDA-graph capture warm-up, DP dummy
-    runs, padded decode batches), or ``None`` where there are none: on the host (CPU eager) asked there, once (the
-    router classes that run on CPU never mark any); off the host always the mask (no host read)."""
-    if host and not bool((topk_ids < 0).any()):
-        return None
-    return (topk_ids < 0).any(dim=-1)
-
-
-def without_padding(step: Step, topk_ids: torch.Tensor, pad: torch.Tensor) -> tuple[Step, torch.Tensor]:
-    """``(step, ids)`` with the padding rows ``pad [T]`` neither decode nor live (they do not vote, seed, remap or
-    count; :func:`lynx_hf.core.remap` / :func:`~lynx_hf.core.record_step`) and their ids 0 (a valid index for every
-    index op of the remap, the union and the telemetry; nothing counts them). Sync-free."""
-    keep = ~pad
-    decode = keep if step.decode is None else step.decode & keep
-    live = keep if step.live is None else step.live & keep
-    ids = topk_ids.masked_fill(pad[:, None], 0)
-    return Step(step.kind, decode=decode, live=live, decode_rows=step.decode_rows), ids
-
-
-@dataclass(eq=False)
-class PaddingRows(StageBase):
-    """The stage of a vLLM layer's plan (``lynx_hf.core.Stage``) that keeps vLLM's padding rows out of the step: rows
-    whose expert ids are -1 (:func:`padding_rows`) are neither decode nor live for the stages below it and the
-    decode-step function (the remap, the critical set's votes, the union, the telemetry: :func:`without_padding`),
-    and come back with vLLM's -1 ids and its weights. A call without padding rows passes through unchanged (on the
-    host, one read of the ids says so). Composed into every plan, below the cost gate."""
-
-    #: how ``RoutePlan.stage`` finds it
-    name: ClassVar[str] = "padding"
-    #: bound to a plan that keeps the routing too: policy ``none`` must not see vLLM's -1 ids either
-    remaps_only: ClassVar[bool] = False
-
-    def bind(self, plan: RoutePlan, inner):
-        """The runner that wraps ``inner`` (``lynx_hf.core.make_plan``); ``None`` (left out) for a plan whose decode step
-        is the fused device step (``RoutePlan.fused_device``): its kernel treats an id < 0 as a padding row itself."""
-        if plan.fused_device is not None:
-            return None
-
-        def run(plan: RoutePlan, inputs: StepInputs) -> Routed:
-            pad = padding_rows(inputs.idx, inputs.host)
-            if pad is None:
-                return inner(plan, inputs)
-            step, ids = without_padding(inputs.step, inputs.idx, pad)
-            out = inner(plan, inputs._replace(step=step, idx=ids))
-            rows = pad[:, None]
-            return Routed(torch.where(rows, inputs.weights, out.weights.to(inputs.weights.dtype)),
-                          torch.where(rows, inputs.idx, out.idx.to(inputs.idx.dtype)), out.finite, out.gated_off)
-
-        return run
-
-
-# --------------------------------------------------------------------------- plans and the bypass
 
 
 def plan_for(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
@@ -185,16 +143,19 @@ def step_key(layer: Layer) -> dict:
 
 def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg) -> RoutePlan:
     """A new plan of ``layer`` for ``cfg`` (a ``LynxConfig``) on ``device``, the router logits having ``dtype``: the
-    cost gate (``gate="auto"``; it gets its decisions now) and :class:`PaddingRows` composed around the decode-step
+    cost gate (``gate="auto"``; it gets its decisions now) and :class:`~lynx_hf.vllm.rows.PaddingRows` composed around
+    the decode-step
     function."""
     shape = layer.gate_shape or LayerShape(layer.num_experts, layer.top_k, None, None)
     shape = LayerShape(shape.num_experts, shape.top_k, shape.hidden, shape.intermediate, dtype, shape.expert_dtype,
                        # the op's steps carry masks, except on CPU (eager: the op body always is) where an all-decode
                        # step is a plain decode step (the fused one-call path); off CPU none is fused
-                       mixed_steps=cfg.phase != "decode" and device.type != "cpu",
-                       # a CUDA-graph engine replays the step: its routing cost is timed as a replay (no launches)
-                       captured=bool(STATE.start.captured) and device.type == "cuda", ep_size=shape.ep_size)
-    facts = lambda: LayerFacts(shape, step=step_key(layer), expert_fn=_experts_fn(layer, device))  # noqa: E731
+                       mixed_steps=cfg.phase != "decode" and device.type != "cpu", ep_size=shape.ep_size)
+    # a CUDA-graph engine replays its captured sizes' steps and steps eagerly at the others (a size above the largest
+    # graph, a mixed step outside the graphs): the gate holds both prices (``PlanGate.replayed``: the routing timed as
+    # a replay, no launches; its own: timed eagerly), and a call being captured takes the replay's (docs/cases.md C66)
+    facts = lambda: LayerFacts(shape, step=step_key(layer), expert_fn=_experts_fn(layer, device),  # noqa: E731
+                               replays=bool(STATE.start.captured), replay_now=capturing_on(device))
     stages = [stage for stage in (plan_stage(facts, cfg), PaddingRows()) if stage is not None]
     # the model's MoE layers in this process (a pipeline-parallel stage holds only its own: fewer)
     return make_plan(cfg, MoELayer(layer.num_experts, layer.top_k, device, moe_layers=max(1, len(target_layers()))),
@@ -203,7 +164,7 @@ def make_layer_plan(layer: Layer, device: torch.device, dtype: torch.dtype, cfg)
 
 def install_plan(layer: Layer, plan: RoutePlan, cfg) -> RoutePlan:
     """``plan`` becomes the layer's (its telemetry in the mode ``cfg.telemetry`` asks for). The bypass is set
-    apart (:func:`settle_bypass`, :func:`set_bypass`), once the decisions are agreed."""
+    apart (:func:`lynx_hf.vllm.bypass.settle_bypass`), once the decisions are agreed."""
     layer.plan = plan
     if cfg.telemetry:  # LynxConfig.telemetry: "counts" is the cheaper counting mode (lynx_hf.telemetry)
         layer.telemetry.mode = mode_of(cfg.telemetry)
@@ -220,118 +181,12 @@ def agree(cfg, plans: dict | None = None) -> int:
     return ranks.agree(entries, cfg, STATE.tp_size)
 
 
-def settle_bypass() -> None:
-    """Each layer's ``bypass`` from its plan (:func:`gated_off_everywhere`), unless the forward is frozen
-    (``STATE.start.frozen``: the bypass a compiled / captured forward was traced with stays)."""
-    if STATE.start.frozen:
-        return
-    for layer in target_layers():
-        if layer.plan is not None:
-            set_bypass(layer, gated_off_everywhere(layer.plan))
-
-
-def step_buckets() -> tuple:
-    """The gate's buckets (``lynx_hf.gate.BUCKETS``) a step of this engine can fall in: up to the bucket of
-    ``max_num_batched_tokens`` (every bucket when it is not known)."""
-    top = bucket_of(STATE.capacity) if STATE.capacity > 0 else BUCKETS[-1]
-    return tuple(b for b in BUCKETS if b <= top)
-
-
-def gated_off_everywhere(plan: RoutePlan) -> bool:
-    """Whether ``plan``'s cost gate (``LynxConfig.gate="auto"``) keeps vLLM's routing at every step size this engine
-    can run (:func:`step_buckets`), from its decisions. False without a gate (``gate="always"``, a policy that never
-    remaps), or where a bucket was not decided from the layer's sizes (the gate keeps the policy on there)."""
-    gate = gate_of(plan)
-    if gate is None:
-        return False
-    for b in step_buckets():
-        decision = gate.decision(b)
-        if decision.on or decision.reason.startswith("not "):  # "not measured ...", "not decided yet"
-            return False
-    return True
-
-
-def set_bypass(layer: Layer, bypass: bool) -> None:
-    flush_skips()  # the steps skipped so far belong to the layers bypassed so far
-    layer.bypass = bool(bypass)
-    targets = target_layers()
-    STATE.bypassed = tuple(one for one in targets if one.bypass)
-    # no op reads the step buffer (the drafter's layers never call the op)
-    STATE.all_bypassed = bool(targets) and len(STATE.bypassed) == len(targets)
-
-
-def skip_bypassed(num_tokens: int, decode_rows: int | None = None) -> None:
-    """A step of ``num_tokens`` tokens of which ``decode_rows`` decode (> 0): each bypassed layer's gate counts it
-    as a step it kept vLLM's routing on (the step size seen, one step skipped), as the op body does for a step the
-    gate skips. Counted once per step here (``STATE.pending_skips``) and into each bypassed layer's gate when read
-    (:func:`flush_skips`): a per-layer gate call per step cost ~8 us per layer. Bounded: past
-    :data:`PENDING_MAX` distinct (tokens, decode rows) the pending steps are counted into the gates at once (a
-    long-running server's steps take many distinct shapes: ``docs/cases.md`` C64)."""
-    if STATE.bypassed:
-        pending = STATE.pending_skips
-        pending[(num_tokens, decode_rows)] += 1
-        if len(pending) > PENDING_MAX:
-            flush_skips()
-
-
-#: most distinct (tokens, decode rows) :func:`skip_bypassed` keeps pending before counting them into the gates
-PENDING_MAX = 64
-
-
-def flush_skips() -> None:
-    """Count the pending skipped steps (:func:`skip_bypassed`) into each bypassed layer's gate (``PlanGate.count``)."""
-    pending = STATE.pending_skips
-    if not pending:
-        return
-    for layer in STATE.bypassed:
-        gate = gate_of(layer.plan)
-        if gate is not None:
-            for (num_tokens, decode_rows), steps in pending.items():
-                gate.count(num_tokens, decode_rows, steps)
-    pending.clear()
-
-
-def mark_calls() -> None:
-    """At a step's input preparation, in an engine whose forward is captured in CUDA graphs: each layer's op call
-    count now, for :func:`count_replays` after the forward."""
-    for layer in target_layers():
-        layer.step_calls = layer.calls
-
-
-def count_replays(num_tokens: int) -> None:
-    """After a forward of ``num_tokens`` tokens with decode tokens, in an engine whose forward is captured in CUDA
-    graphs (``STATE.start.captured``): a layer whose op body did not run in it (:func:`mark_calls`; bypassed layers
-    aside, :func:`skip_bypassed` counts those) was replayed, and a replay repeats what the body did at capture, the
-    gate's decision included (a host-side branch on the static T; the decode rows are not known at capture); its
-    gate counts the step as the body would have: the step size seen (``PlanGate.on``) and, where the gate is off
-    there, one step skipped. The telemetry needs nothing here: its device accumulators are added into by the replay
-    itself."""
-    for layer in target_layers():  # the drafter's layers run after the step, with no plan (no gate to count)
-        if not layer.bypass and layer.plan is not None and layer.calls == layer.step_calls:
-            gate = gate_of(layer.plan)
-            if gate is not None and not gate.on(num_tokens):
-                gate.skip(num_tokens)
-
-
 def stage_summaries(layer: Layer) -> dict:
     """What each stage of the layer's plan that counts reports (``Stage.summary``), by stage name; the cost gate's
-    entry is :func:`gate_summary`'s (always present)."""
+    entry is :func:`lynx_hf.vllm.bypass.gate_summary`'s (always present)."""
     out = {name: summary for name, summary in stage_report(layer.plan).items() if name != PlanGate.name}
     out[PlanGate.name] = gate_summary(layer)
     return out
-
-
-def gate_summary(layer: Layer) -> dict:
-    """The layer's gate for the telemetry: ``PlanGate.summary()`` (or the configured gate with no decision yet),
-    plus ``bypassed``."""
-    flush_skips()
-    gate = gate_of(layer.plan)
-    if gate is not None:
-        entry = gate.summary()
-    else:
-        entry = {"gate": STATE.config.lynx.gate if STATE.config else "always", "by_tokens": {}, "steps_skipped": 0}
-    entry["bypassed"] = layer.bypass
-    return entry
 
 
 def reset_layer(layer: Layer) -> None:
@@ -366,88 +221,11 @@ def _experts_fn(layer: Layer, device: torch.device):
     return fn
 
 
-def gathered_layers() -> list[str]:
-    """The names of this process's MoE layers (the target's) whose router sees an all-gathered batch
-    (:func:`is_gathered`)."""
-    return [layer.name for layer in target_layers() if is_gathered(layer)]
-
-
-def sequence_parallel_layers() -> list[str]:
-    """The names of this process's MoE layers (the target's) that are sequence-parallel by their own configuration
-    and not gathered (:func:`inspect_rows`): each rank's router sees its own slice of the step's rows."""
-    out = []
-    for layer in target_layers():
-        inspect_rows(layer)
-        if layer.sequence_parallel and not layer.gathered:
-            out.append(layer.name)
-    return out
-
-
-def is_gathered(layer: Layer) -> bool:
-    """Whether this layer's router sees several data-parallel / context-parallel ranks' tokens (vLLM's naive
-    dispatch all-gathers hidden states and router logits before routing): this rank's step mask does not describe
-    those rows, so the layer is left untouched (:func:`inspect_rows`, once per layer)."""
-    inspect_rows(layer)
-    return bool(layer.gathered)
-
-
-def unmasked(layer: Layer) -> bool:
-    """Whether the rows of this layer's router calls are not the step's rows from row 0, so the step mask does not
-    describe them and the layer keeps vLLM's routing: an all-gathered batch (:func:`is_gathered`) or this rank's slice
-    of a sequence-parallel layer (``Layer.sequence_parallel``). A remapping policy refuses both at engine start
-    (``lynx_hf.vllm.checks.check_layers``)."""
-    inspect_rows(layer)
-    return bool(layer.gathered) or layer.sequence_parallel
-
-
-#: what :func:`inspect_rows` reads of a vLLM ``MoERunner`` (``vllm/model_executor/layers/fused_moe/runner/moe_runner.py``,
-#: ``fused_moe/config.py``: ``FusedMoEConfig`` / ``FusedMoEParallelConfig``; vLLM 0.32 to 0.34)
-ROW_ATTRIBUTES = ("do_naive_dispatch_combine", "moe_config.pcp_size", "moe_config.is_sequence_parallel",
-                  "moe_config.moe_parallel_config.use_all2all_kernels (where pcp_size > 1)")
-
-
-def inspect_rows(layer: Layer) -> None:
-    """Read once, from the layer's vLLM ``MoERunner``, whether its router's rows are the step's rows from row 0:
-    ``Layer.gathered`` (``runner.do_naive_dispatch_combine``: DP / sequence-parallel rows all-gathered before routing;
-    or ``moe_config.pcp_size > 1`` without all2all kernels: prefill context parallel all-gathers them) and
-    ``Layer.sequence_parallel`` (the layer's own ``moe_config.is_sequence_parallel``, which a model sets per layer,
-    e.g. Kimi-K3 under EP with the ``moonep`` / ``pplx`` / ``flashinfer_nvlink_two_sided`` all2all backends, whatever
-    ``ParallelConfig.use_sequence_parallel_moe`` says). Raises :class:`~lynx_hf.UnsupportedModelError` naming the
-    attribute when the runner lacks one it needs to answer (a vLLM whose runner differs: refused, never assumed);
-    a layer whose runner is gone is neither."""
-    if layer.gathered is not None:
-        return
-    runner = layer.runner() if layer.runner is not None else None
-    if runner is None:
-        layer.gathered, layer.sequence_parallel = False, False
-        return
-    try:
-        cfg = runner.moe_config
-        naive = bool(runner.do_naive_dispatch_combine)
-        pcp = int(cfg.pcp_size)
-        sequence_parallel = bool(cfg.is_sequence_parallel)
-        gathered = naive or (pcp > 1 and not cfg.moe_parallel_config.use_all2all_kernels)
-    except AttributeError as exc:
-        raise UnsupportedModelError(
-            f"lynx_hf.vllm: MoE layer {layer.name}: cannot tell whether its router sees this rank's step from row 0 "
-            f"({type(runner).__name__} has no {getattr(exc, 'name', None) or exc}; read: {', '.join(ROW_ATTRIBUTES)}): "
-            "refused rather than assumed (a vLLM release whose MoERunner differs)") from exc
-    if gathered:
-        warn_once("gathered", "lynx_hf.vllm: MoE layers route an all-gathered batch of several data-/context-"
-                  "parallel ranks (naive dispatch); they keep vLLM's routing (a remapping policy is refused at "
-                  "engine start and in configure: lynx_hf.vllm.checks.check_gathered). Use an all2all backend "
-                  "(routing before dispatch) for LYNX under DP+EP.")
-    layer.gathered, layer.sequence_parallel = gathered, sequence_parallel
-
-
 def torch_backend_layers() -> list[str]:
     """The target layers whose plan remaps with the torch routing ops (``RoutePlan.routing_backend == "torch"``), which
     no vLLM engine has been captured with yet (``lynx_hf.vllm.checks.check_captured``)."""
     return [layer.name for layer in target_layers() if layer.plan is not None and
             layer.plan.routing_backend == "torch" and layer.plan.kernel is not keep_routing]
-
-
-# --------------------------------------------------------------------------- one step
 
 
 def step_inputs(layer: Layer, step: Step, router_logits, topk_weights, topk_ids, host: bool) -> StepInputs:
@@ -465,9 +243,6 @@ def route(layer: Layer, plan: RoutePlan, step: Step, router_logits, topk_weights
     arguments). vLLM's own tensors where nothing was remapped (the gate off at this size, ``decode_rows`` 0)."""
     out = plan.run(step_inputs(layer, step, router_logits, topk_weights, topk_ids, host))
     return out.weights, out.idx
-
-
-# --------------------------------------------------------------------------- before the first forward
 
 
 def frozen(model_runner) -> bool:
@@ -499,7 +274,8 @@ def before_forward(model_runner) -> None:
     """Before the first forward of this worker (hooked on the model runners' ``_dummy_run`` and ``execute_model``;
     once): every layer's plan is made on the runner's device (its cost gate gets its decisions), the decisions are
     agreed across the tensor-parallel ranks (:func:`agree`: rank 0's, on every rank), and a layer the gate keeps off
-    at every step size this engine can run is bypassed (``Layer.bypass``, :func:`settle_bypass`). Then the forward
+    at every step size this engine can run is bypassed (``Layer.bypass``, :func:`lynx_hf.vllm.bypass.settle_bypass`).
+    Then the forward
     counts as frozen where it is compiled or captured (:func:`frozen`). Raises :class:`~lynx_hf.LynxConfigError`
     where the decisions of several ranks cannot be agreed (``gate="always"`` is the fix the message names)."""
     start = STATE.start
@@ -531,9 +307,6 @@ def before_forward(model_runner) -> None:
                        len(STATE.bypassed), len(target_layers()), step_buckets()[-1])
 
 
-# --------------------------------------------------------------------------- before the first capture
-
-
 def capture_sizes(model_runner) -> tuple:
     """The step sizes ``model_runner``'s forward is captured at (``compilation_config.cudagraph_capture_sizes``, and
     vLLM 0.34's ``decoder_replay_cudagraph_capture_sizes`` where given: YOCO models' replay graphs; when left empty
@@ -553,7 +326,8 @@ def warm_up(sizes, seed: int = 0) -> int:
     the step buffer made at the largest size, and each layer's step *below its cost gate* (the padding rows and the
     decode-step function: the fused device step's one launch and its buffers per size, or the routing kernels, and
     the telemetry accumulators; the fused step's launches kept for good, ``kernels.fused_step.pinning``) run once at
-    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token: :func:`gated_off_call` keeps
+    each of ``sizes`` whose graph holds the step (the gate on there, or a lone token:
+    :func:`lynx_hf.vllm.bypass.gated_off_call` keeps
     the others free of the op) on synthetic masked inputs, as a capture describes its rows (the step buffer's masks,
     no decode-row count). So no capture launches a
     kernel for the first time or creates a buffer it would zero on each replay. Bypassed layers (no op in any graph)
@@ -579,7 +353,7 @@ def warm_up(sizes, seed: int = 0) -> int:
                 layer.telemetry.ensure(device)
             gate = gate_of(plan)
             for t in sizes:
-                if gate is not None and not plan.keeps(t) and not gate.decision(t).on:
+                if gate is not None and not plan.keeps(t) and not gate.replay_decision(t).on:
                     continue  # no graph of this size holds the step (gated_off_call: vLLM's routing, no op)
                 logits = torch.randn(t, layer.num_experts, generator=generator).to(device=device, dtype=dtype)
                 values, ids = torch.topk(logits.float(), layer.top_k, dim=-1)
@@ -593,43 +367,3 @@ def warm_up(sizes, seed: int = 0) -> int:
                 ran += 1
             reset_layer(layer)
     return ran
-
-
-# --------------------------------------------------------------------------- gated off before the op
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether a CUDA graph is being captured on ``device``'s current stream now."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def gated_off_call(layer: Layer, router_logits) -> bool:
-    """Whether this router call of ``layer`` keeps vLLM's routing by its cost gate, known on the host before the op
-    (issue 54 N10): the router wrapper then returns vLLM's routing without calling the op, so a step the gate keeps
-    off runs no kernel of the plugin (no masks, no copies of vLLM's tensors). Asked outside ``torch.compile`` tracing
-    only (a traced branch on T would be frozen for every size; on CPU vLLM traces the MoE layer, on a GPU its
-    ``moe_forward`` op is opaque and runs the router in Python). Under a CUDA-graph capture: the gate's decision at the
-    static T (no decode-row count), frozen into that graph as the op's own branch would be, and counted per replay by
-    :func:`count_replays`; in an eager step the host describes (every row the step's, >= 1 decode row): the decision
-    on its decode rows, counted as the op's gate counts it. Else (no plan yet, no gate, a step the host does not
-    describe) the op decides. The layer's op call is counted all the same (``Layer.calls``: it was routed through the
-    plugin)."""
-    plan = layer.plan
-    gate = gate_of(plan)
-    if gate is None or STATE.config is None or STATE.config.lynx.phase == "decode" or unmasked(layer):
-        return False
-    num_tokens = int(router_logits.shape[0])
-    if plan.keeps(num_tokens):  # a lone token: the step below the gate runs (its telemetry) whatever it decides
-        return False
-    if capturing(router_logits.device):
-        if gate.decision(num_tokens).on:
-            return False
-    else:
-        step = STATE.step
-        if not step.active or step.num_decode == 0 or num_tokens != step.num_tokens:
-            return False
-        if gate.decision(num_tokens, step.num_decode).on:
-            return False  # the op's gate decides and counts the step
-        gate.count(num_tokens, step.num_decode)  # seen, and skipped: as the op's gate counts a step it keeps off
-    layer.calls += 1
-    return True

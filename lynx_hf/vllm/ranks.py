@@ -151,7 +151,12 @@ def agree(entries, cfg, tp_size: int, group=None) -> int:
     world = int(group.world_size)
     if world <= 1:
         return 0
-    gates = [(name, gate_of(plan)) for name, plan in entries]
+    gates = []
+    for name, plan in entries:  # a captured engine's gates hold replay-timed decisions too: agreed alike
+        gate = gate_of(plan)
+        gates.append((name, gate))
+        if gate is not None and gate.replayed is not None:
+            gates.append((f"{name} (replayed)", gate.replayed))
     mine = payload(gates) if group.rank_in_group == 0 else None
     try:
         received = group.broadcast_object(mine, src=0)

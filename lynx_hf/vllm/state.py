@@ -66,7 +66,7 @@ class Layer:
     #: the cost gate's layer shape (H, I from the runner's FusedMoEConfig where known; None: N and k only)
     gate_shape: LayerShape | None = None
     #: True: the cost gate keeps vLLM's routing at every step size this engine can run
-    #: (:func:`lynx_hf.vllm.plans.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
+    #: (:func:`lynx_hf.vllm.bypass.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
     bypass: bool = False
     #: op calls of this layer (its body entered; eager and compiled forwards, not CUDA-graph replays), the count at the
     #: last worker step with decode tokens, and consecutive such steps without a call (the liveness rule per layer)
@@ -81,7 +81,7 @@ class Layer:
     runs: int | None = None
     seen_runs: int = 0
     #: ``calls`` when the current step's input preparation ran (CUDA-graph engines: a step whose forward leaves it
-    #: unchanged was a replay; :func:`lynx_hf.vllm.plans.count_replays`)
+    #: unchanged was a replay; :func:`lynx_hf.vllm.bypass.count_replays`)
     step_calls: int = 0
 
 
@@ -91,8 +91,14 @@ class StepBuffer:
     :data:`DECODE`) in a persistent buffer on the model's device, and the host's counts of it."""
 
     kind: torch.Tensor | None = None      # int8 [capacity] on the model device (persistent address)
+    device: torch.device | None = None    # the device ``kind`` was made for
     staging: torch.Tensor | None = None   # int8 [capacity] host copy (``kind`` itself on CPU)
     written: int = 0                      # entries of ``staging`` the last step wrote (PADDING after them)
+    #: on CUDA, pinned host copies (:func:`host_buffer`; D11): the copy to ``kind`` is truly asynchronous, so the
+    #: host never refills a pinned buffer whose copy may not have run yet: two of them take turns (``spare``:
+    #: ``(host copy, written, event)`` of the other one), each refilled after the event recorded behind its last copy
+    copied: object = None                 # the event recorded after the last copy from ``staging`` (pinned only)
+    spare: tuple | None = None
     num_tokens: int = 0
     num_decode: int = 0
     num_prefill: int = 0
@@ -141,12 +147,15 @@ class ProcessState:
     #: every layer is bypassed: no op reads the step buffer, so a step writes only its counts
     all_bypassed: bool = False
     #: (tokens, decode rows) -> steps the bypassed layers skipped since their gates last counted them
-    #: (:func:`lynx_hf.vllm.plans.skip_bypassed`: one dict update per step, not one gate call per layer)
+    #: (:func:`lynx_hf.vllm.bypass.skip_bypassed`: one dict update per step, not one gate call per layer)
     pending_skips: Counter = field(default_factory=Counter)
     step: StepBuffer = field(default_factory=StepBuffer)
     counts: StepCounts = field(default_factory=StepCounts)
     start: Start = field(default_factory=Start)
     strikes: int = 0  # consecutive worker steps that scheduled decode queries the hook did not report
+    #: a served step is running (``WorkerWrapperBase.execute_model``): a forward outside one is a warm-up (the
+    #: Worker's JIT warm-up steps its model runner itself), checked at once (``lynx_hf.vllm.install``)
+    in_worker_step: bool = False
     warned: set = field(default_factory=set)
     #: a ``stats_every`` write waiting for its device-to-host copy (``lynx_hf.vllm.telemetry.PendingWrite``)
     pending_write: object = None
@@ -229,16 +238,53 @@ def isolated(options=None, capacity: int = 0):
         vars(STATE).update(saved)
 
 
+def device_buffer(capacity: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int8 ``[capacity]`` tensor on ``device`` (the kinds buffer)."""
+    return torch.zeros(capacity, dtype=torch.int8, device=device)
+
+
+def host_buffer(capacity: int, pin: bool) -> torch.Tensor:
+    """A zeroed int8 ``[capacity]`` host tensor, in page-locked (pinned) memory where ``pin``: a host-to-device copy
+    from it is a plain DMA, truly asynchronous (from pageable memory the driver first copies it into a pinned buffer of
+    its own, on the host, in the step)."""
+    return torch.zeros(capacity, dtype=torch.int8, pin_memory=pin)
+
+
+def pinned(device: torch.device) -> bool:
+    """Whether the host copies of the kinds for ``device`` are pinned: a CUDA device (ROCm included) and a torch
+    that can pin memory there."""
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
 def buffer(device: torch.device, rows: int) -> torch.Tensor:
-    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use)."""
+    """The persistent int8 kinds buffer on ``device`` (allocated zero, ``max(capacity, rows)`` long, on first use),
+    and its host copies: on CPU the buffer itself; on CUDA two pinned ones that take turns (:class:`StepBuffer`,
+    ``spare``; issue 54 D11, docs/cases.md C67); else one pageable one."""
     step = STATE.step
-    if step.kind is None or step.kind.device != device:
+    if step.kind is None or step.device != device:
         capacity = max(STATE.capacity, rows, 1)
-        step.kind = torch.zeros(capacity, dtype=torch.int8, device=device)
-        step.staging = step.kind if device.type == "cpu" else torch.zeros(capacity, dtype=torch.int8)
+        step.kind, step.device = device_buffer(capacity, device), device
+        step.copied = step.spare = None
+        if device.type == "cpu":
+            step.staging = step.kind
+        elif pinned(device):
+            step.staging, step.copied = host_buffer(capacity, True), torch.cuda.Event()
+            step.spare = (host_buffer(capacity, True), 0, torch.cuda.Event())
+        else:
+            step.staging = host_buffer(capacity, False)
         step.written = 0
     return step.kind
 
 
-__all__ = ["buffer", "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
+def take_turns(step: StepBuffer) -> None:
+    """Pinned host copies (``step.spare``): the other one becomes ``step.staging``, once the copy last made from it
+    has run (its event: it was recorded a step ago, so the host practically never waits)."""
+    host, written, copied = step.spare
+    step.spare = (step.staging, step.written, step.copied)
+    step.staging, step.written, step.copied = host, written, copied
+    copied.synchronize()
+
+
+__all__ = ["buffer", "device_buffer", "host_buffer", "pinned", "take_turns",
+           "STATE", "ProcessState", "Layer", "target_layers", "StepBuffer", "StepCounts", "Start", "PADDING", "PREFILL", "DECODE",
            "warn_once", "resolve_config", "new_engine", "isolated"]

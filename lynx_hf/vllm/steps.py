@@ -20,10 +20,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import plans, telemetry
-from .state import DECODE, PADDING, PREFILL, STATE, buffer, warn_once
+from . import bypass, telemetry
+from .state import DECODE, PADDING, PREFILL, STATE, buffer, take_turns, warn_once
 
-__all__ = ["token_kinds", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
+__all__ = ["token_kinds", "decoding_requests", "step_counts", "count_step", "v2_token_kinds", "set_step_v1", "set_step_v2", "write_kinds", "buffer", "end_step"]
 
 
 def token_kinds(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_max: int,
@@ -37,13 +37,28 @@ def token_kinds(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_
     (``computed >= prompt``: vLLM's own ``is_prefilling`` rule) and its query is at most ``q_max``
     tokens or exactly ``1 + drafts``. Returns int8 ``[sum(num_scheduled_tokens)]`` of ``PREFILL`` / ``DECODE``.
     """
+    query, decoding = decoding_requests(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_max,
+                                        draft_tokens)
+    return np.repeat(np.where(decoding, DECODE, PREFILL).astype(np.int8), query)
+
+
+def decoding_requests(num_scheduled_tokens, num_computed_tokens, num_prompt_tokens, q_max: int,
+                      draft_tokens=None) -> tuple[np.ndarray, np.ndarray]:
+    """``(query [R] int64, decoding [R] bool)``: :func:`token_kinds`'s rule per request, before it is spread over
+    the tokens (an engine whose every layer is bypassed needs only the counts: :func:`step_counts`)."""
     query = np.asarray(num_scheduled_tokens, dtype=np.int64)
     past_prompt = np.asarray(num_computed_tokens, dtype=np.int64) >= np.asarray(num_prompt_tokens, dtype=np.int64)
     decoding = past_prompt & (query <= q_max)
     if draft_tokens is not None:
         drafts = np.asarray(draft_tokens, dtype=np.int64)
         decoding |= past_prompt & (drafts > 0) & (query == drafts + 1)
-    return np.repeat(np.where(decoding, DECODE, PREFILL).astype(np.int8), query)
+    return query, decoding
+
+
+def step_counts(query: np.ndarray, decoding: np.ndarray) -> tuple[int, int]:
+    """``(tokens, decode tokens)`` of a step from its requests (:func:`decoding_requests`), without the per-token
+    kinds."""
+    return int(query.sum()), int(query[decoding].sum())
 
 
 def v2_token_kinds(input_batch, q_max: int, verify: bool) -> np.ndarray | None:
@@ -96,9 +111,12 @@ def set_step_v1(runner, scheduler_output, num_scheduled_tokens) -> None:
             index = batch.req_id_to_index.get(req_id)
             if index is not None and index < num_reqs:
                 drafts[index] = len(tokens)
-    kinds = token_kinds(num_scheduled_tokens[:num_reqs], batch.num_computed_tokens_cpu[:num_reqs],
-                        batch.num_prompt_tokens[:num_reqs], cfg.lynx.q_max, drafts)
-    write_kinds(kinds, runner.device)
+    args = (num_scheduled_tokens[:num_reqs], batch.num_computed_tokens_cpu[:num_reqs],
+            batch.num_prompt_tokens[:num_reqs], cfg.lynx.q_max, drafts)
+    if STATE.all_bypassed:  # no op reads the mask: the step's counts only (item 7: no per-token host work)
+        count_step(*step_counts(*decoding_requests(*args)))
+        return
+    write_kinds(token_kinds(*args), runner.device)
 
 
 def set_step_v2(runner, input_batch) -> None:
@@ -109,6 +127,17 @@ def set_step_v2(runner, input_batch) -> None:
         return
     if getattr(runner, "pcp_manager", None) is not None:  # partitioned prefill: refused at start (checks.check_start)
         return
+    if STATE.all_bypassed:  # no op reads the mask: the step's counts only, where the requests' queries make the step
+        num_reqs = int(input_batch.num_reqs)
+        past_prompt = ~np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
+        drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+        query, decoding = decoding_requests(input_batch.num_scheduled_tokens[:num_reqs], past_prompt.astype(np.int64),
+                                            np.ones(num_reqs, np.int64), cfg.lynx.q_max,
+                                            None if drafts is None or not cfg.lynx.verify else drafts[:num_reqs])
+        total, num_decode = step_counts(query, decoding)
+        if total == int(input_batch.num_tokens):
+            count_step(total, num_decode)
+            return
     kinds = v2_token_kinds(input_batch, cfg.lynx.q_max, cfg.lynx.verify)
     if kinds is None:
         warn_once("v2_layout", "lynx_hf.vllm: a Model Runner V2 step whose verification requests do not lead the "
@@ -129,6 +158,8 @@ def write_kinds(kinds, device) -> None:
         if total > kind.shape[0]:  # more tokens than max_num_batched_tokens: leave this step alone
             warn_once("capacity", f"lynx_hf.vllm: a step of {total} tokens exceeds the mask buffer ({kind.shape[0]})")
             return
+        if step.spare is not None:
+            take_turns(step)  # pinned host copies: the one whose last copy has run
         staging = step.staging.numpy()  # a view of the host buffer (on CPU the buffer itself): no torch op per step
         staging[:total] = kinds
         if step.written > total:
@@ -137,18 +168,27 @@ def write_kinds(kinds, device) -> None:
         step.dirty = True
         if kind is not step.staging:
             kind.copy_(step.staging, non_blocking=True)
+            if step.copied is not None:
+                step.copied.record()  # behind the copy: the host refills this copy after it
+    count_step(total, int(np.count_nonzero(kinds == DECODE)))
+
+
+def count_step(total: int, num_decode: int) -> None:
+    """The host's counts of one step of ``total`` tokens of which ``num_decode`` decode (:func:`write_kinds`; alone
+    where every layer is bypassed: one dict update for their gates, no loop over the layers)."""
+    step = STATE.step
     step.num_tokens = total
-    step.num_decode = int(np.count_nonzero(kinds == DECODE))
+    step.num_decode = num_decode
     step.num_prefill = total - step.num_decode
     step.active = True
-    if STATE.start.captured:
-        plans.mark_calls()  # a step whose forward then calls no op is a CUDA-graph replay (end_step)
+    if STATE.start.captured and not STATE.all_bypassed:
+        bypass.mark_calls()  # a step whose forward then calls no op is a CUDA-graph replay (end_step)
     counts = STATE.counts
     counts.steps += 1
     if step.num_decode:
         counts.decode_steps += 1
         counts.seen_decode += 1
-        plans.skip_bypassed(total, step.num_decode)
+        bypass.skip_bypassed(total, step.num_decode)
         if step.num_prefill:
             counts.mixed_steps += 1
 
@@ -159,8 +199,8 @@ def end_step() -> None:
     once, device ones after an asynchronous copy (``lynx_hf.vllm.telemetry.request_write``), without a host sync."""
     step = STATE.step
     had_decode = step.active and step.num_decode > 0
-    if had_decode and STATE.start.captured:
-        plans.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
+    if had_decode and STATE.start.captured and not STATE.all_bypassed:
+        bypass.count_replays(step.num_tokens)  # the gate's counters of the layers the forward replayed
     step.active = False
     step.num_decode = step.num_prefill = step.num_tokens = 0
     if step.kind is not None and step.dirty:

@@ -23,7 +23,7 @@ from lynx_hf.kernels import routing_torch as rt
 from lynx_hf.kernels.step_spec import FusedPolicy, FusedSelection
 from lynx_hf.selection import BiasedSelection
 from lynx_hf.telemetry import BlockTelemetry
-from lynx_hf.vllm.plans import without_padding
+from lynx_hf.vllm.rows import without_padding
 
 POLICIES = [("lynx", {}), ("lynx", {"mass_price": None}), ("oea", {}), ("xshare", {"xshare_warmup": 1}),
             ("lynx", {"price_unit": "sqrt"}), ("none", {})]
@@ -366,3 +366,37 @@ def test_n8_a_warm_up_keeps_every_captured_sizes_buffers_for_the_captures(monkey
     monkeypatch.setattr(fs, "_capturing", lambda t: True)  # the captures, largest first
     captured = {t: run(t).data_ptr() for t in sizes}
     assert made == [] and captured == warmed
+
+
+@pytest.mark.parametrize("policy,kw", [("lynx", {}), ("oea", {}), ("xshare", {"xshare_warmup": 1})],
+                         ids=["lynx", "oea", "xshare"])
+def test_n5_a_replayed_mixed_or_prefill_only_step_runs_the_policy_on_its_decode_rows_tiles_only(policy, kw,
+                                                                                              monkeypatch):
+    """Issue 54 N5 (cases C68): a CUDA graph captured at T tokens replays mixed and prefill-only steps of that size too
+    (vLLM's piecewise graphs), with the rows' kinds read from the step mask on the device. The fused step computes the
+    selection scores and the remap only in the tiles of rows that hold a decode row (vLLM puts the decode requests
+    first); a prefill-only step computes none and returns the model's routing, counting no step. Counted by the calls
+    of the kernel's selection-score helper (interpreted here), the results equal the step-by-step reference."""
+    n, k, t = 8, 2, 160
+    plan, step_fn, keeps = plan_for(policy, kw, n, k)
+    g = torch.Generator().manual_seed(54)
+    logits = torch.randn(t, n, generator=g) * 2
+    idx = logits.topk(k, dim=-1).indices
+    weights = torch.softmax(logits, -1).gather(1, idx)
+    block_t = max(1, min(64, fs.TILE.get("lynx_mass", 1024) // 8))
+    calls = []
+    real = fs._selection_scores
+    monkeypatch.setattr(fs, "_selection_scores", lambda *args: calls.append(1) or real(*args))
+    rule = core.WeightRule("softmax_all", renormalize=True)
+    for decode_rows in (20, 0, t):
+        decode = torch.arange(t) < decode_rows
+        step = core.Step(core.MIXED, decode=decode)
+        c = dict(logits=logits, weights=weights, idx=idx, selection=fs.LOGITS, bias=None, rule=rule, step=step,
+                 pad=None, seed=None, mode="full")
+        calls.clear()
+        out = run_fused(step_fn, c)
+        tiles = -(-t // block_t)
+        assert len(calls) == -(-decode_rows // block_t) < tiles or decode_rows == t and len(calls) == tiles
+        assert_same(out, reference(plan, keeps, rule, step, logits.float(), logits, weights, idx, None, None, "full"))
+        if decode_rows == 0:
+            assert torch.equal(out[1], idx) and torch.equal(out[0], weights) and out[2][0] == 0  # no step counted

@@ -61,7 +61,8 @@ def test_a_traced_step_on_cuda_takes_the_replayed_decisions(monkeypatch):
 @pytest.mark.parametrize("device,mixed", [("cpu", False), ("cuda", True)], ids=["cpu", "cuda-mixed-steps"])
 def test_no_replayed_decisions_off_cuda_or_for_engines_with_mixed_steps(device, mixed, monkeypatch):
     """CPU: nothing is replayed from a CUDA graph; an engine whose steps carry per-token masks (vLLM) states whether it
-    captures (``LayerShape.captured``) and is measured once, as it runs."""
+    captures (``PlanGate.replays``: tests/vllm_plugin/test_gate_plugin.py ``test_n10_*``) and is measured once where it
+    does not."""
     gate, plan, store = _gate(device, mixed)
     assert gate.replayed is None and store.asked == [False]
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

@@ -1,6 +1,6 @@
 """The vLLM plugin's cost-gate plumbing that needs no vLLM (issue 56): the agreement of each tensor-parallel group on its
 own rank 0's decisions (``lynx_hf.vllm.ranks.agree``), the bypassed layers' count of the steps they skip
-(``lynx_hf.vllm.plans.skip_bypassed`` / ``flush_skips``) and the depth a layer's plan scales its price with (the
+(``lynx_hf.vllm.bypass.skip_bypassed`` / ``flush_skips``) and the depth a layer's plan scales its price with (the
 target's MoE layers, not the drafter's). ``lynx_hf.vllm.ranks``, ``plans`` and ``state`` import no vLLM, so these run
 on the newest leg (``tests/vllm_plugin`` runs only where vLLM is installed); the group is a stand-in with the
 semantics of vLLM's ``GroupCoordinator.broadcast_object`` (``vllm/distributed/parallel_state.py``: ``src`` is the
@@ -16,8 +16,8 @@ import lynx_hf
 import lynx_hf.gate.stage as gs
 from lynx_hf import gate
 from lynx_hf.core import MoELayer, WeightRule, make_plan
+from lynx_hf.vllm import bypass, plans, ranks, state
 from lynx_hf.vllm import config as plugin_config
-from lynx_hf.vllm import plans, ranks, state
 
 MARGIN = gate.TUNING.margin
 RULE = WeightRule("softmax_all", renormalize=True)
@@ -104,16 +104,16 @@ def test_bypassed_layers_count_every_step_they_skip(monkeypatch, fresh_gate_stor
         plans.before_forward(_runner())
         assert all(layer.bypass for layer in st.layers) and st.all_bypassed
         for _ in range(3):
-            plans.skip_bypassed(8, 8)
+            bypass.skip_bypassed(8, 8)
         for _ in range(2):
-            plans.skip_bypassed(16, 4)
-        first = plans.gate_summary(st.layers[0])
+            bypass.skip_bypassed(16, 4)
+        first = bypass.gate_summary(st.layers[0])
         assert first["steps_skipped"] == 5 and first["by_tokens"][8]["steps_skipped"] == 3
         assert first["by_tokens"][16]["steps_skipped"] == 2 and first["bypassed"] is True
         for _ in range(2):
-            plans.skip_bypassed(8, 8)
+            bypass.skip_bypassed(8, 8)
         for layer in st.layers:  # every bypassed layer counts every step, the first read's included once
-            s = plans.gate_summary(layer)
+            s = bypass.gate_summary(layer)
             assert s["steps_skipped"] == 7 and s["by_tokens"][8]["steps_skipped"] == 5
             assert s["by_tokens"][16]["steps_skipped"] == 2
             assert gate.of(layer.plan).seen == {8: 5, 16: 2}

@@ -15,7 +15,7 @@ def set_kinds(kinds):
 
 
 def moe_config(**fields):
-    """What the plugin reads of a vLLM ``MoERunner.moe_config`` (``FusedMoEConfig``: ``lynx_hf.vllm.plans.inspect_rows``,
+    """What the plugin reads of a vLLM ``MoERunner.moe_config`` (``FusedMoEConfig``: ``lynx_hf.vllm.rows.inspect_rows``,
     ``layers.attach``), for runner stand-ins: no pipeline / context / sequence parallelism, no H / I; ``fields``
     override."""
     import types

@@ -65,7 +65,7 @@ def main(rank: int, port: int, out_path: str, on_buckets: str) -> None:
 
     from lynx_hf import gate
     from lynx_hf.gate import stage as gate_stage
-    from lynx_hf.vllm import layers, plans, state, steps
+    from lynx_hf.vllm import bypass, layers, plans, state, steps
     from lynx_hf.vllm.state import DECODE
 
     on = {int(b) for b in on_buckets.split(",") if b.strip()}
@@ -108,7 +108,7 @@ def main(rank: int, port: int, out_path: str, on_buckets: str) -> None:
                         _, vllm_ids = layers.original_routing(run.router)(None, x, None)
                         planned = gate.of(one.plan)
                         entries.append({"ids": ids.tolist(), "vllm_ids": vllm_ids.tolist(), "bypass": one.bypass,
-                                        "gate": plans.gate_summary(one),
+                                        "gate": bypass.gate_summary(one),
                                         "decisions": {b: d.on for b, d in sorted(planned.decisions.items())}})
                     steps.end_step()
                     result[phase] = {"layers": entries}

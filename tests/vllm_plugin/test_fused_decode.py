@@ -1,8 +1,8 @@
 """The op's one-call CPU decode step (issue 25 item 5): on the host (CPU eager), a step whose every row is a live
-decode token is a plain ``Step("decode")`` without masks (``lynx_hf.vllm.plans.DECODE_STEP``), so
+decode token is a plain ``Step("decode")`` without masks (``lynx_hf.vllm.rows.DECODE_STEP``), so
 ``lynx_hf.core.fused_step`` runs the policy's fused path (``plan.fused``) and records the telemetry in that call; mixed
 steps (prefill or padding rows) keep the masks. The masked path is the reference: the same rows described with masks
-(``plans.masked_step``) passed to ``lynx_hf.vllm.op.remap_step``: same ids, weights, telemetry and loaded-experts
+(``rows.masked_step``) passed to ``lynx_hf.vllm.op.remap_step``: same ids, weights, telemetry and loaded-experts
 counts. Unit level (no engine); vLLM environment only, like the rest of tests/vllm_plugin."""
 
 import dataclasses
@@ -13,11 +13,11 @@ import torch
 pytest.importorskip("vllm")
 
 from lynx_hf import core  # noqa: E402
-from lynx_hf.vllm import op, plans, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import op, plans, rows, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PADDING, PREFILL  # noqa: E402
 from plugin_steps import set_kinds  # noqa: E402
 
-_MASKED_STEP = plans.masked_step  # the reference builds its masked steps with this one, never a spy
+_MASKED_STEP = rows.masked_step  # the reference builds its masked steps with this one, never a spy
 
 
 def _routing(rows, num_experts, top_k, dtype, seed, nonfinite_row=None):
@@ -46,7 +46,7 @@ def _spy(layer, monkeypatch):
         calls["masked"] += 1
         return _MASKED_STEP(kinds, decode_rows)
 
-    monkeypatch.setattr(plans, "masked_step", counted_masked)
+    monkeypatch.setattr(rows, "masked_step", counted_masked)
     return calls
 
 

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 from lynx_hf import gate  # noqa: E402
 from lynx_hf.core import RoutePlan, WeightRule  # noqa: E402
 from lynx_hf.kernels.routing_torch import strict_sync_free  # noqa: E402
-from lynx_hf.vllm import layers, op, plans, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import bypass, layers, op, plans, rows, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PREFILL, STATE  # noqa: E402
 from plugin_steps import moe_config, set_kinds  # noqa: E402
 
@@ -149,7 +149,7 @@ def test_a_step_without_decode_rows_returns_at_once_outside_a_capture(plugin_sta
     capturing = {"now": False}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])
     cpu_buffer = steps.buffer
-    monkeypatch.setattr(op, "buffer", lambda device, rows: cpu_buffer(torch.device("cpu"), rows))
+    monkeypatch.setattr(rows, "buffer", lambda device, n: cpu_buffer(torch.device("cpu"), n))
     on_device = types.SimpleNamespace(shape=(8, 8), device=torch.device("cuda"))  # what step_for reads of the logits
     assert op.host_counts(torch.device("cuda"), False) and op.host_counts(torch.device("cpu"), False)
     assert op.step_for(one, on_device, False) is None  # eager, no step prepared
@@ -324,7 +324,7 @@ def test_n11_gate_caches_stay_bounded_over_many_step_shapes(attached):
     for t, r in shapes:
         steps.write_kinds([DECODE] * r + [PREFILL] * (t - r), "cpu")
         steps.end_step()
-        assert len(STATE.pending_skips) <= 256  # plans.PENDING_MAX: 64
+        assert len(STATE.pending_skips) <= 256  # bypass.PENDING_MAX: 64
     entry = telemetry.snapshot()["layers"][0]["gate"]
     assert entry["steps_skipped"] == 10_000
 
@@ -382,7 +382,7 @@ def test_n12_under_expert_parallelism_the_gate_weighs_this_ranks_experts(plugin_
 def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached, monkeypatch):
     """Issue 54 N10: a layer on at some sizes (8) and off at others (4) is not bypassed, but where its gate is off the
     hooked vLLM ``CPURouter`` returns vLLM's routing without calling the op: under a CUDA-graph capture at 4 (the
-    capture stood in by ``plans.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
+    capture stood in by ``bypass.capturing``) the graph gets no op (no masks, no copies: the decision at the static T,
     frozen per graph size), and an eager decode step of 4 tokens runs none either; the gate counts that step as
     skipped, and the layer still counts as routed through the plugin (liveness). At 8 the op runs in both."""
     router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
@@ -392,12 +392,12 @@ def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached,
     real = op.remap_layer
     monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
     logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
-    monkeypatch.setattr(plans, "capturing", lambda device: True, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: True, raising=False)
     for t in (8, 4):  # the captures, largest first
         got = router._compute_routing(None, logits[:t], None)
     want = layers.original_routing(router)(None, logits[:4], None)
     assert called == [8] and torch.equal(got[1], want[1]) and torch.equal(got[0], want[0])
-    monkeypatch.setattr(plans, "capturing", lambda device: False, raising=False)
+    monkeypatch.setattr(bypass, "capturing", lambda device: False, raising=False)
     calls = one.calls
     _decode_step(4)
     got = router._compute_routing(None, logits[:4], None)
@@ -409,3 +409,149 @@ def test_n10_a_size_the_gate_keeps_off_adds_no_op_to_its_graph_or_step(attached,
     router._compute_routing(None, logits, None)
     steps.end_step()
     assert called == [8, 8] and planned.seen[8] == 1 and planned.skipped[8] == 0  # counted once, by the op's gate
+
+
+@pytest.mark.vllm_code
+def test_n10_eager_steps_of_a_captured_engine_take_eager_prices(attached, monkeypatch):
+    """Issue 54 N10 (cases C66): an engine captured in CUDA graphs replays its captured sizes' steps but steps eagerly
+    at the others (a size above the largest graph, a mixed step outside the graphs), where each of the routing's
+    kernels is launched from the host: the replay's price is ~7x too cheap there. The layer's gate holds both
+    (``PlanGate.replayed``: the decisions timed as a replay, keyed apart; its own: timed eagerly). The measurement
+    answers by the shape's ``captured`` field: a replay is worth it at 4 and 8 tokens, an eager step at 8 only. So the
+    captures at 4 and 8 (stood in by ``bypass.capturing``) both hold the op and remap there (the replay's decision),
+    an eager decode step of 4 tokens keeps vLLM's routing without the op (the eager decision, counted skipped), one of
+    8 runs it, and the replays are counted with the replay's decision (seen, not skipped). Before, every decision of a
+    captured engine was the replay's."""
+    from lynx_hf.gate import stage as gate_stage
+
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    measured = []
+
+    def measure_layer(planned, expert_times, tuning=gate.TUNING):
+        measured.append(planned.shape.captured)
+        on = {4, 8} if planned.shape.captured else {8}
+        return {b: gate.decide(1.0, 4.0 if b in on else 0.0, 1.0, margin=tuning.margin) for b in tuning.buckets}
+
+    monkeypatch.setattr(gate_stage, "measure_layer", measure_layer)
+    monkeypatch.setattr(plans, "captured", lambda model_runner, device: True)  # a CUDA-graph engine
+    plans.before_forward(_ModelRunner(mode=3))
+    planned = gate.of(one.plan)
+    assert STATE.start.captured and not one.bypass and sorted(measured) == [False, True]
+    assert not planned.shape.captured and planned.replayed is not None and planned.replayed.shape.captured
+    assert planned.key != planned.replayed.key
+    assert not planned.decision(4).on and planned.replay_decision(4).on and planned.decision(8).on
+    called = []
+    real = op.remap_layer
+    monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    want = {t: layers.original_routing(router)(None, logits[:t], None) for t in (4, 8)}
+    monkeypatch.setattr(bypass, "capturing", lambda device: True, raising=False)
+    for t in (8, 4):  # the captures, largest first: both graphs hold the op, which remaps (the replay's decision)
+        _decode_step(t)
+        got = router._compute_routing(None, logits[:t], None)
+        steps.end_step()
+        assert not torch.equal(got[1], want[t][1])
+    assert called == [8, 4] and not planned.seen  # captures are no steps
+    monkeypatch.setattr(bypass, "capturing", lambda device: False, raising=False)
+    _decode_step(4)  # eager at 4: the eager price, off: no op
+    got = router._compute_routing(None, logits[:4], None)
+    steps.end_step()
+    assert called == [8, 4] and torch.equal(got[1], want[4][1]) and torch.equal(got[0], want[4][0])
+    _decode_step(8)  # eager at 8: on
+    got = router._compute_routing(None, logits, None)
+    steps.end_step()
+    assert called == [8, 4, 8] and not torch.equal(got[1], want[8][1])
+    for t in (4, 8):  # replays: no op body runs; counted with the replay's decision
+        _decode_step(t)
+        steps.end_step()
+    assert dict(planned.seen) == {4: 2, 8: 2} and dict(planned.skipped) == {4: 1}
+    entry = bypass.gate_summary(one)["by_tokens"]
+    assert entry[4]["on"] is False and entry[4]["replayed_on"] is True and entry[8]["replayed_on"] is True
+
+
+@pytest.mark.vllm_code
+def test_every_gate_count_goes_through_one_accounting_path_and_the_op_asks_plans_once(attached, monkeypatch):
+    """Issue 55 item 3: the gate's own stage (an op step), a step the router wrapper keeps off before the op
+    (``bypass.gated_off_call``), a replayed step (``bypass.count_replays``) and a bypassed layer's pending skips
+    (``bypass.flush_skips``) all count through ``PlanGate.account``; the op's body makes one call into the plans per
+    layer-step (``plans.remap``), and the bypass reads ``GateDecision.measured``, not the reason's wording."""
+    from lynx_hf.gate.stage import PlanGate
+
+    router, one = attached({"policy": "lynx", "gate": "auto", "mass_price": "None", "tau": "1000"}, {8})
+    plans.before_forward(_ModelRunner(mode=3))
+    accounted, asked = [], []
+    real_account, real_remap = PlanGate.account, plans.remap
+    monkeypatch.setattr(PlanGate, "account", lambda self, t, on, steps=1: accounted.append((t, on, steps)) or
+                        real_account(self, t, on, steps))
+    monkeypatch.setattr(plans, "remap", lambda *args: asked.append(args[1].shape[0]) or real_remap(*args))
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    for t in (8, 4):  # the op's gate (on at 8), then the router wrapper before the op (off at 4)
+        _decode_step(t)
+        router._compute_routing(None, logits[:t], None)
+        steps.end_step()
+    assert accounted == [(8, True, 1), (4, False, 1)] and asked == [8]
+    STATE.start.captured = True  # a replay of 8: no op body ran
+    _decode_step(8)
+    steps.end_step()
+    assert accounted[-1] == (8, True, 1) and asked == [8]
+    STATE.start.captured = False
+    bypass.set_bypass(one, True)
+    _decode_step(4)
+    steps.end_step()
+    bypass.flush_skips()
+    assert accounted[-1] == (4, False, 1) and len(accounted) == 4
+    unmeasured = gate.GateDecision(False, float("nan"), float("nan"), float("nan"), float("nan"), reason="why not")
+    assert not unmeasured.measured and gate.decide(1.0, 0.0, 1.0).measured
+    planned = gate.of(one.plan)
+    monkeypatch.setattr(planned, "decisions", {b: unmeasured for b in planned.decisions})
+    assert not bypass.gated_off_everywhere(one.plan)  # off, but on no figure: the gate keeps the op
+
+
+@pytest.mark.vllm_code
+def test_item7_an_all_bypassed_engine_does_only_the_step_count_on_the_host(attached, monkeypatch):
+    """Issue 54 item 7 (cases C69): where the gate keeps vLLM's routing on every layer at every step size (all
+    bypassed: no op in any forward), a step's host work is its count: the input preparation's hooks (V1 and V2)
+    count the step from its requests (no per-token kinds, no mask buffer), and neither the replay bookkeeping of a
+    captured engine nor the liveness rule loops over the layers. The bypassed gates still count every skipped step."""
+    import numpy as np
+
+    router, one = attached({"policy": "lynx", "gate": "auto"}, set())  # off everywhere: bypassed
+    plans.before_forward(_ModelRunner(mode=3))
+    assert STATE.all_bypassed and one.bypass
+    STATE.start.captured = True  # a CUDA-graph engine: the replay bookkeeping would loop over the layers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("per-token or per-layer host work in an all-bypassed step")
+
+    for module, name in ((steps, "token_kinds"), (steps, "v2_token_kinds"), (steps, "write_kinds"),
+                         (steps, "buffer"), (bypass, "target_layers"), (checks_module(), "target_layers")):
+        monkeypatch.setattr(module, name, refuse)
+    # V1: 3 requests (a 5-token prompt chunk, two decodes) of the persistent batch
+    batch = types.SimpleNamespace(num_reqs=3, req_id_to_index={}, num_computed_tokens_cpu=np.array([0, 9, 7]),
+                                  num_prompt_tokens=np.array([5, 4, 6]))
+    runner = types.SimpleNamespace(input_batch=batch, device=torch.device("cpu"))
+    # V2: the same requests as the InputBatch its prepare_inputs returns
+    v2 = types.SimpleNamespace(num_reqs=3, num_scheduled_tokens=np.array([5, 1, 1]),
+                               is_prefilling_np=np.array([True, False, False]), num_tokens=7)
+    v2_runner = types.SimpleNamespace(pcp_manager=None, device=torch.device("cpu"))
+    logits = torch.randn(7, 8, generator=torch.Generator().manual_seed(7))
+    worker = types.SimpleNamespace(model_runner=runner)
+    for version in ("v1", "v2") * 3:
+        seen = STATE.counts.seen_decode
+        if version == "v1":
+            steps.set_step_v1(runner, types.SimpleNamespace(scheduled_spec_decode_tokens=None), np.array([5, 1, 1]))
+        else:
+            steps.set_step_v2(v2_runner, v2)
+        assert (STATE.step.num_tokens, STATE.step.num_decode, STATE.step.active) == (7, 2, True)
+        router._compute_routing(None, logits, None)  # vLLM's routing, no op
+        steps.end_step()
+        checks_module().after_worker_step(worker, None, seen)
+    monkeypatch.undo()
+    assert STATE.counts.decode_steps == 6 and STATE.counts.mixed_steps == 6 and STATE.step.kind is None
+    assert plans.stage_summaries(one)["gate"]["steps_skipped"] == 6
+
+
+def checks_module():
+    from lynx_hf.vllm import checks
+
+    return checks

@@ -26,7 +26,7 @@ from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter  # 
 from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner  # noqa: E402
 
 from lynx_hf import LynxConfigError, LynxHookError, UnsupportedModelError  # noqa: E402
-from lynx_hf.vllm import checks, compat, install, layers, op, plans, state, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import bypass, checks, compat, install, layers, op, plans, rows, state, steps, telemetry  # noqa: E402
 from lynx_hf.vllm import config as plugin_config  # noqa: E402
 from lynx_hf.vllm.state import DECODE, STATE  # noqa: E402
 from plugin_steps import moe_config, set_kinds  # noqa: E402
@@ -155,7 +155,7 @@ def test_configure_under_captured_graphs_refuses_what_replays_cannot_follow(one_
 @pytest.mark.parametrize("phase", ["auto", "decode"])
 def test_gate_counts_are_right_under_replays(fixed_gate, plugin_state, phase):
     """Item 3, the gate's counters: in a captured engine a replayed step runs no op body, so nothing on the host
-    counted it; the step hooks now do (``plans.mark_calls`` at the input preparation, ``plans.count_replays`` after
+    counted it; the step hooks now do (``bypass.mark_calls`` at the input preparation, ``bypass.count_replays`` after
     the forward, for each layer whose op was not called). Simulated on CPU: the same steps (4 and 8 tokens; the gate
     on at bucket 8, off at 4) run eagerly (the op called) and as replays (``start.captured``, the op not called) give
     the same gate summary: hand-worked, sizes seen {4: 3, 8: 2}, 3 steps skipped (the three 4-token steps)."""
@@ -184,7 +184,7 @@ def test_gate_counts_are_right_under_replays(fixed_gate, plugin_state, phase):
             if not replay:
                 torch.ops.lynx_vllm.remap_routing(*routing[t], 0)
             steps.end_step()
-        return plans.gate_summary(layer)
+        return bypass.gate_summary(layer)
 
     eager, replayed = run(False), run(True)
     assert replayed == eager
@@ -830,7 +830,7 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     monkeypatch.setattr(plans, "captured", lambda runner, device: True)
     monkeypatch.setattr(plans, "torch_backend_layers", lambda: [])
     monkeypatch.setattr(plans, "host_reads_allowed", lambda tensor: False)
-    monkeypatch.setattr(op, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
+    monkeypatch.setattr(rows, "host_counts", lambda device, host: not torch.cuda.is_current_stream_capturing())
     below = []  # (T, capturing) of each call of the step below the gate
     make = plans.make_layer_plan
 
@@ -887,3 +887,113 @@ def test_n8_kernels_and_buffers_exist_before_the_first_capture(plugin_state, fix
     # under capture the step below the gate runs where the gate is on (8) and for a lone token (its own routing kept,
     # its telemetry recorded); never at 2 or 4 (the gate's branch on the static T)
     assert {t for t, cap in below if cap} == {8, 1}
+
+
+@pytest.mark.vllm_code
+def test_d11_the_step_masks_host_copies_are_pinned_and_refilled_only_after_their_copy(plugin_state, monkeypatch):
+    """Issue 54 D11 (cases C67): on CUDA the step mask's host copy is page-locked (pinned), so its copy to the device
+    buffer is a plain asynchronous DMA (from pageable memory the driver first copies it on the host, in the step). A
+    pinned copy may still be pending when the next step's kinds are written, so two host copies take turns, each
+    refilled only after the event recorded behind its last copy. No GPU here: the device and host allocations are the
+    plugin's own helpers, observed (the device buffer stood in by a CPU tensor), ``torch.cuda.Event`` a recorder;
+    the steps go through the input preparation's ``steps.write_kinds`` and ``steps.end_step``."""
+    from lynx_hf.vllm.state import PREFILL
+
+    plugin_state({"policy": "lynx"}, capacity=16)
+    requested, log = [], []
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = Event.made
+
+        def record(self):
+            log.append(("record", self.name))
+
+        def synchronize(self):
+            log.append(("wait", self.name))
+
+    monkeypatch.setattr(state, "device_buffer", lambda capacity, device: torch.zeros(capacity, dtype=torch.int8))
+    monkeypatch.setattr(state, "host_buffer",
+                        lambda capacity, pin: requested.append(pin) or torch.zeros(capacity, dtype=torch.int8))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    cuda = torch.device("cuda")
+    sequence = [[DECODE] * 6, [PREFILL] * 2 + [DECODE], [DECODE] * 4, [PREFILL] * 9, [DECODE] * 2]
+    hosts = []
+    for kinds in sequence:
+        steps.write_kinds(kinds, cuda)
+        hosts.append(STATE.step.staging)
+        assert STATE.step.kind.tolist() == kinds + [0] * (16 - len(kinds))  # the step's kinds, padding after them
+        steps.end_step()
+    assert requested == [True, True]  # two pinned host copies, made once
+    assert hosts[0] is hosts[2] is hosts[4] and hosts[1] is hosts[3] and hosts[0] is not hosts[1]
+    # each host copy is refilled after the event recorded behind its previous copy, and recorded again after its copy
+    first, second = log[0][1], log[2][1]
+    assert log == [("wait", first), ("record", first), ("wait", second), ("record", second)] * 2 + \
+        [("wait", first), ("record", first)]
+    # CPU: the buffer is its own host copy, nothing pinned or recorded
+    plugin_state({"policy": "lynx"}, capacity=16)
+    monkeypatch.undo()
+    steps.write_kinds([DECODE] * 3, torch.device("cpu"))
+    assert STATE.step.staging is STATE.step.kind and STATE.step.spare is None
+    steps.end_step()
+
+
+@pytest.mark.vllm_code
+def test_n9_v2_captures_and_the_workers_jit_warm_up_are_seen_by_the_liveness_checks(plugin_state):
+    """Issue 54 N9, partly open before (cases C70): Model Runner V2 captures its CUDA graphs through its own
+    ``CudaGraphManager.capture`` (each size's warm-up forward and capture run by forward functions it makes), not
+    through ``_dummy_run``; and the Worker's JIT warm-up (V2's ``warmup_kernels``) steps the model runner's
+    ``execute_model`` itself, outside ``WorkerWrapperBase.execute_model`` where the liveness rule runs. Both are now
+    checked as a ``_dummy_run`` is: a layer whose ``MoERunner`` ran without reaching the hooked router stops the start
+    at once, naming it. This vLLM's own ``CudaGraphManager.capture`` is the one hooked. A served step keeps the
+    per-step rule (``LIVENESS_STEPS`` steps)."""
+    manager = install.graph_manager()
+    assert manager is not None and manager.__name__ == "CudaGraphManager"
+    table = {(cls, name): hook for cls, name, hook in install.hooks(compat.minor(compat.installed_version()))}
+    assert table[(manager, "capture")] is install._graph_capture
+    plugin_state({"policy": "lynx", "gate": "always"})
+    first, second = (_RunnerWithForward(CPURouter(2, 8, renormalize=True), name=f"model.layers.{i}.mlp.experts")
+                     for i in (0, 1))
+    layers.attach(first)
+    layers.attach(second)
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(4))
+    runner = types.SimpleNamespace(device=torch.device("cpu"), model_config=types.SimpleNamespace(enforce_eager=True))
+
+    def forward(rows):
+        for one in (first, second):
+            one._forward_impl(None, logits[:rows], None)
+
+    install._dummy_run(lambda self, *args, **kwargs: forward(4), runner, 4)  # the profiling run: plans made
+    assert STATE.start.started
+
+    def capture(self, create_forward_fn, progress_bar_desc="Capturing CUDA graphs"):  # as CudaGraphManager's
+        for desc in (8, 4):
+            create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
+            create_forward_fn(desc, warmup=False)(CUDAGraphMode.FULL)
+
+    def create_forward_fn(desc, warmup):
+        return lambda cg_mode: forward(desc)
+
+    install._graph_capture(capture, None, create_forward_fn)  # every layer routed: passes
+
+    def execute_model(self, *args, **kwargs):  # a JIT warm-up decode step of 4 tokens
+        set_kinds([DECODE] * 4)
+        forward(4)
+
+    install._runner_execute(execute_model, runner)
+    wrapper = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=runner))
+    served = lambda: install._worker_execute(  # noqa: E731 - a served step, as the hooked worker runs it
+        lambda self, output: install._runner_execute(execute_model, runner), wrapper, None)
+    served()
+    second.routes = False  # its runner now runs without reaching the hooked router
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*model\.layers\.1\.mlp"):
+        install._graph_capture(capture, None, create_forward_fn)
+    with pytest.raises(LynxHookError, match=r"warm-up run.*1 of 2.*model\.layers\.1\.mlp"):
+        install._runner_execute(execute_model, runner)
+    # a served step (inside the hooked WorkerWrapperBase.execute_model): the per-step rule, not at once
+    served()
+    assert STATE.layers[1].misses == 1 and not STATE.in_worker_step

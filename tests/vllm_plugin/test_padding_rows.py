@@ -1,7 +1,7 @@
 """Padding rows (issue 36 item 1): vLLM's ``FusedTopKRouter`` / ``FusedTopKBiasRouter`` give a padding row expert id
 -1 under ``VLLM_MOE_SKIP_PADDING=1`` (vLLM's default): every row of a CUDA-graph capture warm-up, DP dummy runs, the
 padded tail of a decode batch. The plugin excludes them from every index op of the remap, the union, the critical
-set's votes and the telemetry (``lynx_hf.vllm.plans.PaddingRows``, a stage of every layer's plan:
+set's votes and the telemetry (``lynx_hf.vllm.rows.PaddingRows``, a stage of every layer's plan:
 ``padding_rows`` / ``without_padding``), on the numba (host), torch
 (sync-free, the accelerator path) and Triton (interpreted) paths, and hands them back with vLLM's -1 ids and weights.
 
@@ -16,7 +16,7 @@ pytest.importorskip("vllm")
 
 from lynx_hf.core import WeightRule  # noqa: E402
 from lynx_hf.kernels.routing_torch import union_mask  # noqa: E402
-from lynx_hf.vllm import op, plans, steps, telemetry  # noqa: E402
+from lynx_hf.vllm import op, rows, steps, telemetry  # noqa: E402
 from lynx_hf.vllm.state import DECODE, PREFILL, STATE  # noqa: E402
 from plugin_steps import set_kinds  # noqa: E402
 
@@ -49,7 +49,7 @@ def _run(one_layer, options, backend, host, kinds, logits, weights, ids):
     loaded-experts counts)."""
     layer = one_layer({**options, "routing_backend": backend, "gate": "always"}, num_experts=N, top_k=K,
                       rule=WeightRule("softmax_all", renormalize=True))
-    step = plans.masked_step(torch.tensor(kinds, dtype=torch.int8))
+    step = rows.masked_step(torch.tensor(kinds, dtype=torch.int8))
     new_w, new_ids = op.remap_step(layer, step, logits, weights, ids, host)
     return new_w, new_ids, layer.telemetry.summary(), layer.telemetry.loaded()
 

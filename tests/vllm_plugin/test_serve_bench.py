@@ -55,3 +55,29 @@ def test_fixture_prompts_have_exact_length_and_differ():
     prompts = sb.make_prompts("fixture-a", sb.FIXTURE_A, 64, 32, 4096, seed=16)
     assert len(prompts) == 64 and all(len(p) == 32 for p in prompts)
     assert len({tuple(p) for p in prompts}) == 64
+
+
+def test_item7_gate_off_bench_interleaves_rounds_and_pairs_its_ratios():
+    """lab.gate_off_bench (issue 54 item 7; the lead runs it alone): each round runs every (mode, variant) once, the
+    modes and the variants rotated by the round; the ratios are paired per round and mode (hand-worked: decode
+    ratios 0.95 and 1.05 -> median 1.0)."""
+    from lab import gate_off_bench as gb
+
+    order = gb.schedule(2)
+    assert order[:4] == [(0, "eager", "unpatched"), (0, "eager", "default"), (0, "compiled", "unpatched"),
+                         (0, "compiled", "default")]
+    assert order[4:] == [(1, "compiled", "default"), (1, "compiled", "unpatched"), (1, "eager", "default"),
+                         (1, "eager", "unpatched")]
+    assert len(gb.schedule(5)) == 20
+
+    def out(rnd, mode, variant, decode, tpot):
+        return {"round": rnd, "mode": mode, "variant": variant,
+                "cells": {"16": dict(_cell(tpot, decode), gate_bypassed_layers=2 if variant == "default" else None)}}
+
+    results = [out(0, "eager", "unpatched", 100.0, 10.0), out(0, "eager", "default", 95.0, 10.5),
+               out(1, "eager", "default", 105.0, 9.5), out(1, "eager", "unpatched", 100.0, 10.0),
+               out(0, "compiled", "unpatched", 200.0, 5.0)]  # compiled: no default engine ran
+    table = gb.ratios(results, 16)
+    assert table["eager"]["decode"] == [0.95, 1.05] and table["eager"]["decode_median"] == 1.0
+    assert table["eager"]["bypassed"] == 2 and table["compiled"]["rounds"] == 0
+    assert "| eager | 2 | 1.000 |" in gb.markdown(table, "# t")
