@@ -52,33 +52,22 @@ def make_config(family: str, vocab: int, eos: int):
         pad_token_id=eos,
         use_cache=True,
     )
-    if family == "qwen2_moe":
+    if family in ("qwen2_moe", "qwen2_moe_deep"):
         from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
+        if family == "qwen2_moe":  # fixture A
+            sizes = dict(num_experts=32, num_experts_per_tok=4, moe_intermediate_size=64,
+                         shared_expert_intermediate_size=256)
+        else:
+            # Fixture E: 16 MoE layers, fine-grained router (N 64, top-8, as Qwen3-30B-A3B / OLMoE), a small shared
+            # expert; hidden 192 so the bf16 checkpoint stays near 25 MB and training fits ~95 min on 2 cores.
+            common = {**common, "hidden_size": 192, "num_hidden_layers": 16}
+            sizes = dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=64)
         cfg = Qwen2MoeConfig(
             **common,
-            intermediate_size=256,  # dense MLP size, unused (all layers sparse)
-            num_experts=32,
-            num_experts_per_tok=4,
-            moe_intermediate_size=64,
-            shared_expert_intermediate_size=256,
-            norm_topk_prob=False,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-        return cfg, Qwen2MoeForCausalLM
-    if family == "qwen2_moe_deep":
-        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-        # Fixture E: 16 MoE layers, fine-grained router (N 64, top-8, as Qwen3-30B-A3B / OLMoE), a small
-        # shared expert; hidden 192 so the bf16 checkpoint stays near 25 MB and training fits ~90 min on 2 cores.
-        cfg = Qwen2MoeConfig(
-            **{**common, "hidden_size": 192, "num_hidden_layers": 16},
-            intermediate_size=192,  # dense MLP size, unused (all layers sparse)
-            num_experts=64,
-            num_experts_per_tok=8,
-            moe_intermediate_size=16,
-            shared_expert_intermediate_size=64,
+            **sizes,
+            intermediate_size=common["hidden_size"],  # dense MLP size, unused (all layers sparse)
             norm_topk_prob=False,
             decoder_sparse_step=1,
             mlp_only_layers=[],
