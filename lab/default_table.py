@@ -37,9 +37,10 @@ from lynx_hf.eval import evaluation as ev
 from . import ROOT
 
 DEFAULT_PRICE = LynxConfig().mass_price
+REF_LAYERS = LynxConfig().price_ref_layers  # the depth the price was chosen at (4)
 RULES = {
     "default": lambda layers: LynxConfig(),
-    "sqrt": lambda layers: LynxConfig(mass_price=DEFAULT_PRICE * math.sqrt(min(1.0, 4 / layers)), price_ref_layers=None),
+    "sqrt": lambda layers: LynxConfig(mass_price=DEFAULT_PRICE * math.sqrt(min(1.0, REF_LAYERS / layers)), price_ref_layers=None),
     "none4": lambda layers: LynxConfig(price_ref_layers=None),
 }
 
