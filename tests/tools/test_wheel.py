@@ -76,7 +76,8 @@ def test_wheel_contents(wheel_site):
     for fixture in ("qwen2moe-tiny", "mixtral-tiny", "deepseekv2-tiny"):
         for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
             assert f"lynx_hf/eval/fixtures/{fixture}/{name}" in names, (fixture, name)
-    assert not [n for n in names if n.startswith(("lynx_hf/eval/results/", "lynx_hf/eval/work/", "tests/", "lab/"))]
+    assert not [n for n in names if n.startswith(("lynx_hf/eval/results/", "lynx_hf/eval/work/", "tests/", "lab/",
+                                                   "lynx_hf/eval/fixtures/qwen2moe-deep/"))]  # fixture E: checkout only
     # what lynx-hf runs is installed; the checkout's scripts (lab/) are not
     assert {"lynx_hf/eval/harness.py", "lynx_hf/eval/sweep.py", "lynx_hf/eval/model_sweep.py", "lynx_hf/eval/pareto.py",
             "lynx_hf/eval/router_report.py"} <= names
