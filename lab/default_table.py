@@ -13,7 +13,9 @@ MoE depth L to the routing-mass price a layer uses (``LynxConfig.mass_price`` 7/
 
 - ``default``: what ``LynxConfig()`` gives (``price_ref_layers`` 4: ``7/64 * 4 / L`` for L > 4);
 - ``sqrt``: the milder law ``7/64 * sqrt(4 / L)`` for L > 4;
-- ``none4``: no depth scaling (7/64 at every depth: the default before the depth rule).
+- ``none4``: no depth scaling (7/64 at every depth: the default before the depth rule);
+- ``law<a>`` (e.g. ``law0.75``): the power law ``7/64 * (4 / L) ** a`` for L > 4 (``default`` is ``law1``, ``sqrt``
+  ``law0.5``).
 
 Printed and written (``--out``, default ``eval/results/default_table.{md,json}``): per (model, L, B) the unpatched
 model's unique experts per MoE layer per decode step, each rule's unique experts, the saving (1 - after / before) and
@@ -45,6 +47,21 @@ RULES = {
 }
 
 
+def rule(name: str):
+    """The rule called ``name``: one of :data:`RULES` or ``law<a>`` (``a`` a float >= 0); ValueError otherwise."""
+    if name in RULES:
+        return RULES[name]
+    if name.startswith("law"):
+        try:
+            a = float(name[3:])
+        except ValueError:
+            a = -1.0
+        if a >= 0:
+            return lambda layers: LynxConfig(mass_price=DEFAULT_PRICE * min(1.0, REF_LAYERS / layers) ** a,
+                                             price_ref_layers=None)
+    raise ValueError(f"unknown rule {name!r}: one of {', '.join(RULES)} or law<a> (a >= 0)")
+
+
 def moe_layers(model) -> int:
     """The number of MoE layers ``lynx_hf.patch`` finds in ``model``."""
     return len(ev.moe_block_names(model))
@@ -60,7 +77,7 @@ def run(paths, sizes, rules, args, log=print) -> list[dict]:
         windows = ev.heldout_windows(tok, length, args.sequences, files)
         for b in sizes:
             t0 = time.perf_counter()
-            policies = [("none", LynxConfig(policy="none"))] + [(r, RULES[r](depth)) for r in rules]
+            policies = [("none", LynxConfig(policy="none"))] + [(r, rule(r)(depth)) for r in rules]
             res = ev.teacher_forced(model, windows, b, args.prefill, policies)
             by = {r["name"]: r for r in res["results"]}
             before = by["none"]["unique_experts_before"]
@@ -94,7 +111,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", type=Path, required=True, help="local checkpoint folders")
     ap.add_argument("--batch-sizes", default="16,32")
-    ap.add_argument("--rules", default="default", help="comma-separated: " + ", ".join(RULES))
+    ap.add_argument("--rules", default="default", help="comma-separated: " + ", ".join(RULES) + " or law<a>")
     ap.add_argument("--data", type=Path, default=None, help=".jsonl/.txt text (default: the shipped held-out docs + code)")
     ap.add_argument("--sequences", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=8)
@@ -104,7 +121,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     rules = args.rules.split(",")
-    bad = [r for r in rules if r not in RULES]
+    bad = []
+    for r in rules:
+        try:
+            rule(r)
+        except ValueError:
+            bad.append(r)
     if bad or any(b < 1 or args.sequences % b for b in sizes):
         ap.error(f"unknown rules {bad}" if bad else f"--sequences {args.sequences} must be a multiple of every batch size")
     torch.set_num_threads(args.threads)

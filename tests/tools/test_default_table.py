@@ -23,8 +23,14 @@ def test_rule_prices_by_hand():
     assert layer_price(dt.RULES["sqrt"](16), 16) == pytest.approx(p / 2)
     assert layer_price(dt.RULES["sqrt"](36), 36) == pytest.approx(p / 3)
     assert layer_price(dt.RULES["none4"](16), 16) == p
-    for rule in dt.RULES.values():  # no scaling at the depth the price was chosen on
+    assert layer_price(dt.rule("law0.75")(16), 16) == pytest.approx(p * 0.25 ** 0.75)
+    assert layer_price(dt.rule("law1")(16), 16) == pytest.approx(layer_price(dt.RULES["default"](16), 16))
+    assert layer_price(dt.rule("law0")(30), 30) == p
+    for rule in [*dt.RULES.values(), dt.rule("law0.75")]:  # no scaling at the depth the price was chosen on
         assert layer_price(rule(4), 4) == p
+    for bad in ("law", "law-1", "lawx", "pow2"):
+        with pytest.raises(ValueError, match="unknown rule"):
+            dt.rule(bad)
 
 
 def test_table_matches_a_direct_run(tmp_path):
