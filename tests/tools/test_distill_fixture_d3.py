@@ -1,0 +1,249 @@
+"""Fixture D3's tooling (lab/distill_fixture_d.py ``--experts lora``, lab/build_fixture_d.py's LoRA merge) on a tiny
+random dense Llama: no wheel, no GGUF.
+
+- the student block with a LoRA on the dense FFN is transformers' own ``Qwen2MoeSparseMoeBlock`` built from the
+  merged FFN (``merge_lora`` then ``carve_mlp``); its teacher mode is still the dense FFN without the LoRA;
+- zero-initialised LoRA (B = 0) is exactly fixture D2's student, and its parts assemble to exactly D2's model;
+- a LoRA fixture's parts assemble deterministically (twice, and through a safetensors round trip) into a plain
+  Qwen2MoeForCausalLM that ``from_pretrained`` loads, whose logits are the student's;
+- distillation steps train the LoRA factors (the dense weights get no gradient) and lower the KD loss;
+- an interrupted run (an exception mid-run, or ``--stop-after``) resumed from its checkpoint ends in the state of an
+  uninterrupted run, bit for bit, for D2 and D3; a checkpoint made with other settings is refused;
+- D2's options, checkpoint key and assembly are unchanged (no LoRA keys: the dense weights themselves)."""
+
+import pytest
+import torch
+
+import lab.distill_fixture_d as dfd
+from lab.build_fixture_d import (
+    FIXTURE,
+    build_moe,
+    carve_mlp,
+    dense_mlp,
+    lora_merged_mlp,
+    merge_lora,
+    moe_layer_params,
+    qwen2moe_config,
+)
+from lab.distill_fixture_d import DistillMoE, install, kd_step, make_optimizer, parse_args, train, trained_parts
+
+H, INTER, SHARED, N, K, R = 32, 96, 32, 8, 2, 4   # 8 routed experts of 8 neurons + a 32-neuron shared expert, top-2
+
+
+def _dense_model(seed=0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1,
+                      initializer_range=0.3)   # large weights: the FFNs move the logits
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _carve(model, seed=1):
+    """A D2-like carve: permutation, router, scales and a non-zero shared gate per layer."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for i, _ in enumerate(model.model.layers):
+        out[f"layers.{i}.perm"] = torch.randperm(INTER, generator=g).to(torch.int16)
+        out[f"layers.{i}.router"] = torch.randn(N, H, generator=g)
+        out[f"layers.{i}.scale"] = torch.rand(N, generator=g) + K - 0.5
+        out[f"layers.{i}.shared_gate"] = torch.randn(1, H, generator=g) * 0.3
+    return out
+
+
+def _perturb_lora(blocks, seed=5, std=0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in blocks:
+            for n in dfd.LORA_PROJ:
+                lb = getattr(b, f"{n}_lora_B")
+                lb.copy_(torch.randn(lb.shape, generator=g) * std)
+
+
+def _config(dense):
+    return qwen2moe_config(dense.config, N, K, (INTER - SHARED) // N, SHARED)
+
+
+def test_lora_student_block_is_transformers_block_of_the_merged_ffn():
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(INTER, H, generator=g) / H**0.5, torch.randn(INTER, H, generator=g) / H**0.5
+    down = torch.randn(H, INTER, generator=g) / INTER**0.5
+    x = torch.randn(3, 20, H, generator=g)
+    perm = torch.randperm(INTER, generator=g)
+    router, scale = torch.randn(N, H, generator=g), torch.rand(N, generator=g) + 1.5
+    shared_gate = torch.randn(1, H, generator=g) * 0.3
+    blk = DistillMoE(gate, up, down, perm, router, scale, SHARED, K, shared_gate)
+    blk.add_lora(perm, R, alpha=2.0 * R, generator=torch.Generator().manual_seed(1))   # scaling 2
+    _perturb_lora([blk], std=0.5)
+    parts = trained_parts([blk], {"layers.0.perm": perm}, lora_dtype=torch.float32)
+    merged = [merge_lora(w, parts[f"layers.0.{n}_lora_A"], parts[f"layers.0.{n}_lora_B"])
+              for w, n in zip((gate, up, down), dfd.LORA_PROJ)]
+    assert all((m - w).abs().max() > 0.05 for m, w in zip(merged, (gate, up, down)))   # the LoRA moves every weight
+    cfg = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_experts=N,
+                         num_experts_per_tok=K, moe_intermediate_size=(INTER - SHARED) // N,
+                         shared_expert_intermediate_size=SHARED, norm_topk_prob=True, hidden_act="silu")
+    ref = Qwen2MoeSparseMoeBlock(cfg)
+    ref.load_state_dict(moe_layer_params(carve_mlp(*merged, perm, SHARED, N), router, scale, shared_gate),
+                        strict=True)
+    with torch.no_grad():
+        got, want = blk(x), ref(x)
+        want = want[0] if isinstance(want, tuple) else want
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        blk.teacher = True   # the teacher is the dense FFN, without the LoRA
+        torch.testing.assert_close(blk(x), dense_mlp(x, gate, up, down), rtol=1e-5, atol=1e-5)
+
+
+def test_zero_lora_is_exactly_the_d2_student_and_model():
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(2))
+    d2, d3 = _dense_model(), _dense_model()
+    carve = _carve(d2)
+    b2 = install(d2, carve, SHARED, K)
+    b3 = install(d3, carve, SHARED, K, rank=R, alpha=float(R), seed=0)
+    assert all(b.rank == R and float(b.gate_lora_A.detach().abs().max()) > 0
+               and not b.gate_lora_B.detach().any() for b in b3)   # A random, B zero
+    loss2, st2 = kd_step(d2, b2, ids, 0.01)
+    loss3, st3 = kd_step(d3, b3, ids, 0.01)
+    assert torch.equal(loss2, loss3) and st2 == st3
+    loss2.backward()
+    loss3.backward()
+    for x2, x3 in zip(b2, b3):   # the routing's gradients are D2's too
+        for n in dfd.ROUTING:
+            assert torch.equal(getattr(x2, n).grad, getattr(x3, n).grad), n
+    # assembled: the zero LoRA merges to the dense weights exactly, in either stored dtype
+    dense = _dense_model()
+    want = build_moe(dense, _config(dense), trained_parts(b2, carve)).state_dict()
+    for dtype in (torch.float32, torch.bfloat16):
+        got = build_moe(dense, _config(dense), trained_parts(b3, carve, dtype)).state_dict()
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_lora_fixture_assembles_deterministically_into_the_student(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen2MoeForCausalLM
+
+    model = _dense_model()
+    carve = _carve(model)
+    blocks = install(model, carve, SHARED, K, rank=R, alpha=float(R), seed=0)
+    _perturb_lora(blocks)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        student = model(ids).logits
+    dense = _dense_model()
+    config = _config(dense)
+    parts = trained_parts(blocks, carve, torch.float32)
+    assert {f"layers.1.{n}_lora_{f}" for n in dfd.LORA_PROJ for f in "AB"} <= parts.keys()
+    save_file(parts, tmp_path / "carve.safetensors")
+    one, two = build_moe(dense, config, parts), build_moe(dense, config, load_file(tmp_path / "carve.safetensors"))
+    sd1, sd2 = one.state_dict(), two.state_dict()
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    plain = build_moe(dense, config, {k: v for k, v in parts.items() if "_lora_" not in k})
+    assert not torch.equal(sd1["model.layers.0.mlp.experts.gate_up_proj"],
+                           plain.state_dict()["model.layers.0.mlp.experts.gate_up_proj"])   # the LoRA is merged
+    with torch.no_grad():
+        torch.testing.assert_close(one(ids).logits, student, rtol=1e-4, atol=1e-4)
+        assert (plain(ids).logits - student).abs().max() > 1e-2   # ... and it matters
+    one.save_pretrained(tmp_path / "ckpt", safe_serialization=True)
+    loaded = Qwen2MoeForCausalLM.from_pretrained(tmp_path / "ckpt").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, student, rtol=1e-4, atol=1e-4)
+    # the committed dtype (bf16 factors): deterministic too, and close to the fp32 student
+    bf = trained_parts(blocks, carve)
+    assert bf["layers.0.up_lora_B"].dtype == torch.bfloat16
+    m1, m2 = build_moe(dense, config, bf), build_moe(dense, config, bf)
+    assert all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+    with torch.no_grad():
+        torch.testing.assert_close(m1(ids).logits, student, rtol=0.05, atol=0.05)
+
+
+def test_lora_distillation_trains_the_experts_and_lowers_the_kd_loss():
+    model = _dense_model()
+    blocks = install(model, _carve(model), SHARED, K, rank=R, alpha=float(R), seed=0)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    opt = make_optimizer(blocks, 2e-2, 2e-2)
+    assert len(opt.param_groups) == 4 and len(opt.param_groups[3]["params"]) == 6 * len(blocks)
+    with torch.no_grad():
+        first = kd_step(model, blocks, ids, 0.0)[1]["kl"]
+    for _ in range(25):
+        loss, _ = kd_step(model, blocks, ids, 0.01)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        last = kd_step(model, blocks, ids, 0.0)[1]["kl"]
+    assert first > 0.1 and last < 0.5 * first, (first, last)
+    assert all(b.down_lora_B.detach().abs().max() > 0 for b in blocks)
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    trained = {n.rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.grad is not None}
+    assert trained == set(blocks[0].trainable())
+
+
+def _args(tmp, mode, *extra):
+    return parse_args(["--experts", mode, "--rank", str(R), "--steps", "7", "--batch", "2", "--save-every", "2",
+                       "--warmup", "2", "--lr", "2e-2", "--lora-lr", "1e-2", "--print-every", "100",
+                       "--work", str(tmp), *extra])
+
+
+def _trained(mode, args, win, seed=0):
+    model = _dense_model()
+    carve = _carve(model)
+    blocks = install(model, carve, SHARED, K, *((R, float(R), seed) if mode == "lora" else ()))
+    log, _ = train(model, blocks, win, args, args.work / "ckpt.pt")
+    return [{n: getattr(b, n).detach().clone() for n in b.trainable()} for b in blocks], log
+
+
+@pytest.mark.parametrize("mode", ["none", "lora"])
+def test_resume_after_an_interruption_equals_an_uninterrupted_run(tmp_path, monkeypatch, mode):
+    win = torch.randint(0, 64, (14, 16), generator=torch.Generator().manual_seed(3))
+    ref, ref_log = _trained(mode, _args(tmp_path / "a", mode), win)
+    # an exception at step 6 (last checkpoint: step 4), then the same command again
+    calls, real = [0], dfd.kd_step
+
+    def crashing(*a, **kw):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(dfd, "kd_step", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        _trained(mode, _args(tmp_path / "b", mode), win)
+    monkeypatch.setattr(dfd, "kd_step", real)
+    assert torch.load(tmp_path / "b" / "ckpt.pt", weights_only=False)["step"] == 4
+    got, got_log = _trained(mode, _args(tmp_path / "b", mode), win)
+    # --stop-after 3 (a checkpoint where it stops, off the save grid), then a rerun
+    part, part_log = _trained(mode, _args(tmp_path / "c", mode, "--stop-after", "3"), win)
+    assert len(part_log) == 3
+    stopped, stopped_log = _trained(mode, _args(tmp_path / "c", mode), win)
+    for other, other_log in ((got, got_log), (stopped, stopped_log)):
+        assert [r["kl"] for r in other_log] == [r["kl"] for r in ref_log]
+        for a, b in zip(ref, other):
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert any(not torch.equal(a[n], b[n]) for a, b in zip(ref, part) for n in a)   # 3 steps != 7 steps
+    # a checkpoint of other settings is refused
+    with pytest.raises(SystemExit, match="other settings"):
+        _trained(mode, _args(tmp_path / "a", mode, "--lr", "1e-2"), win)
+
+
+def test_d2_options_checkpoint_key_and_assembly_are_unchanged():
+    d2 = parse_args([])
+    assert (d2.experts, d2.fixture, d2.out_fixture, d2.work.name) == ("none", FIXTURE, dfd.OUT_FIXTURE, "d2")
+    assert dfd._args_key(d2) == {k: getattr(d2, k) for k in ("steps", "batch", "window", "lr", "lb_coef", "seed",
+                                                              "warmup", "skip_files")}
+    assert dfd.base_lrs(d2) == (2e-3, 1e-2, 2e-3)
+    d3 = parse_args(["--experts", "lora"])
+    assert (d3.fixture, d3.out_fixture, d3.work.name) == (dfd.OUT_FIXTURE, dfd.D3_FIXTURE, "d3")
+    assert (d3.rank, d3.lora_alpha, d3.lora_dtype) == (16, 16.0, "bfloat16")
+    assert parse_args(["--experts", "lora", "--init-fixture", "x"]).fixture.name == "x"
+    model = _dense_model()
+    carve = _carve(model)
+    mlp = model.model.layers[0].mlp
+    got = lora_merged_mlp(mlp, carve, 0)
+    assert all(g.data_ptr() == w.data_ptr() and torch.equal(g, w)   # the dense weights themselves, not a copy
+               for g, w in zip(got, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)))
+    with pytest.raises(ValueError, match="do not fit"):
+        merge_lora(mlp.gate_proj.weight.data, torch.zeros(R, H), None)
