@@ -26,31 +26,15 @@ from lab.build_fixture_d import (
     qwen2moe_config,
 )
 from lab.distill_fixture_d import DistillMoE, install, kd_step, make_optimizer, parse_args, train, trained_parts
+from tests.helpers.carved_llama import INTER, SHARED, H, K, N, carve
+from tests.helpers.carved_llama import dense_model as _dense_model
 
-H, INTER, SHARED, N, K, R = 32, 96, 32, 8, 2, 4   # 8 routed experts of 8 neurons + a 32-neuron shared expert, top-2
-
-
-def _dense_model(seed=0):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=1,
-                      initializer_range=0.3)   # large weights: the FFNs move the logits
-    return LlamaForCausalLM(cfg).eval()
+R = 4   # LoRA rank
 
 
 def _carve(model, seed=1):
     """A D2-like carve: permutation, router, scales and a non-zero shared gate per layer."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i, _ in enumerate(model.model.layers):
-        out[f"layers.{i}.perm"] = torch.randperm(INTER, generator=g).to(torch.int16)
-        out[f"layers.{i}.router"] = torch.randn(N, H, generator=g)
-        out[f"layers.{i}.scale"] = torch.rand(N, generator=g) + K - 0.5
-        out[f"layers.{i}.shared_gate"] = torch.randn(1, H, generator=g) * 0.3
-    return out
+    return carve(model, seed, shared_gate=True)
 
 
 def _perturb_lora(blocks, seed=5, std=0.2):
