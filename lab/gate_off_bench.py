@@ -18,7 +18,6 @@ many layers the gate bypassed. Writes ``eval/results/gate_off_bench.{md,json}``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from . import DEFAULT_FIXTURE as FIXTURE_A
 from . import RESULTS_DIR as RESULTS
 from . import command
-from .serve_bench import run_engine
+from .serve_bench import run_engine, write_results
 
 #: the variants compared: vLLM with the plugin installed but off, and the plugin's default configuration
 VARIANTS = {"unpatched": None, "default": {"policy": "lynx"}}
@@ -132,11 +131,7 @@ def main(argv=None) -> int:
               f"`{cmd.strip()}`; vLLM {vllm.__version__}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
               f"{args.dtype}; {args.rounds} interleaved round(s), C {args.concurrency}, prompt {args.prompt_tokens} "
               f"tokens, {args.max_tokens} new tokens, greedy; total {time.perf_counter() - t_start:.0f} s")
-    md = markdown(table, header)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.md").write_text(md)
-    Path(f"{args.out}.json").write_text(json.dumps({"command": cmd, "ratios": table, "engines": results}, indent=1))
-    print("\n" + md, flush=True)
+    write_results(args.out, markdown(table, header), {"command": cmd, "ratios": table, "engines": results})
     return 0
 
 

@@ -436,12 +436,16 @@ def main(argv=None) -> int:
               f"{args.rounds} round(s), prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
               f"LYNX's routing-mass price at --full-layers {args.full_layers} (the last column); "
               f"total {time.perf_counter() - t_start:.0f} s")
-    md = markdown(rows, header)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.md").write_text(md)
-    Path(f"{args.out}.json").write_text(json.dumps({"command": cmd, "rows": rows, "engines": results}, indent=1))
-    print("\n" + md, flush=True)
+    write_results(args.out, markdown(rows, header), {"command": cmd, "rows": rows, "engines": results})
     return 0
+
+
+def write_results(out: Path, md: str, payload: dict) -> None:
+    """``<out>.md`` (the table ``md``) and ``<out>.json`` (``payload``), the folder made if needed; ``md`` printed."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{out}.md").write_text(md)
+    Path(f"{out}.json").write_text(json.dumps(payload, indent=1))
+    print("\n" + md, flush=True)
 
 
 if __name__ == "__main__":
