@@ -76,6 +76,8 @@ def test_wheel_contents(wheel_site):
     for fixture in ("qwen2moe-tiny", "mixtral-tiny", "deepseekv2-tiny"):
         for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
             assert f"lynx_hf/eval/fixtures/{fixture}/{name}" in names, (fixture, name)
+    shipped = sorted(p.name for p in (ROOT / "lynx_hf" / "gate" / "tables").glob("*.json"))
+    assert shipped and all(f"lynx_hf/gate/tables/{name}" in names for name in shipped), shipped  # the gate's tables
     assert not [n for n in names if n.startswith(("lynx_hf/eval/results/", "lynx_hf/eval/work/", "tests/", "lab/",
                                                    "lynx_hf/eval/fixtures/qwen2moe-deep/"))]  # fixture E: checkout only
     # what lynx-hf runs is installed; the checkout's scripts (lab/) are not
