@@ -681,3 +681,92 @@ def test_item7_a_bypassed_layer_runs_and_traces_vllms_own_router_and_runner(fixe
     assert layers.configure({"policy": "lynx", "gate": "auto", "phase": "auto"}) is True
     assert one.bypass and "_compute_routing" not in vars(router) and "_forward_impl" not in vars(runner)
     assert _plugin_frames(lambda: runner._forward_impl(None, logits, None)) == []
+
+
+def _worker_step_events(version, runners, num_reqs):
+    """Every Python call and builtin call (``sys.setprofile`` events ``call`` / ``c_call``) of one worker step of
+    ``num_reqs`` requests of one token each (all past their prompts but the first, whose last prompt token this is: a
+    mixed step of ``num_reqs - 1`` decode tokens) through the plugin's own hooks as vLLM's
+    classes call them: the worker's ``execute_model`` hook, the runner's ``execute_model`` hook, its input preparation
+    hook (``version`` ``"v1"``: before V1's ``_prepare_inputs``, from the persistent batch and vLLM's
+    ``SchedulerOutput``; ``"v2"``: after V2's ``prepare_inputs``, from its ``InputBatch``), the forward through every
+    runner (vLLM ``CPURouter.select_experts``), the end of the step and the liveness rule. Counted on the second of two
+    identical steps (the first warms the gate's step counts)."""
+    import dataclasses
+    import sys
+
+    import numpy as np
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from lynx_hf.vllm import install
+
+    ids = [f"r{i}" for i in range(num_reqs)]
+    scheduler_output = dataclasses.replace(SchedulerOutput.make_empty(), num_scheduled_tokens=dict.fromkeys(ids, 1),
+                                           total_num_scheduled_tokens=num_reqs)
+    num_scheduled = np.ones(num_reqs, dtype=np.int32)
+    computed = np.full(256, 40, np.int32)  # vLLM's int32 arrays; request 0 has the last token of its prompt left
+    computed[0] = 31
+    batch = types.SimpleNamespace(num_reqs=num_reqs, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                  num_computed_tokens_cpu=computed, num_prompt_tokens=np.full(256, 32, np.int32))
+    input_batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_reqs, num_scheduled_tokens=num_scheduled,
+                                        is_prefilling_np=computed < 32)
+    model_runner = types.SimpleNamespace(input_batch=batch, device=torch.device("cpu"), pcp_manager=None)
+    wrapper = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=model_runner))
+    logits = torch.randn(num_reqs, 8, generator=torch.Generator().manual_seed(2))
+
+    def prepare_v1(self, so, num_scheduled_tokens):
+        return None
+
+    def prepare_v2(self, so):
+        return input_batch
+
+    def runner_execute(self, so):
+        if version == "v1":
+            install._prepare_v1(prepare_v1, self, so, num_scheduled)
+        else:
+            install._prepare_v2(prepare_v2, self, so)
+        for runner in runners:
+            runner._forward_impl(None, logits, None)
+
+    def worker_execute(self, so):
+        return install._runner_execute(runner_execute, model_runner, so)
+
+    counts = []
+    for _ in range(2):
+        events = []
+        sys.setprofile(lambda frame, event, arg: events.append(event) if event in ("call", "c_call") else None)
+        try:
+            install._worker_execute(worker_execute, wrapper, scheduler_output)
+        finally:
+            sys.setprofile(None)
+        counts.append(len(events))
+    return counts[-1]
+
+
+#: what an all-bypassed step may do on the host beyond the plugin-off engine's: its count (calls and builtin calls)
+ALL_BYPASSED_EXTRA_CALLS = 12
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_item7_an_all_bypassed_step_does_vllms_work_plus_a_fixed_few_calls(fixed_gate, plugin_state, version):
+    """Issue 54 item 7 (cases C69): a worker step of one token per request in an engine whose every layer is
+    bypassed, through the plugin's hooks and vLLM's own ``CPURouter`` s, makes the plugin-off engine's calls (the same
+    hooks, the same vLLM work: the plugin installed but not configured) plus a fixed few (the step's count): the same
+    number with 1 layer and 4 requests as with 6 layers and 64 (no work per layer or per request), and at most
+    :data:`ALL_BYPASSED_EXTRA_CALLS`; the step is counted as the requests' rule says. Before: two wrapper frames per
+    layer (the router's ``_compute_routing``, the runner's ``_forward_impl`` and its ``torch.compiler.is_compiling``),
+    and the requests' classification through ``decoding_requests`` / ``step_counts`` (~a dozen numpy calls) where one
+    count of the requests past their prompts does."""
+    extra = {}
+    for num_layers, num_reqs in ((1, 4), (6, 64)):
+        plugin_state(None, capacity=64)  # the plugin installed, not configured: vLLM's own MoE layers
+        off = _worker_step_events(version, [_ForwardRunner(_cpu_router()) for _ in range(num_layers)], num_reqs)
+        runners = _hooked_runners(fixed_gate, plugin_state, num_layers, set(), capacity=64)
+        assert STATE.all_bypassed
+        on = _worker_step_events(version, runners, num_reqs)
+        assert STATE.counts.decode_steps == STATE.counts.mixed_steps == 2 and STATE.step.kind is None
+        assert dict(STATE.pending_skips) == {(num_reqs, num_reqs - 1): 2}  # counted as the requests' rule says
+        assert plans.stage_summaries(STATE.layers[0])["gate"]["steps_skipped"] == 2
+        extra[num_layers, num_reqs] = on - off
+    assert extra[1, 4] == extra[6, 64] <= ALL_BYPASSED_EXTRA_CALLS, extra
