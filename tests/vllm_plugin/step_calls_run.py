@@ -32,8 +32,14 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 ROOT = str(Path(__file__).resolve().parents[2])
 
 
+CACHE = os.environ.get("VLLM_CACHE_ROOT") or "\0"
+
+
 def where(filename: str) -> str:
-    """``filename`` relative to ``site-packages`` or the checkout (so two processes' keys compare)."""
+    """``filename`` relative to ``site-packages`` or the checkout, ``<vllm cache>`` for code vLLM / Inductor generated
+    under this engine's ``VLLM_CACHE_ROOT`` (each engine has its own), so two processes' keys compare."""
+    if filename.startswith(CACHE):
+        return "<vllm cache>"
     if "site-packages/" in filename:
         return filename.split("site-packages/", 1)[1]
     return os.path.relpath(filename, ROOT) if filename.startswith(ROOT) else filename
