@@ -56,10 +56,15 @@ def gated_off_everywhere(plan: RoutePlan) -> bool:
 
 
 def set_bypass(layer: Layer, bypass: bool) -> None:
+    """Set ``layer``'s ``bypass``: bypassed, its router and runner run vLLM's own methods, the plugin's wrappers taken
+    off (``Layer.rehook``: :func:`lynx_hf.vllm.layers.hook_layer`; issue 54 item 7); not bypassed, they are put back
+    (the liveness rule starts afresh on it). Updates ``STATE.bypassed`` / ``STATE.all_bypassed``."""
     flush_skips()  # the steps skipped so far belong to the layers bypassed so far
     if layer.bypass and not bypass:  # the liveness rule starts afresh on a layer that calls the op again
         layer.seen_calls, layer.seen_runs, layer.misses = layer.calls, layer.runs or 0, 0
     layer.bypass = bool(bypass)
+    if layer.rehook is not None:
+        layer.rehook(layer, not layer.bypass)
     targets = target_layers()
     STATE.bypassed = tuple(one for one in targets if one.bypass)
     # no op reads the step buffer (the drafter's layers never call the op)

@@ -21,8 +21,8 @@ from . import config as plugin_config
 from .op import remap_routing
 from .state import STATE, Layer, resolve_config, target_layers
 
-__all__ = ["attach", "expert_parallel_size", "logical_experts", "original_routing", "weight_rule", "monolithic", "configure", "graph_changes",
-           "HOST_FIELDS"]
+__all__ = ["attach", "hook_layer", "HOOKED_METHODS", "expert_parallel_size", "logical_experts", "original_routing",
+           "weight_rule", "monolithic", "configure", "graph_changes", "HOST_FIELDS"]
 
 
 def weight_rule(router) -> WeightRule:
@@ -67,8 +67,9 @@ def expert_parallel_size(moe_config) -> int:
 def attach(runner) -> None:
     """A vLLM ``MoERunner`` was built (its ``__init__`` returned): when the plugin is configured in this engine, its
     router's rules are derived (:func:`lynx_hf.vllm.routers.derive`, refusing routing the plugin cannot reproduce),
-    a :class:`~lynx_hf.vllm.state.Layer` is added to :data:`~lynx_hf.vllm.state.STATE` and the router's
-    ``_compute_routing`` is wrapped: vLLM's routing, then the op (or, on a bypassed layer, vLLM's routing alone).
+    a :class:`~lynx_hf.vllm.state.Layer` is added to :data:`~lynx_hf.vllm.state.STATE` and the layer is hooked
+    (:func:`hook_layer`: the router's ``_compute_routing`` wrapped, vLLM's routing then the op; the runner's runs
+    counted). A layer the cost gate bypasses later is unhooked again (vLLM's own methods, no plugin frame).
     Raises :class:`~lynx_hf.UnsupportedModelError`."""
     cfg = _process_config()
     if cfg is None:
@@ -97,7 +98,42 @@ def attach(runner) -> None:
     STATE.layers.append(layer)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         STATE.rank = torch.distributed.get_rank()
-    original = router._compute_routing
+    layer.rehook = hook_layer  # bypass.set_bypass unhooks a bypassed layer and hooks it again (imports no vLLM)
+    hook_layer(layer, True)
+
+
+#: the methods :func:`hook_layer` wraps, as instance attributes: on the router, then on the runner
+HOOKED_METHODS = ("_compute_routing", "_forward_impl")
+
+
+def hook_layer(layer: Layer, hooked: bool) -> None:
+    """Put the plugin's wrappers on ``layer``'s vLLM objects (``hooked``) or take them off. Hooked: its router's
+    ``_compute_routing`` is :func:`_routing_wrapper` (vLLM's routing, then the op) and its runner's ``_forward_impl``
+    counts the runner's runs (:func:`_count_runs`), each an attribute of the instance. Unhooked: those attributes are
+    removed, so the router and the runner run vLLM's own methods of their classes, with no plugin frame in an eager step
+    and no plugin code in a traced one: a layer the cost gate bypasses (``Layer.bypass``, set by
+    :func:`lynx_hf.vllm.bypass.set_bypass` before the first forward, so a compiled forward is traced as vLLM's own;
+    issue 54 item 7). Idempotent; ``Layer.runs`` keeps its count across (its runs are not counted while unhooked, and
+    the liveness rule does not judge a bypassed layer). A layer whose runner is gone is left alone."""
+    runner = layer.runner() if layer.runner is not None else None
+    if runner is None:
+        return
+    router = runner.router
+    if not hooked:
+        for owner, name in zip((router, runner), HOOKED_METHODS):
+            if getattr(getattr(owner, name, None), "__lynx_layer__", None) is layer:
+                vars(owner).pop(name, None)  # the class's method again
+        return
+    if getattr(router._compute_routing, "__lynx_layer__", None) is not layer:
+        router._compute_routing = _routing_wrapper(router._compute_routing, layer)
+    _count_runs(runner, layer)
+
+
+def _routing_wrapper(original, layer: Layer):
+    """``_compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None)`` of a hooked router:
+    ``original`` (vLLM's bound method: router logits ``[T, N]`` -> ``(topk_weights [T, k] fp32, topk_ids [T, k])``),
+    then the op on its result, unless the layer is bypassed, the drafter's or gated off at this call
+    (:func:`lynx_hf.vllm.bypass.gated_off_call`)."""
     index = layer.index
 
     def _compute_routing(hidden_states, router_logits, indices_type, *, input_ids=None):
@@ -112,19 +148,20 @@ def attach(runner) -> None:
         return remap_routing(router_logits, topk_weights, topk_ids, index)
 
     _compute_routing.__wrapped__ = original
-    router._compute_routing = _compute_routing
-    _count_runs(runner, layer)
+    _compute_routing.__lynx_layer__ = layer
+    return _compute_routing
 
 
 def _count_runs(runner, layer: Layer) -> None:
     """Count the runs of ``runner`` itself (``Layer.runs``): its ``_forward_impl`` (vLLM 0.32 to 0.34: what the
     ``moe_forward`` / ``moe_forward_shared`` ops call, by the layer's name) wrapped on the instance, counting where the
     forward is not being traced by ``torch.compile`` (a traced count would be a guard on a Python int). A runner
-    without it is left as it is (``Layer.runs`` stays ``None``)."""
+    without it is left as it is (``Layer.runs`` stays ``None``); one already counted for ``layer`` too."""
     impl = getattr(runner, "_forward_impl", None)
-    if not callable(impl):
+    if not callable(impl) or getattr(impl, "__lynx_layer__", None) is layer:
         return
-    layer.runs = 0
+    if layer.runs is None:
+        layer.runs = 0
 
     def _forward_impl(*args, **kwargs):
         if not torch.compiler.is_compiling():
@@ -132,6 +169,7 @@ def _count_runs(runner, layer: Layer) -> None:
         return impl(*args, **kwargs)
 
     _forward_impl.__wrapped__ = impl
+    _forward_impl.__lynx_layer__ = layer
     runner._forward_impl = _forward_impl
 
 

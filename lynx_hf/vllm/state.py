@@ -66,8 +66,12 @@ class Layer:
     #: the cost gate's layer shape (H, I from the runner's FusedMoEConfig where known; None: N and k only)
     gate_shape: LayerShape | None = None
     #: True: the cost gate keeps vLLM's routing at every step size this engine can run
-    #: (:func:`lynx_hf.vllm.bypass.gated_off_everywhere`), so the router returns vLLM's routing without calling the op
+    #: (:func:`lynx_hf.vllm.bypass.gated_off_everywhere`), so the router runs vLLM's own routing without the op: the
+    #: layer's vLLM objects are unhooked (``rehook``)
     bypass: bool = False
+    #: ``rehook(layer, hooked)`` puts the plugin's wrappers on the layer's router and runner or takes them off
+    #: (:func:`lynx_hf.vllm.layers.hook_layer`, set by ``attach``; ``None``: a layer without vLLM objects)
+    rehook: object = None
     #: op calls of this layer (its body entered; eager and compiled forwards, not CUDA-graph replays), the count at the
     #: last worker step with decode tokens, and consecutive such steps without a call (the liveness rule per layer)
     calls: int = 0

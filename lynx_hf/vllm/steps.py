@@ -103,6 +103,12 @@ def set_step_v1(runner, scheduler_output, num_scheduled_tokens) -> None:
         return
     batch = runner.input_batch
     num_reqs = batch.num_reqs
+    if STATE.all_bypassed and _total_tokens(scheduler_output, num_scheduled_tokens, num_reqs) == num_reqs:
+        # no op reads the mask: the count alone (item 7). Every request's query is one token (each scheduled request
+        # has >= 1, q_max >= 1, no drafts): a request decodes iff past its prompt, one vectorized count
+        count_step(num_reqs, int(np.count_nonzero(batch.num_computed_tokens_cpu[:num_reqs] >=
+                                                  batch.num_prompt_tokens[:num_reqs])))
+        return
     drafts = None
     spec = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
     if cfg.lynx.verify and spec:
@@ -127,6 +133,12 @@ def set_step_v2(runner, input_batch) -> None:
         return
     if getattr(runner, "pcp_manager", None) is not None:  # partitioned prefill: refused at start (checks.check_start)
         return
+    if STATE.all_bypassed and not STATE.spec_tokens and int(input_batch.num_tokens) == int(input_batch.num_reqs):
+        # no op reads the mask: the count alone (item 7). One token per request (no drafts in this engine): a request
+        # decodes iff not prefilling, one vectorized count
+        num_reqs = int(input_batch.num_reqs)
+        count_step(num_reqs, num_reqs - int(np.count_nonzero(input_batch.is_prefilling_np[:num_reqs])))
+        return
     if STATE.all_bypassed:  # no op reads the mask: the step's counts only, where the requests' queries make the step
         num_reqs = int(input_batch.num_reqs)
         past_prompt = ~np.asarray(input_batch.is_prefilling_np[:num_reqs], dtype=bool)
@@ -144,6 +156,13 @@ def set_step_v2(runner, input_batch) -> None:
                   "batch; left untouched")
         return
     write_kinds(kinds, runner.device)
+
+
+def _total_tokens(scheduler_output, num_scheduled_tokens, num_reqs: int) -> int:
+    """The tokens a V1 step schedules: the ``SchedulerOutput``'s ``total_num_scheduled_tokens`` (no array read), else
+    the sum of ``num_scheduled_tokens[:num_reqs]``."""
+    total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    return total if isinstance(total, int) else int(np.sum(num_scheduled_tokens[:num_reqs]))
 
 
 def write_kinds(kinds, device) -> None:

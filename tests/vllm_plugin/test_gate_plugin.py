@@ -555,3 +555,218 @@ def checks_module():
     from lynx_hf.vllm import checks
 
     return checks
+
+
+# ------------------------------------------------------------------ item 7: a bypassed layer is vLLM's own
+
+
+class _ForwardRunner(_MoERunner):
+    """A runner stand-in with vLLM's ``MoERunner._forward_impl`` signature (what ``moe_forward`` calls): it routes
+    through its router's ``select_experts`` (vLLM's own entry: ``BaseRouter._select_experts`` calls
+    ``_compute_routing``) and returns the weights times the ids, so a trace holds every routing op."""
+
+    def __init__(self, router, name="layers.0.experts"):
+        super().__init__(router)
+        self.layer_name = name
+
+    def _forward_impl(self, hidden_states, router_logits, shared_experts_input, input_ids=None):
+        weights, ids = self.router.select_experts(hidden_states, router_logits)
+        return weights * ids
+
+
+def _cpu_router():
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    return CPURouter(top_k=2, global_num_experts=8)
+
+
+def _hooked_runners(fixed_gate, plugin_state, num_layers, on, eager=True, capacity=64):
+    """``num_layers`` runners on vLLM ``CPURouter`` s (k 2 of 8), attached by ``layers.attach`` in a fresh engine
+    state whose gate decides as ``on`` says, the plans made as before the first forward (``eager``: an engine
+    ``configure`` may un-bypass). Returns the runners."""
+    fixed_gate(on)
+    plugin_state({"policy": "lynx", "gate": "auto", "phase": "auto"}, capacity=capacity)
+    runners = [_ForwardRunner(_cpu_router(), f"layers.{i}.experts") for i in range(num_layers)]
+    for runner in runners:
+        layers.attach(runner)
+        STATE.layers[-1].gate_shape = gate.LayerShape(8, 2, 32, 16)
+    plans.before_forward(_ModelRunner(mode=0 if eager else 3, eager=eager))
+    return runners
+
+
+def _plugin_frames(fn) -> list[str]:
+    """The ``lynx_hf`` functions Python enters while ``fn()`` runs (``sys.setprofile``), as ``file:function``."""
+    import sys
+    from pathlib import Path
+
+    import lynx_hf
+
+    root = str(Path(lynx_hf.__file__).parent)
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(root):
+            seen.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def _trace(fn, *args) -> tuple[list[str], set[str]]:
+    """``(call targets of the FX graph, files of every function Dynamo inlined)`` of ``torch.compile(fn, fullgraph)``:
+    the files as vLLM's compiled mode collects them for its cache key
+    (``InliningInstructionTranslator.inline_call_``)."""
+    from torch._dynamo.symbolic_convert import InliningInstructionTranslator
+
+    targets, files = [], set()
+    inline_call = InliningInstructionTranslator.inline_call_
+
+    def collecting(self_):
+        files.add(self_.f_code.co_filename)
+        return inline_call(self_)
+
+    def backend(gm, example_inputs):
+        targets.extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    InliningInstructionTranslator.inline_call_ = collecting
+    try:
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    finally:
+        InliningInstructionTranslator.inline_call_ = inline_call
+        torch._dynamo.reset()
+    return targets, files
+
+
+@pytest.mark.vllm_code
+def test_item7_a_bypassed_layer_runs_and_traces_vllms_own_router_and_runner(fixed_gate, plugin_state, monkeypatch):
+    """Issue 54 item 7 (cases C69): a layer the cost gate bypasses keeps none of the plugin's wrappers on its vLLM
+    objects: its router's ``_compute_routing`` and its runner's ``_forward_impl`` are the classes' own methods again,
+    so an eager forward through it enters no ``lynx_hf`` function (before: two wrapper frames per layer per step), and
+    ``torch.compile`` traces vLLM's code alone: the same FX ops as an unhooked twin (vLLM without the plugin) and no
+    ``lynx_hf`` file among the inlined functions (before: ``layers.py``'s wrappers were traced, so part of vLLM's
+    compile-cache key). An eager engine's ``configure`` that needs the op puts the wrappers back (the op is called,
+    the runner's runs counted again) and one that bypasses takes them off again."""
+    import lynx_hf
+
+    (runner,) = _hooked_runners(fixed_gate, plugin_state, 1, set())
+    one, router = STATE.layers[0], runner.router
+    assert one.bypass and STATE.all_bypassed
+    assert "_compute_routing" not in vars(router) and "_forward_impl" not in vars(runner)
+    logits = torch.randn(8, 8, generator=torch.Generator().manual_seed(1)) * 3
+    twin = _ForwardRunner(_cpu_router())  # vLLM without the plugin
+    assert torch.equal(runner._forward_impl(None, logits, None), twin._forward_impl(None, logits, None))
+    assert _plugin_frames(lambda: runner._forward_impl(None, logits, None)) == []
+    targets, files = _trace(runner._forward_impl, None, logits, None)
+    twin_targets, _ = _trace(twin._forward_impl, None, logits, None)
+    assert targets == twin_targets and targets
+    root = str(__import__("pathlib").Path(lynx_hf.__file__).parent)
+    assert not [f for f in files if f.startswith(root)], files
+
+    called = []
+    real = op.remap_layer
+    monkeypatch.setattr(op, "remap_layer", lambda *args: called.append(args[0].shape[0]) or real(*args))
+    runs = one.runs
+    assert layers.configure({"policy": "lynx", "gate": "always", "phase": "auto"}) is True
+    assert not one.bypass and "_compute_routing" in vars(router) and "_forward_impl" in vars(runner)
+    _decode_step(8)
+    runner._forward_impl(None, logits, None)
+    steps.end_step()
+    assert called == [8] and one.runs == runs + 1
+    assert layers.configure({"policy": "lynx", "gate": "auto", "phase": "auto"}) is True
+    assert one.bypass and "_compute_routing" not in vars(router) and "_forward_impl" not in vars(runner)
+    assert _plugin_frames(lambda: runner._forward_impl(None, logits, None)) == []
+
+
+def _worker_step_events(version, runners, num_reqs):
+    """Every Python call and builtin call (``sys.setprofile`` events ``call`` / ``c_call``) of one worker step of
+    ``num_reqs`` requests of one token each (all past their prompts but the first, whose last prompt token this is: a
+    mixed step of ``num_reqs - 1`` decode tokens) through the plugin's own hooks as vLLM's
+    classes call them: the worker's ``execute_model`` hook, the runner's ``execute_model`` hook, its input preparation
+    hook (``version`` ``"v1"``: before V1's ``_prepare_inputs``, from the persistent batch and vLLM's
+    ``SchedulerOutput``; ``"v2"``: after V2's ``prepare_inputs``, from its ``InputBatch``), the forward through every
+    runner (vLLM ``CPURouter.select_experts``), the end of the step and the liveness rule. Counted on the second of two
+    identical steps (the first warms the gate's step counts)."""
+    import dataclasses
+    import sys
+
+    import numpy as np
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    from lynx_hf.vllm import install
+
+    ids = [f"r{i}" for i in range(num_reqs)]
+    scheduler_output = dataclasses.replace(SchedulerOutput.make_empty(), num_scheduled_tokens=dict.fromkeys(ids, 1),
+                                           total_num_scheduled_tokens=num_reqs)
+    num_scheduled = np.ones(num_reqs, dtype=np.int32)
+    computed = np.full(256, 40, np.int32)  # vLLM's int32 arrays; request 0 has the last token of its prompt left
+    computed[0] = 31
+    batch = types.SimpleNamespace(num_reqs=num_reqs, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                  num_computed_tokens_cpu=computed, num_prompt_tokens=np.full(256, 32, np.int32))
+    input_batch = types.SimpleNamespace(num_reqs=num_reqs, num_tokens=num_reqs, num_scheduled_tokens=num_scheduled,
+                                        is_prefilling_np=computed < 32)
+    model_runner = types.SimpleNamespace(input_batch=batch, device=torch.device("cpu"), pcp_manager=None)
+    wrapper = types.SimpleNamespace(worker=types.SimpleNamespace(model_runner=model_runner))
+    logits = torch.randn(num_reqs, 8, generator=torch.Generator().manual_seed(2))
+
+    def prepare_v1(self, so, num_scheduled_tokens):
+        return None
+
+    def prepare_v2(self, so):
+        return input_batch
+
+    def runner_execute(self, so):
+        if version == "v1":
+            install._prepare_v1(prepare_v1, self, so, num_scheduled)
+        else:
+            install._prepare_v2(prepare_v2, self, so)
+        for runner in runners:
+            runner._forward_impl(None, logits, None)
+
+    def worker_execute(self, so):
+        return install._runner_execute(runner_execute, model_runner, so)
+
+    counts = []
+    for _ in range(2):
+        events = []
+        sys.setprofile(lambda frame, event, arg: events.append(event) if event in ("call", "c_call") else None)
+        try:
+            install._worker_execute(worker_execute, wrapper, scheduler_output)
+        finally:
+            sys.setprofile(None)
+        counts.append(len(events))
+    return counts[-1]
+
+
+#: what an all-bypassed step may do on the host beyond the plugin-off engine's: its count (calls and builtin calls)
+ALL_BYPASSED_EXTRA_CALLS = 12
+
+
+@pytest.mark.vllm_code
+@pytest.mark.parametrize("version", ["v1", "v2"])
+def test_item7_an_all_bypassed_step_does_vllms_work_plus_a_fixed_few_calls(fixed_gate, plugin_state, version):
+    """Issue 54 item 7 (cases C69): a worker step of one token per request in an engine whose every layer is
+    bypassed, through the plugin's hooks and vLLM's own ``CPURouter`` s, makes the plugin-off engine's calls (the same
+    hooks, the same vLLM work: the plugin installed but not configured) plus a fixed few (the step's count): the same
+    number with 1 layer and 4 requests as with 6 layers and 64 (no work per layer or per request), and at most
+    :data:`ALL_BYPASSED_EXTRA_CALLS`; the step is counted as the requests' rule says. Before: two wrapper frames per
+    layer (the router's ``_compute_routing``, the runner's ``_forward_impl`` and its ``torch.compiler.is_compiling``),
+    and the requests' classification through ``decoding_requests`` / ``step_counts`` (~a dozen numpy calls) where one
+    count of the requests past their prompts does."""
+    extra = {}
+    for num_layers, num_reqs in ((1, 4), (6, 64)):
+        plugin_state(None, capacity=64)  # the plugin installed, not configured: vLLM's own MoE layers
+        off = _worker_step_events(version, [_ForwardRunner(_cpu_router()) for _ in range(num_layers)], num_reqs)
+        runners = _hooked_runners(fixed_gate, plugin_state, num_layers, set(), capacity=64)
+        assert STATE.all_bypassed
+        on = _worker_step_events(version, runners, num_reqs)
+        assert STATE.counts.decode_steps == STATE.counts.mixed_steps == 2 and STATE.step.kind is None
+        assert dict(STATE.pending_skips) == {(num_reqs, num_reqs - 1): 2}  # counted as the requests' rule says
+        assert plans.stage_summaries(STATE.layers[0])["gate"]["steps_skipped"] == 2
+        extra[num_layers, num_reqs] = on - off
+    assert extra[1, 4] == extra[6, 64] <= ALL_BYPASSED_EXTRA_CALLS, extra
