@@ -79,7 +79,8 @@ def test_wheel_contents(wheel_site):
     shipped = sorted(p.name for p in (ROOT / "lynx_hf" / "gate" / "tables").glob("*.json"))
     assert shipped and all(f"lynx_hf/gate/tables/{name}" in names for name in shipped), shipped  # the gate's tables
     assert not [n for n in names if n.startswith(("lynx_hf/eval/results/", "lynx_hf/eval/work/", "tests/", "lab/",
-                                                   "lynx_hf/eval/fixtures/qwen2moe-deep/"))]  # fixture E: checkout only
+                                                   "lynx_hf/eval/fixtures/qwen2moe-deep/",
+                                                   "lynx_hf/eval/fixtures/smollm2-d3/"))]  # E, D3: checkout only
     # what lynx-hf runs is installed; the checkout's scripts (lab/) are not
     assert {"lynx_hf/eval/harness.py", "lynx_hf/eval/sweep.py", "lynx_hf/eval/model_sweep.py", "lynx_hf/eval/pareto.py",
             "lynx_hf/eval/router_report.py"} <= names
