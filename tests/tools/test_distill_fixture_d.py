@@ -9,37 +9,18 @@
 
 import torch
 
-from lab.build_fixture_d import build_moe, carve_mlp, dense_mlp, moe_layer_params, qwen2moe_config
+from lab.build_fixture_d import build_moe, qwen2moe_config
 from lab.distill_fixture_d import DistillMoE, install, kd_step, make_optimizer, trained_parts
-from tests.helpers.carved_llama import INTER, SHARED, H, K, N
+from tests.helpers.carved_llama import INTER, SHARED, K, N, assert_block_is_transformers_block, random_block
 from tests.helpers.carved_llama import carve as _carve
 from tests.helpers.carved_llama import dense_model as _dense_model
 
 
 def test_student_block_is_transformers_qwen2moe_block():
-    from transformers import Qwen2MoeConfig
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-
-    g = torch.Generator().manual_seed(0)
-    gate, up = torch.randn(INTER, H, generator=g) / H**0.5, torch.randn(INTER, H, generator=g) / H**0.5
-    down = torch.randn(H, INTER, generator=g) / INTER**0.5
-    x = torch.randn(3, 20, H, generator=g)
-    perm = torch.randperm(INTER, generator=g)
-    router, scale = torch.randn(N, H, generator=g), torch.rand(N, generator=g) + 1.5
-    shared_gate = torch.randn(1, H, generator=g) * 0.3
-    blk = DistillMoE(gate, up, down, perm, router, scale, SHARED, K, shared_gate)
-    cfg = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_experts=N,
-                         num_experts_per_tok=K, moe_intermediate_size=(INTER - SHARED) // N,
-                         shared_expert_intermediate_size=SHARED, norm_topk_prob=True, hidden_act="silu")
-    ref = Qwen2MoeSparseMoeBlock(cfg)
-    ref.load_state_dict(moe_layer_params(carve_mlp(gate, up, down, perm, SHARED, N), router, scale, shared_gate),
-                        strict=True)
-    with torch.no_grad():
-        got, want = blk(x), ref(x)
-        want = want[0] if isinstance(want, tuple) else want
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        blk.teacher = True
-        torch.testing.assert_close(blk(x), dense_mlp(x, gate, up, down), rtol=1e-5, atol=1e-5)
+    p = random_block()
+    ffn = (p["gate"], p["up"], p["down"])
+    blk = DistillMoE(*ffn, p["perm"], p["router"], p["scale"], SHARED, K, p["shared_gate"])
+    assert_block_is_transformers_block(blk, p, ffn)
 
 
 def test_distillation_steps_reduce_the_kd_loss():

@@ -18,15 +18,12 @@ import lab.distill_fixture_d as dfd
 from lab.build_fixture_d import (
     FIXTURE,
     build_moe,
-    carve_mlp,
-    dense_mlp,
     lora_merged_mlp,
     merge_lora,
-    moe_layer_params,
     qwen2moe_config,
 )
 from lab.distill_fixture_d import DistillMoE, install, kd_step, make_optimizer, parse_args, train, trained_parts
-from tests.helpers.carved_llama import INTER, SHARED, H, K, N, carve
+from tests.helpers.carved_llama import INTER, SHARED, H, K, N, assert_block_is_transformers_block, carve, random_block
 from tests.helpers.carved_llama import dense_model as _dense_model
 
 R = 4   # LoRA rank
@@ -51,35 +48,16 @@ def _config(dense):
 
 
 def test_lora_student_block_is_transformers_block_of_the_merged_ffn():
-    from transformers import Qwen2MoeConfig
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-
-    g = torch.Generator().manual_seed(0)
-    gate, up = torch.randn(INTER, H, generator=g) / H**0.5, torch.randn(INTER, H, generator=g) / H**0.5
-    down = torch.randn(H, INTER, generator=g) / INTER**0.5
-    x = torch.randn(3, 20, H, generator=g)
-    perm = torch.randperm(INTER, generator=g)
-    router, scale = torch.randn(N, H, generator=g), torch.rand(N, generator=g) + 1.5
-    shared_gate = torch.randn(1, H, generator=g) * 0.3
-    blk = DistillMoE(gate, up, down, perm, router, scale, SHARED, K, shared_gate)
-    blk.add_lora(perm, R, alpha=2.0 * R, generator=torch.Generator().manual_seed(1))   # scaling 2
+    p = random_block()
+    ffn = (p["gate"], p["up"], p["down"])
+    blk = DistillMoE(*ffn, p["perm"], p["router"], p["scale"], SHARED, K, p["shared_gate"])
+    blk.add_lora(p["perm"], R, alpha=2.0 * R, generator=torch.Generator().manual_seed(1))   # scaling 2
     _perturb_lora([blk], std=0.5)
-    parts = trained_parts([blk], {"layers.0.perm": perm}, lora_dtype=torch.float32)
+    parts = trained_parts([blk], {"layers.0.perm": p["perm"]}, lora_dtype=torch.float32)
     merged = [merge_lora(w, parts[f"layers.0.{n}_lora_A"], parts[f"layers.0.{n}_lora_B"])
-              for w, n in zip((gate, up, down), dfd.LORA_PROJ)]
-    assert all((m - w).abs().max() > 0.05 for m, w in zip(merged, (gate, up, down)))   # the LoRA moves every weight
-    cfg = Qwen2MoeConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, num_experts=N,
-                         num_experts_per_tok=K, moe_intermediate_size=(INTER - SHARED) // N,
-                         shared_expert_intermediate_size=SHARED, norm_topk_prob=True, hidden_act="silu")
-    ref = Qwen2MoeSparseMoeBlock(cfg)
-    ref.load_state_dict(moe_layer_params(carve_mlp(*merged, perm, SHARED, N), router, scale, shared_gate),
-                        strict=True)
-    with torch.no_grad():
-        got, want = blk(x), ref(x)
-        want = want[0] if isinstance(want, tuple) else want
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-        blk.teacher = True   # the teacher is the dense FFN, without the LoRA
-        torch.testing.assert_close(blk(x), dense_mlp(x, gate, up, down), rtol=1e-5, atol=1e-5)
+              for w, n in zip(ffn, dfd.LORA_PROJ)]
+    assert all((m - w).abs().max() > 0.05 for m, w in zip(merged, ffn))   # the LoRA moves every weight
+    assert_block_is_transformers_block(blk, p, merged)   # the teacher: the dense FFN, without the LoRA
 
 
 def test_zero_lora_is_exactly_the_d2_student_and_model():
