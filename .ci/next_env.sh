@@ -2,7 +2,7 @@
 # Build (or refresh) .venv-next: torch's newest release, which the main venv does not reach
 # (docs/setup.md#dependency-policy).
 #  - torch 2.15.0: the newest torch release (the main venv holds the local CPU wheel 2.13.0 on purpose). PyPI has only
-#    its CUDA build (about 3 GB of wheels, downloaded once into pip's cache); it runs on the CPU. It pins triton 3.9.
+#    its CUDA build (about 3 GB of wheels, ~8 GB installed; CI turns pip's cache off); it runs on the CPU. It pins triton 3.9.
 #  - transformers 5.25.0 installed together with it, as a user who has both would: then `pip install -e ".[eval,test]"`
 #    must leave both in place (no cap of pyproject.toml downgrades a user's newest torch or transformers); checked below.
 #  - everything else: the newest release that resolves with those (`.ci/deps.py check-newest`).
