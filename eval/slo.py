@@ -51,12 +51,26 @@ from . import RESULTS_DIR as RESULTS  # noqa: E402
 from . import command, results_folder  # noqa: E402
 from .depth import add_full_layers, full_depth, options_at_depth, price_label, price_of  # noqa: E402
 
-#: the variants compared and their lynx_hf configuration (``None``: the model unpatched). XShare's budget is the
-#: default's unique experts per layer-step at 16 requests on this shape (14.93 in vLLM, eval/results/serve_bench.md),
-#: measured at the price as given on the cut: at the full model's price (``--full-layers``) LYNX keeps more, so a
-#: re-measurement should match the budget again
+#: XShare's budget (experts per layer-step; ``--xshare-budget``): the default's unique experts at 16 requests on this
+#: shape, rounded up, at the price the run gives LYNX. At the full model's price (``--full-layers real``, the default:
+#: 1/64 at Qwen2-57B-A14B's 28 MoE layers) LYNX keeps 40.55 in vLLM (eval/results/serve_slo_vllm_fulldepth_r3.md): 41;
+#: at the price as given on the cut (``--full-layers cut``, 7/64) it kept 14.93 (eval/results/serve_bench.md): 15
+XSHARE_BUDGET = {"real": 41, "cut": 15}
+#: the variants compared and their lynx_hf configuration (``None``: the model unpatched); XShare's budget is the
+#: full model's price's (:func:`variants` sets another)
 VARIANTS = {"unpatched": None, "lynx": {"policy": "lynx"}, "oea": {"policy": "oea", "oea_k0": 1},
-            "xshare": {"policy": "xshare", "xshare_budget": 15, "xshare_warmup": 1}}
+            "xshare": {"policy": "xshare", "xshare_budget": XSHARE_BUDGET["real"], "xshare_warmup": 1}}
+
+
+def variants(xshare_budget: int | None = None, full_layers="real") -> dict:
+    """:data:`VARIANTS` with XShare's budget ``xshare_budget`` (experts per layer-step), or where ``None`` the one
+    matched to LYNX at the price ``full_layers`` gives (:data:`XSHARE_BUDGET`: ``"cut"`` -> 15, else 41; a depth
+    other than Qwen2-57B-A14B's 28 has no matched budget and takes 41). Raises ``ValueError`` for a budget < 1."""
+    if xshare_budget is None:
+        xshare_budget = XSHARE_BUDGET["cut" if full_layers == "cut" else "real"]
+    if int(xshare_budget) < 1:
+        raise ValueError(f"xshare_budget must be >= 1, got {xshare_budget}")
+    return {**VARIANTS, "xshare": {**VARIANTS["xshare"], "xshare_budget": int(xshare_budget)}}
 CONCURRENCY = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 MULTIPLES = (1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 AT = (8, 16, 32)
@@ -299,7 +313,8 @@ def run_transformers(args) -> dict:
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
 
     depth = full_depth(getattr(args, "full_layers", "real"), "qwen2-57b-a14b")
-    options = {v: options_at_depth(VARIANTS[v], depth) for v in VARIANTS}
+    chosen = variants(getattr(args, "xshare_budget", None), getattr(args, "full_layers", "real"))
+    options = {v: options_at_depth(chosen[v], depth) for v in chosen}
     print(f"  LYNX routing-mass {price_label(price_of(options['lynx'], args.layers), depth, args.layers)}", flush=True)
 
     def once(variant: str, c: int, new_tokens: int) -> dict:
@@ -373,6 +388,9 @@ def parse_args(argv=None):
                    help="float32 on CPUs without native bf16 (AVX2 only), where bf16 GEMMs take slow paths")
     t.add_argument("--also", nargs="*", type=Path, default=[], help="further run files to put in the same table")
     add_full_layers(t, "Qwen2-57B-A14B")
+    t.add_argument("--xshare-budget", type=int, default=None,
+                   help="XShare's budget, experts per layer-step (default: matched to LYNX at 16 requests at the price "
+                        "--full-layers gives: 41 at the full model's, 15 with --full-layers cut)")
     s = sub.add_parser("table", help="the table and plot from run files")
     s.add_argument("runs", nargs="+", type=Path)
     for q in (t, s):

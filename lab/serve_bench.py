@@ -50,6 +50,7 @@ from pathlib import Path
 from lynx_hf.eval.depth import add_full_layers, full_depth, options_at_depth, price_of
 from lynx_hf.eval.slo import VARIANTS as SLO_VARIANTS
 from lynx_hf.eval.slo import point_price
+from lynx_hf.eval.slo import variants as slo_variants
 
 from . import DATA_DIR, ROOT, command
 from . import DEFAULT_FIXTURE as FIXTURE_A
@@ -59,7 +60,7 @@ VARIANTS = {
     "unpatched": None,  # the plugin is installed (entry point) but off: vLLM's own code path
     "lynx": {"policy": "lynx"},  # LynxConfig() defaults
     "oea": {"policy": "oea", "oea_k0": 1},
-    "xshare": SLO_VARIANTS["xshare"],  # budget matched to the default's experts at 16 requests (lynx_hf.eval.slo)
+    "xshare": SLO_VARIANTS["xshare"],  # budget matched to the default's experts at 16 requests (--xshare-budget)
     "none": {"policy": "none"},  # optional: the plugin's own cost (hook, telemetry) without a remap
 }
 DEFAULT_VARIANTS = ("unpatched", "lynx", "oea")
@@ -78,16 +79,19 @@ def moe_layers_of(config: dict) -> int:
     return sum(1 for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0)
 
 
-def engine_lynx(variant: str, model: str, full_layers, cut_layers: int) -> tuple[dict | None, dict]:
+def engine_lynx(variant: str, model: str, full_layers, cut_layers: int,
+                xshare_budget: int | None = None) -> tuple[dict | None, dict]:
     """The plugin configuration a worker of ``variant`` on ``model`` gets (``additional_config={"lynx": ...}``;
     ``None``: unpatched) and what the rows record of its price: ``{"mass_price", "full_layers", "cut_layers"}``.
-    The real-shape model (a cut of ``cut_layers`` layers) at the depth ``--full-layers`` gives; fixture A whole."""
+    The real-shape model (a cut of ``cut_layers`` layers) at the depth ``--full-layers`` gives; fixture A whole.
+    XShare's budget: ``xshare_budget``, else the one matched to LYNX at that price (:func:`lynx_hf.eval.slo.variants`)."""
+    table = {**VARIANTS, "xshare": slo_variants(xshare_budget, full_layers)["xshare"]}
     if model == "fixture-a":
         own = moe_layers_of(json.loads((FIXTURE_A / "config.json").read_text()))
-        options = VARIANTS[variant]
+        options = table[variant]
         return options, {"mass_price": price_of(options, own), "full_layers": own, "cut_layers": own}
     depth = full_depth(full_layers, "qwen2-57b-a14b")
-    options = options_at_depth(VARIANTS[variant], depth)
+    options = options_at_depth(table[variant], depth)
     return options, {"mass_price": price_of(options, cut_layers), "full_layers": depth or "cut", "cut_layers": cut_layers}
 
 
@@ -377,6 +381,9 @@ def parse_args(argv=None):
     p.add_argument("--kv-cache-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--timeout", type=int, default=3600, help="seconds per engine process")
     add_full_layers(p, "Qwen2-57B-A14B (the real-shape model; fixture A runs whole)")
+    p.add_argument("--xshare-budget", type=int, default=None,
+                   help="XShare's budget, experts per layer-step (default: matched to LYNX at 16 requests at the price "
+                        "--full-layers gives: 41 at the full model's, 15 with --full-layers cut)")
     p.add_argument("--tiny", action="store_true", help="dry run: --scale 16, C 4, 8 tokens, 1 round, eager")
     p.add_argument("--out", type=Path, default=None, help="output stem (default: eval/results/serve_bench[_tiny])")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -417,7 +424,7 @@ def main(argv=None) -> int:
             for rnd in range(args.rounds):
                 order = args.variants[rnd % len(args.variants):] + args.variants[:rnd % len(args.variants)]
                 for variant in order:
-                    lynx, price = engine_lynx(variant, model, args.full_layers, args.layers)
+                    lynx, price = engine_lynx(variant, model, args.full_layers, args.layers, args.xshare_budget)
                     spec = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": rnd,
                             "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
                             "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "vocab": args.vocab,

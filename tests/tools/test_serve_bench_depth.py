@@ -66,3 +66,21 @@ def test_the_worker_specs_carry_the_full_models_price(monkeypatch, tmp_path):
     assert (rows[("qwen2-57b-2l", "lynx")]["mass_price"], rows[("qwen2-57b-2l", "lynx")]["full_layers"]) == (1 / 64, 28)
     md = out.with_suffix(".md").read_text()
     assert "| price 0.015625 (at 28 MoE layers) |" in md and "| price 0.109375 (at 4 MoE layers) |" in md
+
+
+def test_xshare_budget_follows_the_price_or_the_flag():
+    """XShare's budget is matched to LYNX's unique experts at 16 requests at the price the run gives (41 at the full
+    model's 1/64, 15 at the cut's 7/64: the measured 40.55 / 14.93 rounded up), or the one ``--xshare-budget`` names;
+    the SLO script's transformers engine takes the same table (``lynx_hf.eval.slo.variants``)."""
+    from lynx_hf.eval import slo
+
+    assert sb.engine_lynx("xshare", "qwen2-57b-2l", "real", 2)[0]["xshare_budget"] == 41
+    assert sb.engine_lynx("xshare", "qwen2-57b-2l", "cut", 2)[0]["xshare_budget"] == 15
+    assert sb.engine_lynx("xshare", "qwen2-57b-2l", "real", 2, 30)[0]["xshare_budget"] == 30
+    assert sb.parse_args(["--xshare-budget", "30"]).xshare_budget == 30 and sb.parse_args([]).xshare_budget is None
+    assert slo.variants()["xshare"]["xshare_budget"] == 41 and slo.variants(None, "cut")["xshare"]["xshare_budget"] == 15
+    assert slo.variants(7)["xshare"] == {"policy": "xshare", "xshare_budget": 7, "xshare_warmup": 1}
+    assert slo.variants(7)["lynx"] == slo.VARIANTS["lynx"] and slo.VARIANTS["xshare"]["xshare_budget"] == 41
+    with pytest.raises(ValueError, match="xshare_budget"):
+        slo.variants(0)
+    assert slo.parse_args(["transformers", "--xshare-budget", "12"]).xshare_budget == 12
