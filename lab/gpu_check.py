@@ -353,11 +353,12 @@ def section_kernels(args, dev, budget) -> None:
             with ref.strict_sync_free():
                 grown_ref = ref.mass_greedy_grow(logits, idx0, cover_ref, k, 0.5, vote=vote, seed=seed)
             record(S, f"{name} {tag} mass greedy", torch.equal(grown, grown_ref), f"|S| {int(grown_ref.sum())}")
-            oea = routing.oea_critical_set(logits, 1, vote=vote, seed=seed)
-            record(S, f"{name} {tag} oea", torch.equal(oea, ref.oea_critical_set(logits, 1, vote=vote, seed=seed)))
+            oea = routing.oea_critical_set(logits, 1, vote=vote, seed=seed, topk_idx=idx0)
+            oea_ref = ref.oea_critical_set(logits, 1, vote=vote, seed=seed, topk_idx=idx0)
+            record(S, f"{name} {tag} oea", torch.equal(oea, oea_ref))
             idx1, w1 = routing.remap_topk(logits, grown_ref, k, rule=rule, renormalize=renorm, scale=scale,
-                                          check=False)
-            idx1_ref = ref.remap_topk(logits, grown_ref, k)
+                                          check=False, topk_idx=idx0)
+            idx1_ref = ref.remap_topk(logits, grown_ref, k, topk_idx=idx0)
             w1_ref = ref.routing_weights(logits, idx1_ref, rule, renorm, scale)
             ok = torch.equal(idx1, idx1_ref) and torch.allclose(w1, w1_ref, atol=1e-5, rtol=1e-5)
             record(S, f"{name} {tag} remap + {rule}", ok, f"max |dw| {float((w1 - w1_ref).abs().max()):.1e}")
@@ -386,7 +387,7 @@ def _compiled_kernels(S, routing, moe, ref, logits, idx0, vote, seed, alpha, bet
     def step(logits, idx0, vote, seed, x):
         c = routing.lynx_critical_set(logits, idx0, 1, alpha, beta, math.inf, vote=vote, seed=seed)
         c = routing.mass_greedy_grow(logits, idx0, c, k, 0.5, vote=vote, seed=seed)
-        idx, w = routing.remap_topk(logits, c, k, rule="softmax_all", check=False)
+        idx, w = routing.remap_topk(logits, c, k, rule="softmax_all", check=False, topk_idx=idx0)
         return c, idx, moe.sparse_moe(x, idx, w.to(x.dtype), gu, dn, exact_grid=False)
 
     try:

@@ -106,11 +106,11 @@ def record_launches(models=MODELS, batches=BATCHES, dtypes=EXPERT_DTYPES, decode
                         current.update(base, call=f"mass greedy, price unit {unit}")
                         routing.mass_greedy_grow(scores, idx, crit, k, 0.5, vote=vote, seed=seed, unit=unit)
                     current.update(base, call="oea k0=1")
-                    routing.oea_critical_set(scores, 1, vote=vote, seed=seed)
+                    routing.oea_critical_set(scores, 1, vote=vote, seed=seed, topk_idx=idx)
                 _record_fused(current, model, T, N, k, rule, renorm, scale, alpha, beta, decode_masks)
                 current.update(model=model, T=T, dtype="fp32", masks="-", call=f"remap + {rule}")
                 routing.remap_topk(scores, crit, k, logits=scores, rule=rule, renormalize=renorm, scale=scale,
-                                   check=False)
+                                   check=False, topk_idx=idx)
                 for dt in dtypes:
                     d = torch_dtype[dt]
                     x = torch.empty(T, H, dtype=d, device=meta)

@@ -148,15 +148,29 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "ties_higher_id",
-        "remap breaks score ties to the higher expert id (torch and numba twins)",
+        "a token's ranking (remap, OEA top-k0, XShare warm-up) breaks score ties, among its own experts and among the "
+        "others, to the higher expert id (torch and numba twins)",
         (("lynx_hf/kernels/routing_torch.py",
-          "order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # by score, ties lower id",
-          "order = s.shape[-1] - 1 - torch.sort(s.flip(-1), dim=-1, descending=True, stable=True).indices"),
-         ("lynx_hf/kernels/routing_cpu.py", "(tier[e] == tier[best] and s[t, e] > s[t, best])",
-          "(tier[e] == tier[best] and s[t, e] >= s[t, best])")),
+          "    first = torch.sort(own.to(torch.int8), dim=-1, descending=True, stable=True).indices\n",
+          "    first = s.shape[-1] - 1 - torch.sort(own.flip(-1).to(torch.int8), dim=-1, descending=True,"
+          " stable=True).indices\n"),
+         ("lynx_hf/kernels/routing_cpu.py", "return v > best_v or (v == best_v and own_e and not own_best)",
+          "return v > best_v or (v == best_v and (own_e or not own_best))")),
         (PP + "test_C12_all_zero_logits_pick_lowest_ids",
          PP + "test_C12_rows_inf_except_two_experts",
          PP + "test_critical_set_and_remap_equal_the_independent_reference"),
+    ),
+    Mutant(
+        "ties_ignore_own",
+        "a token's ranking (remap, OEA top-k0, XShare warm-up) breaks score ties to the lower id only, not to the "
+        "token's own experts first (torch and numba twins: the rule before the new-user finding of guarantees.md)",
+        (("lynx_hf/kernels/routing_torch.py", "    own = own_mask(topk_idx, s)\n    if own is None:\n",
+          "    own = None\n    if own is None:\n"),
+         ("lynx_hf/kernels/routing_cpu.py", "return v > best_v or (v == best_v and own_e and not own_best)",
+          "return v > best_v")),
+        (PP + "test_ties_keep_the_tokens_own_experts",
+         PP + "test_critical_set_and_remap_equal_the_independent_reference",
+         EQ + "test_all_zero_router_logits_keep_each_tokens_top_k"),
     ),
     Mutant(
         "consensus_gt",

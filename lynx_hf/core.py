@@ -505,7 +505,7 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
                                             policies.StepTensors(scores, idx64, weights, None, None, top_k))
         logits32 = scores if logits is scores else logits if logits.dtype == torch.float32 else logits.float()
         new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
-                                         rule.renorm_eps)
+                                         rule.renorm_eps, topk_idx=idx64)
         return new_weights.to(weights.dtype), new_idx.to(idx.dtype), finite
     # per-token masks only where the step has them (no all-True mask is built)
     decode, live = step.decode, step.live
@@ -523,7 +523,7 @@ def remap(plan: RoutePlan, rule: WeightRule, step: Step, scores, logits, weights
     logits32 = scores if same else torch.where(finite[:, None], logits.float(),
                                                torch.zeros_like(logits, dtype=torch.float32))
     new_idx, new_weights = ops.remap(scores, critical, top_k, logits32, rule.kind, rule.renormalize, rule.scale,
-                                     rule.renorm_eps)
+                                     rule.renorm_eps, topk_idx=idx64)
     rows = remapped[:, None]
     out_idx = torch.where(rows, new_idx, idx64).to(idx.dtype)
     out_weights = torch.where(rows, new_weights.to(weights.dtype), weights)

@@ -75,7 +75,9 @@ class RoutingOps(typing.Protocol):
     """The op set of a routing backend (what :func:`routing_ops` returns): the critical-set ops (:data:`CRITICAL_SET_OPS`,
     signatures of :mod:`.routing_torch`), ``remap`` (top-k restricted to the critical set, then the weight rule) and
     ``lynx_mass_decode`` (the default policy's whole decode step in one call, or ``None`` where the backend has none).
-    Every implementation returns the same integers for the same inputs."""
+    ``topk_idx [T, k]``: the model's own top-k ids; where one token's ranking is taken (OEA's top-k0, XShare's
+    warm-up, the remap) equal scores prefer them, then the lower id (``None``: the lower id). Every implementation
+    returns the same integers for the same inputs."""
 
     name: str
     lynx_mass_decode: typing.Callable | None
@@ -83,22 +85,22 @@ class RoutingOps(typing.Protocol):
     def lynx_critical_set(self, scores, topk_idx, top_k, alpha, beta, tau, batch_base=None, vote=None,
                           seed=None): ...
 
-    def oea_critical_set(self, scores, top_k0, vote=None, seed=None): ...
+    def oea_critical_set(self, scores, top_k0, vote=None, seed=None, topk_idx=None): ...
 
     def mass_greedy_grow(self, scores, topk_idx, critical, top_k, price, vote=None, seed=None, unit="token"): ...
 
     def xshare_critical_set(self, scores, topk_idx, top_k, budget, warmup, vote=None, seed=None): ...
 
-    def remap(self, scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0): ...
+    def remap(self, scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0, topk_idx=None): ...
 
 
 def _remap_with(remap_topk):
-    """The ops' ``remap``: ``remap_topk`` (the torch op or its numba twin) picks the ids, the torch weight rule
-    (``routing_torch.routing_weights``) weights them."""
+    """The ops' ``remap``: ``remap_topk`` (the torch op or its numba twin) picks the ids (ties -> the token's own
+    experts ``topk_idx``, then lower id), the torch weight rule (``routing_torch.routing_weights``) weights them."""
     from . import routing_torch as rt
 
-    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0):
-        idx = remap_topk(scores, critical, top_k, check=False)
+    def remap(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0, topk_idx=None):
+        idx = remap_topk(scores, critical, top_k, check=False, topk_idx=topk_idx)
         return idx, rt.routing_weights(logits, idx, rule, renormalize, scale, eps)
 
     return remap
@@ -145,9 +147,9 @@ def routing_ops(backend: str, host: bool = False) -> RoutingOps:
     from . import moe as tm
     from . import routing as tr
 
-    def remap_triton(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0):
+    def remap_triton(scores, critical, top_k, logits, rule, renormalize=False, scale=1.0, eps=0.0, topk_idx=None):
         return tr.remap_topk(scores, critical, top_k, logits=logits, rule=rule, renormalize=renormalize, scale=scale,
-                             eps=eps, check=False)
+                             eps=eps, check=False, topk_idx=topk_idx)
 
     return _namespace("triton", tr, remap_triton, sparse_moe=tm.sparse_moe, fused_step=tf.FusedStep,
                       pinning=tf.pinning)

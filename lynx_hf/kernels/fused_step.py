@@ -13,9 +13,10 @@ From the router logits (any float dtype) and the model's own top-k, one single-p
 3. the policy's critical set (:class:`FusedPolicy`: LYNX with routing-mass growth = the default, the paper's rule,
    OEA, XShare; or ``keep``: the model's routing, telemetry only), voted by the live decode rows with finite logits,
    seeded by the other live rows' experts and the caller's ``seed``;
-4. the remap of those rows (each keeps exactly k distinct allowed experts, preferring the critical set) and the
-   family's weight rule (``softmax_all`` / ``softmax_chosen`` / ``sigmoid``, renormalised, scaled), the other rows'
-   own routing copied through;
+4. the remap of those rows (each keeps exactly k distinct allowed experts, preferring the critical set; equal scores
+   prefer the row's own experts, then the lower id, as OEA's top-k0 and XShare's warm-up do) and the family's weight
+   rule (``softmax_all`` / ``softmax_chosen`` / ``sigmoid``, renormalised, scaled), the other rows' own routing
+   copied through;
 5. the step's telemetry row (:mod:`.telemetry_slots`), added to the layer's fp64 accumulators.
 
 The integers (critical set, ids, counts) are the torch reference's (:mod:`.routing_torch`, composed as
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .routing import _bins_f, _mass_greedy, _splat_flag, block_sizes
+from .routing import _bins_f, _mass_greedy, _splat_flag, _tie_keys, _tie_pick, block_sizes
 from .routing_torch import MASS_UNIT, PRICE_UNITS, WEIGHT_RULES, batch_base_powers, mass_grow_steps
 from .step_spec import (
     BIAS_SCORES,
@@ -110,6 +111,18 @@ def _union_of(own, rows, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr):
         e = tl.where(rows & (e >= 0), e, -1)
         hit = tl.maximum(hit, tl.max((e[:, None] == offs_n[None, :]).to(tl.int32), axis=0))
     return hit
+
+
+@triton.jit
+def _own_keys(own, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_T, BLOCK_N]`` int32 tie keys (``routing._tie_keys``: a row's own experts first, then lower id) from
+    the rows' own ids ``own [BLOCK_T, BLOCK_K]`` (ids < 0: none)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    hit = tl.zeros([own.shape[0], offs_n.shape[0]], dtype=tl.int32) != 0
+    for j in tl.static_range(K):
+        e = tl.sum(tl.where(offs_k[None, :] == j, own, 0), axis=1)
+        hit = hit | ((e[:, None] == offs_n[None, :]) & (e[:, None] >= 0))
+    return _tie_keys(hit, offs_n, offs_n.shape[0])
 
 
 @triton.jit
@@ -188,16 +201,17 @@ def _selection_scores(lg, sin_ptr, offs_t, tm, offs_n, nmask, stride_st, stride_
 
 
 @triton.jit
-def _topk_union(s, rows, offs_n, nmask, KSEL: tl.constexpr):
-    """``[BLOCK_N]`` int32 0/1: the union over ``rows`` of each row's top-``KSEL`` of ``s`` (ties -> lower id; a row
-    with fewer finite scores takes ``-inf`` experts by id, as a stable descending sort does)."""
+def _topk_union(s, keys, rows, offs_n, nmask, KSEL: tl.constexpr):
+    """``[BLOCK_N]`` int32 0/1: the union over ``rows`` of each row's top-``KSEL`` of ``s`` (ties -> the row's own
+    experts, then lower id: the tie ``keys`` of :func:`_own_keys`; a row with fewer finite scores takes ``-inf``
+    experts in that order, as ``routing_torch.own_first_order`` does)."""
     BLOCK_N: tl.constexpr = s.shape[1]
     taken = (offs_n[None, :] >= 0) & (nmask[None, :] == 0)
     taken = taken | (rows[:, None] & (offs_n[None, :] < 0))
     union = tl.zeros([BLOCK_N], dtype=tl.int32)
     for _ in tl.static_range(KSEL):
         m = tl.max(tl.where(taken, float("-inf"), s), axis=1)
-        sel = tl.min(tl.where((taken == 0) & (s == m[:, None]), offs_n[None, :], BLOCK_N), axis=1)
+        sel = _tie_pick((taken == 0) & (s == m[:, None]), keys, BLOCK_N)
         hit = offs_n[None, :] == sel[:, None]
         taken = taken | hit
         union = tl.maximum(union, tl.max((hit & rows[:, None]).to(tl.int32), axis=0))
@@ -305,7 +319,8 @@ def _fused_step_kernel(
                     tl.store(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], big_w, mask=tm[:, None])
                 if POLICY == 2 or POLICY == 3:
                     if KSEL > 0:
-                        pick = tl.maximum(pick, _topk_union(s, vote, offs_n, nmask, KSEL))
+                        pick = tl.maximum(pick, _topk_union(s, _own_keys(own, offs_n, K, BLOCK_K), vote, offs_n,
+                                                            nmask, KSEL))
                 if POLICY == 3:
                     p = _softmax_rows(s, nmask)
                     xmass += tl.sum(tl.where(vote[:, None], _fixed_point(p * 16777216.0), 0), axis=0)
@@ -409,13 +424,14 @@ def _fused_step_kernel(
                             other=float("-inf"))
                 allowed = (s == s) & (s != float("-inf")) & nmask[None, :]
                 tier = tl.where((crit > 0)[None, :] & allowed, 2, tl.where(allowed, 1, 0))
+                keys = _own_keys(own.to(tl.int64), offs_n, K, BLOCK_K)  # ties -> the row's own experts, lower id
                 taken = offs_n[None, :] >= N
                 out = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
                 for i in tl.static_range(K):
                     mt = tl.max(tl.where(taken, -1, tier), axis=1)
                     c1 = (taken == 0) & (tier == mt[:, None])
                     ms = tl.max(tl.where(c1, s, float("-inf")), axis=1)
-                    choice = tl.min(tl.where(c1 & (s == ms[:, None]), offs_n[None, :], BLOCK_N), axis=1)
+                    choice = _tie_pick(c1 & (s == ms[:, None]), keys, BLOCK_N)
                     taken = taken | (offs_n[None, :] == choice[:, None])
                     out = tl.where(offs_k[None, :] == i, choice[:, None], out)
                 lg = tl.load(lg_ptr + offs_t[:, None] * stride_lt + offs_n[None, :] * stride_ln, mask=m2,

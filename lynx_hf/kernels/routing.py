@@ -9,10 +9,11 @@ experts the step loads anyway) and a batch base given as a 0-d device tensor:
   reduction"): affinity binning, exponential batch score, cover / consensus / grow, fused in one
   single-program kernel (decode batches are small; the steps need batch-global reductions);
 - :func:`oea_critical_set` — OEA (Oncescu et al., arXiv 2511.02237, Sec. 3): union of each voting
-  token's top-``k0`` plus the seed;
+  token's top-``k0`` plus the seed (ties -> the token's own experts, then lower id);
 - :func:`mass_greedy_grow` — the project's routing-mass growth (integer greedy, one program);
 - :func:`remap_topk` — the remap step (LYNX Sec. 4 / OEA piggybacking): each token's top-k
-  preferring the critical set, optionally with the family's routing weights recomputed.
+  preferring the critical set (ties -> the token's own experts, then lower id), optionally with the
+  family's routing weights recomputed.
 
 **Sync-free.** No launcher reads a device value on the host: grids and block sizes depend on shapes
 only (:func:`block_sizes`), loops inside the kernels have bounds given by shapes or stop on device
@@ -138,6 +139,35 @@ def _score_tile(s_ptr, vote_ptr, t0, T, offs_n, nmask, stride_st, stride_sn, str
     s = tl.load(s_ptr + offs_t[:, None] * stride_st + offs_n[None, :] * stride_sn,
                 mask=tm[:, None] & nmask[None, :], other=float("-inf"))
     return rv, s
+
+
+@triton.jit
+def _tie_keys(own, offs_n, BLOCK_N: tl.constexpr):
+    """``[BLOCK_T, BLOCK_N]`` int32 tie keys of :func:`_tie_pick`: ``id`` for a row's own experts (``own``, bool),
+    ``id + BLOCK_N`` for the others."""
+    ids = offs_n.to(tl.int32)[None, :]
+    return tl.where(own, ids, ids + BLOCK_N)
+
+
+@triton.jit
+def _own_keys(own_ptr, offs_t, tm, offs_n, stride_ot, stride_ok, KO: tl.constexpr, HAS_OWN: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """:func:`_tie_keys` of each row's own experts (``topk_idx [T, KO]``; none without one: the keys are the ids)."""
+    own = (offs_t[:, None] < 0) & (offs_n[None, :] < 0)
+    if HAS_OWN:
+        for j in tl.static_range(KO):
+            e = tl.load(own_ptr + offs_t * stride_ot + j * stride_ok, mask=tm, other=-1).to(tl.int64)
+            own = own | (offs_n[None, :] == e[:, None])
+    return _tie_keys(own, offs_n, BLOCK_N)
+
+
+@triton.jit
+def _tie_pick(cand, keys, BLOCK_N: tl.constexpr):
+    """``[BLOCK_T]`` int64: per row, among the experts ``cand [BLOCK_T, BLOCK_N]`` (those with the best score), the
+    row's own experts if any is there, and among those the lower id: the min of the tie ``keys`` (:func:`_tie_keys`)
+    mod ``BLOCK_N``. ``BLOCK_N`` for a row with no candidate."""
+    sel = tl.min(tl.where(cand, keys, 2 * BLOCK_N), axis=1)
+    return tl.where(sel >= 2 * BLOCK_N, BLOCK_N, sel % BLOCK_N).to(tl.int64)
 
 
 @triton.jit
@@ -343,9 +373,10 @@ def lynx_critical_set(
 @_single_program
 @triton.jit
 def _oea_kernel(
-    s_ptr, vote_ptr, seed_ptr, out_ptr, T, N, k0,
-    stride_st, stride_sn, stride_v, stride_sd,
+    s_ptr, vote_ptr, seed_ptr, own_ptr, out_ptr, T, N, k0,
+    stride_st, stride_sn, stride_v, stride_sd, stride_ot, stride_ok,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, HAS_VOTE: tl.constexpr, HAS_SEED: tl.constexpr,
+    KO: tl.constexpr, HAS_OWN: tl.constexpr,
 ):
     offs_n = tl.arange(0, BLOCK_N).to(tl.int64)
     nmask = offs_n < N
@@ -356,25 +387,36 @@ def _oea_kernel(
         rv = _row_votes(vote_ptr, offs_t, tm, stride_v, HAS_VOTE)
         s = tl.load(s_ptr + offs_t[:, None] * stride_st + offs_n[None, :] * stride_sn,
                     mask=tm[:, None] & nmask[None, :], other=float("-inf"))
+        keys = _own_keys(own_ptr, offs_t, tm, offs_n, stride_ot, stride_ok, KO, HAS_OWN, BLOCK_N)
         taken = (offs_n[None, :] >= N) | (offs_t[:, None] < 0)  # [BLOCK_T, BLOCK_N], padding pre-taken
         for _ in range(0, k0):
             m = tl.max(tl.where(taken, float("-inf"), s), axis=1)
-            sel = tl.min(tl.where((taken == 0) & (s == m[:, None]), offs_n[None, :], BLOCK_N), axis=1)
+            sel = _tie_pick((taken == 0) & (s == m[:, None]), keys, BLOCK_N)  # ties -> own, then lower id
             hit = offs_n[None, :] == sel[:, None]
             taken = taken | hit
             union = tl.maximum(union, tl.max((hit & rv[:, None]).to(tl.int32), axis=0))
     tl.store(out_ptr + offs_n, union.to(tl.int8), mask=nmask)
 
 
+def _own_arg(topk_idx, num_tokens: int, like: torch.Tensor):
+    """``(tensor to pass, row stride, slot stride, slots, present)`` for an optional ``topk_idx [T, k]``."""
+    if topk_idx is None:
+        return like, 0, 0, 1, False
+    _check_topk_idx(topk_idx, num_tokens)
+    if topk_idx.device != like.device:
+        raise ValueError(f"topk_idx is on {topk_idx.device}, scores on {like.device}")
+    return topk_idx, topk_idx.stride(0), topk_idx.stride(1), topk_idx.shape[1], True
+
+
 def oea_critical_set(scores: torch.Tensor, top_k0: int, vote: torch.Tensor | None = None,
-                     seed: torch.Tensor | None = None) -> torch.Tensor:
+                     seed: torch.Tensor | None = None, topk_idx: torch.Tensor | None = None) -> torch.Tensor:
     """OEA critical set (arXiv 2511.02237, Sec. 3): the seed plus the union of every voting token's
-    top-``k0`` (ties -> lower id).
+    top-``k0`` (ties -> the token's own experts ``topk_idx [T, k]``, then lower id; ``None``: lower id).
 
     ``scores [T, N]`` fp32, ``vote [T]`` / ``seed [N]`` bool or ``None`` -> ``[N]`` bool, equal to
-    :func:`.routing_torch.oea_critical_set` (including ``-inf`` experts picked by id order when a row
+    :func:`.routing_torch.oea_critical_set` (including ``-inf`` experts picked by that order when a row
     has fewer than ``k0`` finite scores). Sync-free. Raises ``ValueError`` for non-2-d / non-fp32 /
-    empty scores, masks of the wrong shape / dtype / device, or ``k0`` outside ``1..N``.
+    empty scores, masks or ``topk_idx`` of the wrong shape / dtype / device, or ``k0`` outside ``1..N``.
     """
     _check_scores(scores)
     num_tokens, num_experts = scores.shape
@@ -382,12 +424,14 @@ def oea_critical_set(scores: torch.Tensor, top_k0: int, vote: torch.Tensor | Non
         raise ValueError(f"k0 must be in 1..{num_experts}, got {top_k0}")
     vote_t, stride_v, has_vote = _mask_arg(vote, num_tokens, "vote", scores)
     seed_t, stride_sd, has_seed = _mask_arg(seed, num_experts, "seed", scores)
+    own_t, stride_ot, stride_ok, slots, has_own = _own_arg(topk_idx, num_tokens, scores)
     out = torch.empty(num_experts, dtype=torch.int8, device=scores.device)
     blk = block_sizes(num_tokens, num_experts, 1)
     _oea_kernel[(1,)](
-        scores, vote_t, seed_t, out, num_tokens, num_experts, int(top_k0),
-        scores.stride(0), scores.stride(1), stride_v, stride_sd,
+        scores, vote_t, seed_t, own_t, out, num_tokens, num_experts, int(top_k0),
+        scores.stride(0), scores.stride(1), stride_v, stride_sd, stride_ot, stride_ok,
         BLOCK_T=blk["BLOCK_T"], BLOCK_N=blk["BLOCK_N"], HAS_VOTE=has_vote, HAS_SEED=has_seed,
+        KO=slots, HAS_OWN=has_own,
     )
     return out.to(torch.bool)
 
@@ -570,11 +614,11 @@ def mass_greedy_grow(
 
 @triton.jit
 def _remap_kernel(
-    s_ptr, crit_ptr, l_ptr, idx_ptr, w_ptr,
+    s_ptr, crit_ptr, l_ptr, own_ptr, idx_ptr, w_ptr,
     T, N, scale, eps,
-    stride_st, stride_sn, stride_lt, stride_ln,
+    stride_st, stride_sn, stride_lt, stride_ln, stride_ot, stride_ok,
     K: tl.constexpr, RULE: tl.constexpr, RENORM: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KO: tl.constexpr, HAS_OWN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -586,6 +630,7 @@ def _remap_kernel(
     crit = tl.load(crit_ptr + offs_n, mask=nmask, other=0) != 0
     allowed = (s == s) & (s != float("-inf")) & nmask[None, :]
     tier = tl.where(crit[None, :] & allowed, 2, tl.where(allowed, 1, 0))
+    keys = _own_keys(own_ptr, offs_t, tm, offs_n, stride_ot, stride_ok, KO, HAS_OWN, BLOCK_N)
     taken = offs_n[None, :] >= N
     offs_k = tl.arange(0, BLOCK_K)
     out = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
@@ -593,8 +638,7 @@ def _remap_kernel(
         mt = tl.max(tl.where(taken, -1, tier), axis=1)
         c1 = (taken == 0) & (tier == mt[:, None])
         ms = tl.max(tl.where(c1, s, float("-inf")), axis=1)
-        c2 = c1 & (s == ms[:, None])
-        sel = tl.min(tl.where(c2, offs_n[None, :], BLOCK_N), axis=1)
+        sel = _tie_pick(c1 & (s == ms[:, None]), keys, BLOCK_N)  # ties -> own, then lower id
         taken = taken | (offs_n[None, :] == sel[:, None])
         out = tl.where(offs_k[None, :] == i, sel[:, None], out)
     kmask = offs_k < K
@@ -642,12 +686,14 @@ def remap_topk(
     scale: float = 1.0,
     eps: float = 0.0,
     check: bool = True,
+    topk_idx: torch.Tensor | None = None,
 ):
     """Remap step (arXiv 2411.08982 Sec. 4; OEA piggybacking, arXiv 2511.02237 Sec. 3), in Triton.
 
-    ``scores [T, N]`` fp32, ``critical [N]`` bool -> ``idx [T, k]`` int64, equal element for element
-    to :func:`.routing_torch.remap_topk` (in-S experts by score, then out-of-S by score, ties
-    -> lower id; never a forbidden ``-inf`` expert).
+    ``scores [T, N]`` fp32, ``critical [N]`` bool, ``topk_idx [T, k]`` int32/int64 the model's own top-k ids
+    (or ``None``) -> ``idx [T, k]`` int64, equal element for element to :func:`.routing_torch.remap_topk`
+    (in-S experts by score, then out-of-S by score, ties -> the token's own experts, then lower id; never a
+    forbidden ``-inf`` expert).
 
     With ``rule`` in ``("softmax_all", "softmax_chosen", "sigmoid")`` returns ``(idx, weights)``, the
     weights ``[T, k]`` fp32 computed in the same kernel from ``logits [T, N]`` (default: ``scores``)
@@ -655,9 +701,9 @@ def remap_topk(
     renormalisation's denominator epsilon, ``w / (sum + eps)``).
 
     Raises ``ValueError`` for non-2-d / non-fp32 scores or logits of another shape, a ``critical``
-    that is not ``[N]`` bool, ``top_k`` outside ``1..N``, an unknown rule, and (when ``check``, which
-    costs one device sync; the decode path passes ``False``) a row with fewer than ``top_k`` allowed
-    (finite) scores.
+    that is not ``[N]`` bool, a ``topk_idx`` that is not ``[T, k]`` integer on the scores' device, ``top_k``
+    outside ``1..N``, an unknown rule, and (when ``check``, which costs one device sync; the decode path
+    passes ``False``) a row with fewer than ``top_k`` allowed (finite) scores.
     """
     _check_scores(scores)
     num_tokens, num_experts = scores.shape
@@ -672,6 +718,7 @@ def remap_topk(
         logits = scores
     elif logits.shape != scores.shape or logits.dtype != torch.float32:
         raise ValueError(f"logits must be fp32 {tuple(scores.shape)}, got {tuple(logits.shape)} {logits.dtype}")
+    own_t, stride_ot, stride_ok, slots, has_own = _own_arg(topk_idx, num_tokens, scores)
     if check:
         allowed = torch.isfinite(scores) | (scores > 0)
         if bool((allowed.sum(dim=-1) < top_k).any()):
@@ -684,10 +731,10 @@ def remap_topk(
     grid = (triton.cdiv(num_tokens, block_t),)
     crit_i8 = critical.contiguous().to(torch.int8)
     _remap_kernel[grid](
-        scores, crit_i8, logits, idx, w,
+        scores, crit_i8, logits, own_t, idx, w,
         num_tokens, num_experts, float(scale), float(eps),
-        scores.stride(0), scores.stride(1), logits.stride(0), logits.stride(1),
+        scores.stride(0), scores.stride(1), logits.stride(0), logits.stride(1), stride_ot, stride_ok,
         K=top_k, RULE=_RULE_CODE[rule], RENORM=bool(renormalize),
-        BLOCK_T=block_t, BLOCK_N=blk["BLOCK_N"], BLOCK_K=blk["BLOCK_K"],
+        BLOCK_T=block_t, BLOCK_N=blk["BLOCK_N"], BLOCK_K=blk["BLOCK_K"], KO=slots, HAS_OWN=has_own,
     )
     return (idx, w) if rule else idx

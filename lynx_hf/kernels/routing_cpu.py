@@ -193,66 +193,98 @@ def _fixed_point_weights(scores, topk_idx, vote):
 
 
 @_jit
-def _top_choices(s, rows, k0, n):
-    """Union over ``rows`` of each row's top-``k0`` of ``s`` (desc, ties -> lower id)."""
+def _own_row(idx, t, own):
+    """``own [N]`` bool := row ``t``'s own experts ``idx[t]`` (``idx [T, k]`` int64; ``[T, 0]``: none)."""
+    own[:] = False
+    for j in range(idx.shape[1]):
+        e = idx[t, j]
+        if 0 <= e < own.shape[0]:
+            own[e] = True
+
+
+@_jit
+def _better(v, own_e, best_v, own_best):
+    """Whether an expert of score ``v`` (own: ``own_e``) ranks before the best so far, scanned in id order: a
+    higher score, or an equal one and own where the best is not (ties -> own, then lower id)."""
+    return v > best_v or (v == best_v and own_e and not own_best)
+
+
+@_jit
+def _top_choices(s, idx, rows, k0, n):
+    """Union over ``rows`` of each row's top-``k0`` of ``s`` (desc, ties -> the row's own experts ``idx``,
+    then lower id)."""
     out = np.zeros(n, dtype=np.bool_)
     taken = np.zeros(n, dtype=np.bool_)
+    own = np.zeros(n, dtype=np.bool_)
     for t in range(s.shape[0]):
         if not rows[t]:
             continue
         taken[:] = False
+        _own_row(idx, t, own)
         for _ in range(k0):
             best = -1
             for e in range(n):
-                if not taken[e] and (best < 0 or s[t, e] > s[t, best]):
+                if not taken[e] and (best < 0 or _better(s[t, e], own[e], s[t, best], own[best])):
                     best = e
             taken[best] = True
             out[best] = True
     return out
 
 
-def oea_critical_set(scores, top_k0, vote=None, seed=None):
+def _own_ids(topk_idx, num_tokens: int) -> np.ndarray:
+    """The own ids as int64 numpy ``[T, k]``; ``[T, 0]`` for ``None`` (no own experts: ties -> lower id)."""
+    return np.zeros((num_tokens, 0), dtype=np.int64) if topk_idx is None else _np(topk_idx, torch.int64)
+
+
+def oea_critical_set(scores, top_k0, vote=None, seed=None, topk_idx=None):
     """Twin of :func:`.routing_torch.oea_critical_set`."""
     num_tokens, num_experts = scores.shape
     if not 1 <= top_k0 <= num_experts:
         raise ValueError(f"k0 must be in 1..{num_experts}, got {top_k0}")
-    out = _top_choices(_np(scores, torch.float32), _mask(vote, num_tokens), int(top_k0), num_experts)
+    out = _top_choices(_np(scores, torch.float32), _own_ids(topk_idx, num_tokens), _mask(vote, num_tokens),
+                       int(top_k0), num_experts)
     if seed is not None:
         out |= _np(seed)
     return torch.from_numpy(out)
 
 
 @_jit
-def _remap(s, critical, top_k):
+def _remap(s, idx, critical, top_k):
+    """Each row's top-k by tier (allowed in S, allowed, forbidden), then score, then own (``idx [T, k]``),
+    then lower id."""
     t_count, n = s.shape
     out = np.empty((t_count, top_k), dtype=np.int64)
     tier = np.empty(n, dtype=np.int64)
     taken = np.zeros(n, dtype=np.bool_)
+    own = np.zeros(n, dtype=np.bool_)
     for t in range(t_count):
         for e in range(n):
             v = s[t, e]
             allowed = math.isfinite(v) or v > 0
             tier[e] = 2 if (allowed and critical[e]) else (1 if allowed else 0)
         taken[:] = False
+        _own_row(idx, t, own)
         for i in range(top_k):
             best = -1
             for e in range(n):
                 if taken[e]:
                     continue
-                if best < 0 or tier[e] > tier[best] or (tier[e] == tier[best] and s[t, e] > s[t, best]):
+                if best < 0 or tier[e] > tier[best] or (
+                        tier[e] == tier[best] and _better(s[t, e], own[e], s[t, best], own[best])):
                     best = e
             taken[best] = True
             out[t, i] = best
     return out
 
 
-def remap_topk(scores, critical, top_k, check=True):
+def remap_topk(scores, critical, top_k, check=True, topk_idx=None):
     """Twin of :func:`.routing_torch.remap_topk` (``check`` reads the scores on the host, as there)."""
     if check:
         s = scores.float()
         if bool(((torch.isfinite(s) | (s > 0)).sum(dim=-1) < top_k).any()):
             raise ValueError(f"a token has fewer than top_k={top_k} allowed (finite) router scores")
-    return torch.from_numpy(_remap(_np(scores, torch.float32), _np(critical, torch.bool), int(top_k)))
+    return torch.from_numpy(_remap(_np(scores, torch.float32), _own_ids(topk_idx, scores.shape[0]),
+                                   _np(critical, torch.bool), int(top_k)))
 
 
 @_jit
@@ -331,7 +363,7 @@ def _xshare(s, idx, rows, mass, seed, top_k, budget, warmup):
     cand = _union(idx, rows, n) | seed
     critical = seed.copy()
     if warmup > 0:
-        critical |= _top_choices(s, rows, warmup, n)
+        critical |= _top_choices(s, idx, rows, warmup, n)
     size = 0
     for e in range(n):
         if critical[e]:
@@ -454,7 +486,7 @@ def _lynx_mass_decode(s, lg, rel, den, idx, w, voters, top_k, alpha, beta, power
             big_w[t, e] = np.int64(np.rint(np.float32(v * mass_unit)))
     cand = _union(idx, voters, n)
     critical = _mass_greedy(big_w, cand, critical, top_k, price_fixed)
-    new_idx = _remap(s, critical, top_k)
+    new_idx = _remap(s, idx, critical, top_k)
     if count:
         row = _counts(idx, new_idx, w, voters, np.zeros(0, dtype=np.bool_), ~voters, n, verify, False)
     else:

@@ -38,7 +38,12 @@ Steps (LYNX, Gupta et al., arXiv 2411.08982, Sec. 4 "Dynamic expert reduction"):
 OEA (Oncescu et al., arXiv 2511.02237, Sec. 3): ``S`` is the seed plus the union of every voting
 token's top-``k0``; the same remap step then lets each token piggyback on experts already in ``S``.
 
-Ties always break to the lower expert id (stable sorts), so results are deterministic.
+Ties are deterministic (stable sorts). Where one token's own ranking is taken -- OEA's top-``k0``, XShare's
+warm-up, the remap -- equal scores prefer the token's own experts (the model's top-k ids, ``topk_idx``), then
+the lower expert id (:func:`own_first_order`): the model's ``torch.topk`` orders tied experts its own way, so
+ranking ties by id alone would move a tied token off its own experts where the policy should keep them
+(OEA with ``k0 = k``, XShare with a budget of ``N``). The batch-level selections (LYNX's cover and growth,
+the mass greedy, XShare's fill) break ties to the lower expert id.
 """
 
 from __future__ import annotations
@@ -254,36 +259,69 @@ def lynx_critical_set(
     return _add_ranked(critical, score, candidates & ~critical, missing)
 
 
+def own_mask(topk_idx: torch.Tensor | None, scores: torch.Tensor) -> torch.Tensor | None:
+    """``[T, N]`` bool, True at each row's own experts ``topk_idx [T, k]`` (ids in ``0..N-1``); ``None`` for
+    ``None`` (no own experts)."""
+    if topk_idx is None:
+        return None
+    return torch.zeros(scores.shape, dtype=torch.bool, device=scores.device).scatter_(1, topk_idx.long(), True)
+
+
+def own_first_order(scores: torch.Tensor, topk_idx: torch.Tensor | None = None) -> torch.Tensor:
+    """Each row's experts by score descending; equal scores: the row's own experts (``topk_idx [T, k]``) first,
+    then the lower id. ``scores [T, N]`` fp32 -> ``[T, N]`` int64 (a permutation per row).
+
+    Two stable sorts: own experts first (id order kept), then by score (the first order kept among equal scores).
+    ``topk_idx`` ``None``: by score, ties -> lower id.
+    """
+    s = scores.float()
+    own = own_mask(topk_idx, s)
+    if own is None:
+        return torch.sort(s, dim=-1, descending=True, stable=True).indices
+    first = torch.sort(own.to(torch.int8), dim=-1, descending=True, stable=True).indices
+    by_score = torch.sort(torch.gather(s, 1, first), dim=-1, descending=True, stable=True).indices
+    return torch.gather(first, 1, by_score)
+
+
 def oea_critical_set(
-    scores: torch.Tensor, top_k0: int, vote: torch.Tensor | None = None, seed: torch.Tensor | None = None
+    scores: torch.Tensor,
+    top_k0: int,
+    vote: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    topk_idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """OEA critical set: the seed plus the union of every voting token's top-``k0`` of ``scores``
-    (ties -> lower id). ``scores [T, N]`` fp32 -> ``[N]`` bool. Raises ``ValueError`` unless
-    ``1 <= k0 <= N``.
+    (ties -> the token's own experts ``topk_idx [T, k]``, then lower id; :func:`own_first_order`).
+    ``scores [T, N]`` fp32 -> ``[N]`` bool. With ``k0 = k`` a voting token's top-``k0`` is exactly its own
+    top-k, whatever order the model's top-k gave tied experts. ``topk_idx`` ``None``: ties -> lower id. Raises
+    ``ValueError`` unless ``1 <= k0 <= N``.
     """
     num_experts = scores.shape[-1]
     if not 1 <= top_k0 <= num_experts:
         raise ValueError(f"k0 must be in 1..{num_experts}, got {top_k0}")
-    order = torch.sort(scores.float(), dim=-1, descending=True, stable=True).indices[:, :top_k0]
+    order = own_first_order(scores, topk_idx)[:, :top_k0]
     union = union_mask(order, num_experts, vote)
     return union if seed is None else union | seed
 
 
-def remap_topk(scores: torch.Tensor, critical: torch.Tensor, top_k: int, check: bool = True) -> torch.Tensor:
+def remap_topk(scores: torch.Tensor, critical: torch.Tensor, top_k: int, check: bool = True,
+               topk_idx: torch.Tensor | None = None) -> torch.Tensor:
     """Remap step: each token's top-k preferring the critical set.
 
-    ``scores [T, N]`` fp32, ``critical [N]`` bool -> ``idx [T, k]`` int64, ordered by preference
-    (in-S experts by score, then out-of-S experts by score; ties -> lower id). Never returns a
-    forbidden (``-inf``) expert for a row with at least ``k`` allowed experts. With ``check`` (one
-    device sync; the decode path passes ``False``) raises ``ValueError`` if a row has fewer.
+    ``scores [T, N]`` fp32, ``critical [N]`` bool, ``topk_idx [T, k]`` int (the model's own top-k ids, or
+    ``None``: no own experts) -> ``idx [T, k]`` int64, ordered by preference: in-S experts by score, then
+    out-of-S experts by score; ties -> the token's own experts, then lower id. So a token whose own experts
+    are all in S keeps exactly them. Never returns a forbidden (``-inf``) expert for a row with at least ``k``
+    allowed experts. With ``check`` (one device sync; the decode path passes ``False``) raises ``ValueError``
+    if a row has fewer.
     """
     s = scores.float()
     allowed = torch.isfinite(s) | (s > 0)
     if check and bool((allowed.sum(dim=-1) < top_k).any()):
         raise ValueError(f"a token has fewer than top_k={top_k} allowed (finite) router scores")
-    # Two-level key: membership tier (in S > outside S > forbidden), then score; the stable sort
-    # of the tier-major ranking keeps ties at the lower expert id.
-    order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # by score, ties lower id
+    # Key: membership tier (in S > outside S > forbidden), then score, then own, then id; the stable sort
+    # of the tier-major ranking keeps the score / own / id order within a tier.
+    order = own_first_order(s, topk_idx)
     tier = torch.where(critical[None, :] & allowed, 2, torch.where(allowed, 1, 0))
     tier_in_order = torch.gather(tier, 1, order)
     by_tier = torch.sort(tier_in_order, dim=-1, descending=True, stable=True).indices
@@ -439,9 +477,11 @@ def xshare_critical_set(
     warm-up / the vLLM pull request's ``top_per_token``), then the candidates of ``U`` (the voting tokens'
     union) by aggregated gating score -- each token's routing probability ``softmax(s)`` (0 where
     forbidden), summed over the voting tokens in 2**-24 fixed point -- until ``|S| >= max(budget, k)``;
-    ties -> lower id. Restricting the fill to ``U`` is our choice (the batch never loads an expert no
-    token chose); with a budget below ``|U|`` it changes nothing. The remap step then gives each token
-    its top-k inside S (its own experts outside S fill what S cannot). Sync-free.
+    ties -> lower id (in the warm-up, one token's ranking: ties -> the token's own experts ``topk_idx``, then
+    lower id; :func:`own_first_order`). Restricting the fill to ``U`` is our choice (the batch never loads an
+    expert no token chose); with a budget below ``|U|`` it changes nothing. The remap step then gives each token
+    its top-k inside S (its own experts outside S fill what S cannot); with a budget of ``N`` (every candidate
+    in S) each voting token keeps exactly its own experts. Sync-free.
     """
     num_tokens, num_experts = scores.shape
     voters = _rows(vote, num_tokens, scores.device)
@@ -454,7 +494,7 @@ def xshare_critical_set(
     if seed is not None:
         candidates = candidates | seed
     if warmup > 0:
-        order = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :warmup]
+        order = own_first_order(s, topk_idx)[:, :warmup]
         critical = critical | union_mask(order, num_experts, voters)
     missing = max(budget, top_k) - critical.sum()
     return _add_ranked(critical, mass, candidates & ~critical, missing)

@@ -3,8 +3,8 @@
 A policy is one module here (built on :mod:`lynx_hf.policies.base`, registering itself with ``register``) plus one
 import line below. It sees a decode step
 as :class:`StepTensors` and returns the critical set ``S [N]`` bool; the core (``lynx_hf.core``)
-then remaps every decode token to its top-k restricted to ``S`` (``ops.remap_topk``) and recomputes
-the routing weights with the family's rule. Policies never see prefill-only forwards; in a mixed
+then remaps every decode token to its top-k restricted to ``S`` (``ops.remap``; equal scores prefer the
+token's own experts, then the lower id) and recomputes the routing weights with the family's rule. Policies never see prefill-only forwards; in a mixed
 step the prefill tokens arrive as ``seed`` (experts loaded anyway) and do not vote.
 
 ``ops`` is the kernel backend the plan resolved (``kernels.backend.routing_ops``): the torch ops of
@@ -64,7 +64,8 @@ def critical_set(cfg, scores, topk_idx, top_k=None, topk_weights=None, vote=None
 def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scale=1.0, topk_weights=None,
           vote=None, seed=None):
     """Remapped top-k ``[T, k]`` int64 (each row ``k`` distinct allowed experts) for every row, or ``None``
-    for a policy that does not remap. With ``rule`` (a ``WEIGHT_RULES`` name) returns ``(idx, weights
+    for a policy that does not remap. ``topk_idx [T, k]``: the model's own top-k ids; on equal scores a row
+    prefers them, then the lower id. With ``rule`` (a ``WEIGHT_RULES`` name) returns ``(idx, weights
     [T, k] fp32)`` recomputed from ``logits`` (default ``scores``) by that rule. The core applies it
     only to decode rows; this function remaps every row.
     """
@@ -74,7 +75,7 @@ def remap(cfg, scores, topk_idx, logits=None, rule=None, renormalize=False, scal
         return None
     ops = _ops(cfg, scores)
     idx, weights = ops.remap(scores, critical, top_k, scores if logits is None else logits.float(),
-                             rule or "softmax_all", renormalize, scale)
+                             rule or "softmax_all", renormalize, scale, topk_idx=topk_idx.long())
     return idx if rule is None else (idx, weights)
 
 

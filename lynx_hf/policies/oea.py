@@ -1,6 +1,7 @@
 """OEA (Oncescu et al., arXiv 2511.02237, Sec. 3), the baseline: each decode token keeps its own
 top-``oea_k0``; the critical set is the union of those (plus the step's seed); the remap then lets each
-token "piggyback" on experts already in the set until it has k."""
+token "piggyback" on experts already in the set until it has k. A token's top-``k0`` breaks exact score ties
+to its own experts (the model's top-k ids), then the lower id: with ``oea_k0 = k`` the policy is the identity."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class OeaPolicy(Policy):
         return min(cfg.oea_k0, top_k)
 
     def critical_set(self, params, ops, step: StepTensors):
-        return ops.oea_critical_set(step.scores, params, vote=step.vote, seed=step.seed)
+        return ops.oea_critical_set(step.scores, params, vote=step.vote, seed=step.seed, topk_idx=step.topk_idx)
 
     def device_policy(self, params):
         return FusedPolicy("oea", k0=params)

@@ -8,6 +8,7 @@ import transformers
 
 import lynx_hf
 from helpers import families as fam
+from lynx_hf import policies
 
 # policy_on_every_step (tests/conftest.py): the subject is what the policy's remap does against a torch reference on
 # tiny models, where the cost gate (the default) keeps it off at many step sizes; the default gate in decode:
@@ -157,6 +158,39 @@ def test_batch_of_one_keeps_each_tokens_top_k(family, policy):
     assert summary["routing_mass_kept"] == pytest.approx(1.0)
     for a, b in zip(out.scores, ref.scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # same experts; weights recomputed in fp32
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("policy", ["oea", "xshare"])
+def test_all_zero_router_logits_keep_each_tokens_top_k(family, policy, monkeypatch):
+    """The new-user finding of docs/guarantees.md: every router logit zero (router weights zeroed), a batched greedy
+    ``generate``. ``torch.topk`` picks tied experts in its own order (not lower id first), and OEA with ``oea_k0 = k``
+    / XShare with ``xshare_budget = N`` keep each token's own top-k (their per-token rankings break ties to the token's
+    own experts, then the lower id): the unpatched model's tokens and scores (within 1e-5: same experts, weights
+    recomputed in fp32), no assignment remapped. ``gate="always"``: the subject is what the policy does, and on a tiny
+    model the default cost gate keeps the policy off at many step sizes (tests/conftest.py, ``policy_on_every_step``);
+    a spy on the policy's ``critical_set`` shows it ran on every MoE layer of every decode step."""
+    model = fam.build(family, router_scale=0.0)  # routers scaled by 0: every router logit is exactly 0
+    cfg = model.config
+    k, n = cfg.num_experts_per_tok, getattr(cfg, "num_experts", None) or cfg.num_local_experts
+    assert set(torch.topk(torch.zeros(1, n), k).indices[0].tolist()) != set(range(k))  # the subject: not lower ids
+    ids, mask = fam.prompts(8, 6)
+    ref = _generate(model, ids, mask)
+    kind = type(policies.get(policy))
+    calls = []
+    real = kind.critical_set
+    monkeypatch.setattr(kind, "critical_set", lambda self, *a: calls.append(1) or real(self, *a))
+    config = lynx_hf.LynxConfig(policy="oea", oea_k0=k, gate="always") if policy == "oea" else \
+        lynx_hf.LynxConfig(policy="xshare", xshare_budget=n, gate="always")
+    with lynx_hf.patched(model, config):
+        out = _generate(model, ids, mask)
+        summary = lynx_hf.stats(model).summary()
+    assert summary["decode_steps"] == 4 and summary["gate_steps_skipped"] == 0
+    assert len(calls) == 4 * summary["num_moe_layers"]  # the policy ran on every MoE layer-step of the decode
+    assert summary["remapped_fraction"] == 0.0
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.scores, ref.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", fam.REPRESENTATIVE)

@@ -34,3 +34,23 @@ def routing_scores(draw, tokens=(1, 12), experts=(2, 24), max_k=5, k_below_n=Fal
     scores = torch.from_numpy(s)
     idx = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
     return scores, idx, k
+
+
+def tied_topk(scores: torch.Tensor, k: int, order: torch.Tensor) -> torch.Tensor:
+    """A model's own top-k ``[T, k]`` int64 of ``scores [T, N]`` whose exact ties are taken in the order of ``order``
+    (a permutation of ``0..N-1``) instead of by lower id: the k largest scores of each row, as any ``torch.topk`` may
+    return them (its order among tied experts is its own: on CPU ``torch.topk(torch.zeros(1, 8), 2)`` gives [6, 5])."""
+    by_score = torch.sort(scores[:, order], dim=-1, descending=True, stable=True).indices[:, :k]
+    return order[by_score]
+
+
+def planted_ties(num_tokens: int, num_experts: int, k: int, seed: int) -> torch.Tensor:
+    """``[T, N]`` fp32 scores with exact ties across each row's k-th largest value (a few other experts set to it, on
+    both sides of the top-k boundary) and some ``-inf`` experts outside the top-k, from a seeded generator."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(num_tokens, num_experts, generator=g)
+    kth = s.sort(dim=-1, descending=True).values[:, k - 1:k]
+    tie = torch.rand(num_tokens, num_experts, generator=g) < 0.4
+    s = torch.where(tie, kth.expand_as(s), s)
+    forbidden = (torch.rand(num_tokens, num_experts, generator=g) < 0.2) & (s < kth)
+    return s.masked_fill(forbidden, float("-inf"))

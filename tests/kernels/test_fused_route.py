@@ -19,7 +19,7 @@ from hypothesis.extra.numpy import arrays
 
 import lynx_hf
 from helpers import families as fam
-from helpers.strategies import fuzz, routing_scores
+from helpers.strategies import fuzz, routing_scores, tied_topk
 from lynx_hf import core, patcher
 from lynx_hf.kernels import routing_cpu as rc
 from lynx_hf.kernels import routing_torch as rt
@@ -35,6 +35,8 @@ pytestmark = pytest.mark.usefixtures("policy_on_every_step")
 def steps(draw):
     scores, idx, k = draw(routing_scores(tokens=(2, 16), experts=(3, 40), max_k=6, k_below_n=True))
     t = scores.shape[0]
+    if draw(st.booleans()):  # the model's own top-k with its tied experts in a drawn order (torch.topk has its own)
+        idx = tied_topk(scores, k, torch.tensor(draw(st.permutations(range(scores.shape[1])))))
     # router logits: the scores where allowed, any finite value where the model forbids the expert
     logits = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, -3.0))
     weights = torch.softmax(logits, dim=-1).gather(1, idx).to(draw(st.sampled_from([torch.float32, torch.bfloat16])))
@@ -46,7 +48,7 @@ def reference(scores, logits, weights, idx, k, live, rule, alpha, beta, price, u
     with rt.strict_sync_free():
         critical = rt.lynx_critical_set(scores, idx, 1, alpha, beta, math.inf, vote=live)
         critical = rt.mass_greedy_grow(scores, idx, critical, k, price, vote=live, unit=unit)
-        new_idx = rt.remap_topk(scores, critical, k, check=False)
+        new_idx = rt.remap_topk(scores, critical, k, check=False, topk_idx=idx)
         new_weights = rt.routing_weights(logits.float(), new_idx, rule.kind, rule.renormalize, rule.scale,
                                          rule.renorm_eps)
         tel = BlockTelemetry()

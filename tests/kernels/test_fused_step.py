@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers.strategies import fuzz, routing_scores
+from helpers.strategies import fuzz, planted_ties, routing_scores, tied_topk
 from lynx_hf import core
 from lynx_hf.config import LynxConfig
 from lynx_hf.kernels import fused_step as fs
@@ -168,11 +168,14 @@ def test_scores_computed_outside_the_kernel(seed):
 
 @fuzz(0.5)
 @given(routing_scores(tokens=(1, 12), experts=(3, 24), max_k=5, k_below_n=True), st.sampled_from(range(5)),
-       st.sampled_from(["softmax_all", "softmax_chosen", "sigmoid"]))
-def test_ties_and_forbidden_experts(drawn, which, rule_kind):
-    """Grid values (exact ties, C12), ``-inf`` experts the model forbids, any k: the same integers."""
+       st.sampled_from(["softmax_all", "softmax_chosen", "sigmoid"]), st.data())
+def test_ties_and_forbidden_experts(drawn, which, rule_kind, data):
+    """Grid values (exact ties, C12), ``-inf`` experts the model forbids, any k, the model's own top-k taking tied
+    experts lower id first or in a drawn order (as ``torch.topk`` may): the same integers."""
     scores, idx, k = drawn
     n = scores.shape[1]
+    if data.draw(st.booleans(), label="own ties in a drawn order"):
+        idx = tied_topk(scores, k, torch.tensor(data.draw(st.permutations(range(n)), label="tie order")))
     policy, kw = POLICIES[which]
     plan, step_fn, keeps = plan_for(policy, kw, n, k)
     logits = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, -40.0))
@@ -186,6 +189,38 @@ def test_ties_and_forbidden_experts(drawn, which, rule_kind):
     out_idx = run_fused(step_fn, c, scores=scores)[1]
     assert (out_idx.sort(-1).values.diff(dim=-1) > 0).all()  # k distinct experts per row
     assert torch.isfinite(scores.gather(1, out_idx)).all()  # never a forbidden one
+
+
+@pytest.mark.parametrize("case", ["zeros", "planted ties"])
+@pytest.mark.parametrize("t,n,k", [(3, 8, 2), (6, 12, 3)])
+def test_ties_keep_the_tokens_own_experts(case, t, n, k):
+    """Exact ties (all-zero router logits, the new-user finding of docs/guarantees.md; ties planted across each row's
+    top-k boundary, some experts forbidden by the selection) with the model's own top-k from ``torch.topk`` (tied
+    experts in its own order, not lower id first): in the one-launch step OEA with ``oea_k0 = k`` and XShare with a
+    budget of N (warm-up 0, 1, k) give each token its own set exactly (OEA's top-k0, XShare's warm-up and the remap
+    take ties -> the token's own experts, then lower id), LYNX (default, paper rule) and OEA ``oea_k0 = 1`` k distinct
+    allowed experts; every policy the step-by-step path's ids and counts."""
+    scores = torch.zeros(t, n) if case == "zeros" else planted_ties(t, n, k, seed=n * 100 + t)
+    own = torch.topk(scores, k).indices
+    lower_first = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert not torch.equal(own.sort(1).values, lower_first.sort(1).values)  # the subject: not lower id first
+    logits = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, -40.0))
+    weights = torch.softmax(logits, -1).gather(1, own)
+    rule = core.WeightRule("softmax_all")
+    c = dict(logits=logits, weights=weights, idx=own, rule=rule, step=core.Step(core.DECODE), seed=None, pad=None,
+             mode="full", selection=fs.LOGITS, bias=None)
+    identity = [("oea", {"oea_k0": k})] + [("xshare", {"xshare_budget": n, "xshare_warmup": w}) for w in (0, 1, k)]
+    others = [("lynx", {}), ("lynx", {"mass_price": None}), ("oea", {"oea_k0": 1})]
+    for policy, kw in identity + others:
+        plan, step_fn, keeps = plan_for(policy, kw, n, k)
+        ref = reference(plan, keeps, rule, c["step"], scores, logits, weights, own, None, None, "full")
+        out = run_fused(step_fn, c, scores=scores)
+        assert_same(out, ref)
+        new = out[1]
+        assert (new.sort(-1).values.diff(dim=-1) > 0).all() and torch.isfinite(scores.gather(1, new)).all()
+        if (policy, kw) in identity:
+            assert [set(r) for r in new.tolist()] == [set(r) for r in own.tolist()], (policy, kw)
+            assert out[2][3] == 0  # telemetry: no assignment remapped
 
 
 def test_shift_invariance():

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from helpers.strategies import fuzz  # noqa: E402
+from helpers.strategies import fuzz, planted_ties, tied_topk  # noqa: E402
 from lynx_hf.kernels import routing_torch as ref  # noqa: E402
 from lynx_hf.kernels.backend import resolve_backend, routing_ops  # noqa: E402
 from lynx_hf.kernels.routing import (  # noqa: E402
@@ -135,6 +135,43 @@ def test_C12_all_zero_logits():
         assert all(len(set(r)) == 3 for r in idx.tolist())
     # all ties: the model's own top-k is experts 0..2 and LYNX keeps exactly those
     assert lynx_critical_set(scores, _topk(scores, 3), 3, *ref.default_lynx_bins(12, 3), 1.0).nonzero().flatten().tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("case", ["zeros", "planted ties"])
+@pytest.mark.parametrize("T,N,k", [(3, 8, 2), (6, 12, 3)])
+def test_ties_keep_the_tokens_own_experts(case, T, N, k):
+    """Exact ties with the model's own top-k from ``torch.topk`` (tied experts in its own order, not lower id first):
+    the Triton OEA set (``k0 = k``: the union of the own sets; ``k0 = 1`` with masks) and remap (ids, and with the
+    weight rule) equal the torch reference, which takes ties -> the token's own experts, then lower id; the remap into
+    OEA's ``k0 = k`` set or into every expert (XShare with a budget of N) gives each token its own set exactly, into
+    LYNX's set k distinct allowed experts. int64 and int32 own ids; the ops namespace passes them through."""
+    scores = torch.zeros(T, N) if case == "zeros" else planted_ties(T, N, k, seed=N * 100 + T)
+    own = torch.topk(scores, k).indices
+    assert not torch.equal(own.sort(1).values, _topk(scores, k).sort(1).values)  # the subject: not lower id first
+    sets = [set(r) for r in own.tolist()]
+    vote = torch.arange(T) % 3 != 1
+    seed = torch.zeros(N, dtype=torch.bool)
+    seed[N - 1] = True
+    a, b = ref.default_lynx_bins(N, k)
+    lynx = ref.lynx_critical_set(scores, own, k, a, b, 1.0)
+    for ids in (own, own.int()):
+        oea = oea_critical_set(scores, k, topk_idx=ids)
+        assert torch.equal(oea, ref.oea_critical_set(scores, k, topk_idx=own))
+        assert torch.equal(oea, ref.union_mask(own, N))
+        want = ref.oea_critical_set(scores, 1, vote, seed, own)
+        assert torch.equal(oea_critical_set(scores, 1, vote, seed, ids), want)
+        for crit in (oea, torch.ones(N, dtype=torch.bool), lynx, want):
+            got = remap_topk(scores, crit, k, topk_idx=ids)
+            assert torch.equal(got, ref.remap_topk(scores, crit, k, topk_idx=own))
+            assert all(len(set(r)) == k for r in got.tolist()) and bool(torch.isfinite(scores.gather(1, got)).all())
+        for crit in (oea, torch.ones(N, dtype=torch.bool)):
+            assert [set(r) for r in remap_topk(scores, crit, k, topk_idx=ids).tolist()] == sets
+        got, w = remap_topk(scores, oea, k, logits=scores, rule="softmax_all", topk_idx=ids, check=False)
+        assert [set(r) for r in got.tolist()] == sets
+        torch.testing.assert_close(w, ref.routing_weights(scores, got, "softmax_all"), atol=W_ATOL, rtol=W_RTOL)
+    ops = routing_ops("triton")
+    assert torch.equal(ops.oea_critical_set(scores, k, topk_idx=own), ref.union_mask(own, N))
+    assert [set(r) for r in ops.remap(scores, oea, k, scores, "softmax_all", topk_idx=own)[0].tolist()] == sets
 
 
 def test_C12_rows_forbidden_except_two():
@@ -351,11 +388,13 @@ def _ref_greedy(*args, **kwargs):
 
 
 def _check_masked(scores, k, vote=None, seed=None, taus=(0.0, 1.0, math.inf), k0s=(1, 2),
-                  prices=(0.0, 0.25, 0.5, 2.0), tensor_base=True, critical=None):
-    """Every masked twin vs its reference on one case; returns the reference's (paper, default) sets."""
+                  prices=(0.0, 0.25, 0.5, 2.0), tensor_base=True, critical=None, own=None):
+    """Every masked twin vs its reference on one case; returns the reference's (paper, default) sets. ``own``: the
+    model's own top-k, given to every op (``None``: the LYNX ops get the stable top-k, ties lower id first, and OEA
+    and the remap no own ids)."""
     num_experts = scores.shape[1]
     alpha, beta = ref.default_lynx_bins(num_experts, k)
-    idx = _topk(scores, k)
+    idx = _topk(scores, k) if own is None else own
     paper = None
     for tau in taus:
         want = ref.lynx_critical_set(scores, idx, k, alpha, beta, tau, vote=vote, seed=seed)
@@ -383,10 +422,11 @@ def _check_masked(scores, k, vote=None, seed=None, taus=(0.0, 1.0, math.inf), k0
             assert torch.equal(got, want), f"mass greedy {unit} price={scaled}: {_ids(got)} vs {_ids(want)}"
     for k0 in k0s:
         if k0 <= num_experts:
-            want = ref.oea_critical_set(scores, k0, vote=vote, seed=seed)
-            assert torch.equal(oea_critical_set(scores, k0, vote=vote, seed=seed), want), f"oea k0={k0}"
+            want = ref.oea_critical_set(scores, k0, vote=vote, seed=seed, topk_idx=own)
+            assert torch.equal(oea_critical_set(scores, k0, vote=vote, seed=seed, topk_idx=own), want), f"oea k0={k0}"
     for crit in (paper, default):
-        assert torch.equal(remap_topk(scores, crit, k, check=False), ref.remap_topk(scores, crit, k, check=False))
+        assert torch.equal(remap_topk(scores, crit, k, check=False, topk_idx=own),
+                           ref.remap_topk(scores, crit, k, check=False, topk_idx=own))
     return paper, default
 
 
@@ -610,13 +650,16 @@ def _routing_case(draw):
     scores[~np.isfinite(scores).any(axis=1), 0] = 0.0  # every row a router row (all -inf rows: by hand above)
     vote = draw(st.none() | hnp.arrays(np.bool_, (T,)))
     seed = draw(st.none() | hnp.arrays(np.bool_, (N,)))
-    return torch.from_numpy(scores), k, None if vote is None else torch.from_numpy(vote), \
-        None if seed is None else torch.from_numpy(seed)
+    scores = torch.from_numpy(scores)
+    # the model's own top-k: lower id first on ties, or tied experts in a drawn order (torch.topk has its own)
+    own = draw(st.none() | st.permutations(range(N)).map(lambda p: tied_topk(scores, k, torch.tensor(p))))
+    return scores, k, None if vote is None else torch.from_numpy(vote), \
+        None if seed is None else torch.from_numpy(seed), own
 
 
 @fuzz(0.25, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=_routing_case())
 def test_property_masked_twins(case):
     # drawn values (not seeds), so a failure shrinks to a small matrix; ties and -inf are drawn often
-    scores, k, vote, seed = case
-    _check_masked(scores, k, vote=vote, seed=seed, taus=(1.0,), prices=(0.0, 0.5), k0s=(1,))
+    scores, k, vote, seed, own = case
+    _check_masked(scores, k, vote=vote, seed=seed, taus=(1.0,), prices=(0.0, 0.5), k0s=(1, k), own=own)

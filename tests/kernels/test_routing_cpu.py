@@ -1,18 +1,22 @@
 """The numba CPU fast path (kernels/routing_cpu.py) returns exactly the integers of the canonical torch ops
 (kernels/routing_torch.py, run inside strict_sync_free() so the torch code path is the accelerator one),
 on hypothesis-drawn tensors (values drawn, so counterexamples shrink to small tensors): ties, -inf
-experts, vote and seed masks, N not a power of two, k = 1, T = 1."""
+experts, vote and seed masks, N not a power of two, k = 1, T = 1, the model's own top-k taking tied experts
+lower id first or in a drawn order (as ``torch.topk`` may); and the tie rule of a token's own ranking (ties -> its
+own experts, then lower id) on the twins themselves."""
 
 import contextlib
 import math
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from helpers.strategies import fuzz, routing_scores
+from helpers.strategies import fuzz, planted_ties, routing_scores, tied_topk
+from lynx_hf.core import WeightRule
 from lynx_hf.kernels import routing_cpu as rc
 from lynx_hf.kernels import routing_torch as rt
 
@@ -25,6 +29,8 @@ def test_numba_is_available():
 def steps(draw):
     scores, idx, k = draw(routing_scores())
     t, n = scores.shape
+    if draw(st.booleans()):  # the model's own top-k with its tied experts in a drawn order (torch.topk has its own)
+        idx = tied_topk(scores, k, torch.tensor(draw(st.permutations(range(n)))))
     vote = draw(st.one_of(st.none(), arrays(np.bool_, (t,)).map(torch.from_numpy)))
     seed = draw(st.one_of(st.none(), arrays(np.bool_, (n,)).map(torch.from_numpy)))
     return scores, idx, k, vote, seed
@@ -51,6 +57,9 @@ def test_oea_twin(step, k0):
     scores, idx, k, vote, seed = step
     k0 = min(k0, scores.shape[1])
     assert torch.equal(rc.oea_critical_set(scores, k0, vote, seed), rt.oea_critical_set(scores, k0, vote, seed))
+    with rt.strict_sync_free():
+        want = rt.oea_critical_set(scores, k0, vote, seed, idx)
+    assert torch.equal(rc.oea_critical_set(scores, k0, vote, seed, idx), want)
 
 
 @SETTINGS
@@ -80,6 +89,43 @@ def test_remap_twin(step, data):
     scores, idx, k, vote, seed = step
     critical = torch.from_numpy(data.draw(arrays(np.bool_, (scores.shape[1],))))
     assert torch.equal(rc.remap_topk(scores, critical, k, check=False), rt.remap_topk(scores, critical, k, check=False))
+    want = rt.remap_topk(scores, critical, k, check=False, topk_idx=idx)
+    assert torch.equal(rc.remap_topk(scores, critical, k, check=False, topk_idx=idx), want)
+
+
+def _same_sets(a, b):
+    return [set(r) for r in a.tolist()] == [set(r) for r in b.tolist()]
+
+
+@pytest.mark.parametrize("case", ["zeros", "planted ties"])
+@pytest.mark.parametrize("n,k,t", [(8, 2, 3), (12, 3, 9), (64, 6, 16)])
+def test_ties_keep_the_tokens_own_experts(case, n, k, t):
+    """The numba twins with the model's own top-k from ``torch.topk`` (tied experts in its own order, not lower id
+    first) on all-zero scores and on scores with ties planted across each row's top-k boundary: OEA's critical set
+    with ``k0 = k`` is the union of the own sets and the remap into it (and into XShare's set with a budget of N)
+    gives each token its own set exactly; the default policy's one-call step (``lynx_mass_decode``) gives k distinct
+    allowed experts per token, the ids of the ops one by one."""
+    s = torch.zeros(t, n) if case == "zeros" else planted_ties(t, n, k, seed=n * 100 + t)
+    own = torch.topk(s, k).indices
+    stable = torch.sort(s, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert not _same_sets(own, stable)  # the subject: torch.topk's ties are not lower id first
+    oea = rc.oea_critical_set(s, k, topk_idx=own)
+    assert torch.equal(oea, rt.union_mask(own, n))
+    assert _same_sets(rc.remap_topk(s, oea, k, topk_idx=own), own)
+    for warmup in (0, 1, k):
+        xshare = rc.xshare_critical_set(s, own, k, n, warmup)
+        assert torch.equal(xshare, rt.union_mask(own, n))
+        assert _same_sets(rc.remap_topk(s, xshare, k, topk_idx=own), own)
+    assert _same_sets(rc.remap_topk(s, torch.ones(n, dtype=torch.bool), k, topk_idx=own), own)
+    a, b = rt.default_lynx_bins(n, k)
+    logits = torch.where(torch.isfinite(s), s, torch.full_like(s, -40.0))  # forbidden: by the scores, not the logits
+    weights = torch.softmax(logits, -1).gather(1, own)
+    _, new, _ = rc.lynx_mass_decode(s, logits, weights, own, WeightRule("softmax_all"), alpha=a, beta=b, price=0.1,
+                                    unit="sqrt")
+    assert all(len(set(r)) == k for r in new.tolist()) and bool(torch.isfinite(s.gather(1, new)).all())
+    cover = rt.lynx_critical_set(s, own, 1, a, b, math.inf)
+    grown = rt.mass_greedy_grow(s, own, cover, k, 0.1, unit="sqrt")
+    assert torch.equal(new, rt.remap_topk(s, grown, k, topk_idx=own))
 
 
 @SETTINGS

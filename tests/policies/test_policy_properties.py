@@ -6,6 +6,7 @@ a small tensor, not to a seed); the policy path (numba twins on CPU) is compared
 written from docs/design.md (``lynx_by_hand``, ``mass_greedy_by_hand``, ``remap_by_hand``), and hand-worked cases
 pin each rule a mutant of lab/mutants.py would change."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from helpers.references import greedy_by_hand
-from helpers.strategies import fuzz
+from helpers.strategies import fuzz, planted_ties, tied_topk
 from lynx_hf import LynxConfig
 from lynx_hf import policies as P
 from lynx_hf.kernels import routing_torch as R
@@ -126,9 +127,9 @@ def mass_greedy_by_hand(weights, own, start, k, threshold):
 def reference_critical_set(cfg, s, own, k):
     n = s.shape[1]
     own_l = own.tolist()
-    if cfg.policy == "oea":
+    if cfg.policy == "oea":  # each token's top-k0 by score, ties -> its own experts, then lower id
         k0 = min(cfg.oea_k0, k)
-        rows = [sorted(range(n), key=lambda e: (-v[e], e))[:k0] for v in s.tolist()]
+        rows = [sorted(range(n), key=lambda e: (-v[e], e not in mine, e))[:k0] for v, mine in zip(s.tolist(), own_l)]
         return {e for row in rows for e in row}
     alpha, beta = bin_parameters(cfg, n, k)
     if math.isinf(alpha):  # k == N: the union
@@ -142,13 +143,15 @@ def reference_critical_set(cfg, s, own, k):
     return mass_greedy_by_hand(fixed_point_weights(s, own), own_l, cover, k, threshold)
 
 
-def remap_by_hand(s, critical, k):
-    """Each token's top-k by (allowed and in S, allowed, forbidden), then score, then lower id."""
+def remap_by_hand(s, critical, k, own):
+    """Each token's top-k by (allowed and in S, allowed, forbidden), then score, then its own experts (``own``, the
+    model's top-k ids per token), then lower id."""
     out = []
-    for row in s.tolist():
+    for row, mine in zip(s.tolist(), own.tolist()):
         def key(e):
             allowed = not math.isinf(row[e])
-            return (-(2 if allowed and e in critical else 1 if allowed else 0), -row[e] if allowed else 0.0, e)
+            return (-(2 if allowed and e in critical else 1 if allowed else 0), -row[e] if allowed else 0.0,
+                    e not in mine, e)
         out.append(sorted(range(len(row)), key=key)[:k])
     return out
 
@@ -206,16 +209,20 @@ def test_remap_invariants(case, cfg, data):
 
 
 @SETTINGS
-@given(case=routing_case(max_n=40, max_t=20), cfg=st.sampled_from(REFERENCE_CONFIGS))
-def test_critical_set_and_remap_equal_the_independent_reference(case, cfg):
+@given(case=routing_case(max_n=40, max_t=20), cfg=st.sampled_from(REFERENCE_CONFIGS), data=st.data())
+def test_critical_set_and_remap_equal_the_independent_reference(case, cfg, data):
     """The policy's critical set and remap (the production path: numba twins on CPU) equal plain-Python
-    references written from docs/design.md (paper rule, routing-mass greedy, OEA) on every drawn case."""
+    references written from docs/design.md (paper rule, routing-mass greedy, OEA) on every drawn case; the model's
+    own top-k takes tied experts lower id first, or in a drawn order (as ``torch.topk`` may)."""
     s, k = case
     idx = own_topk(s, k)
+    if data.draw(st.booleans(), label="own ties in a drawn order"):
+        order = torch.tensor(data.draw(st.permutations(range(s.shape[1])), label="tie order"))
+        idx = tied_topk(s, k, order)
     want = reference_critical_set(cfg, s, idx, k)
     got = P.critical_set(cfg, s, idx, k)
     assert set(got.nonzero().flatten().tolist()) == want
-    assert P.remap(cfg, s, idx).tolist() == remap_by_hand(s, want, k)
+    assert P.remap(cfg, s, idx).tolist() == remap_by_hand(s, want, k, idx)
 
 
 @SETTINGS
@@ -251,6 +258,56 @@ def test_C12_rows_inf_except_two_experts(policy):
     assert new[0].tolist() == [3, 7]  # exact tie -> lower id first
     with pytest.raises(ValueError, match="fewer than top_k"):
         R.remap_topk(s, torch.ones(10, dtype=torch.bool), 3)
+
+
+def _keeps_every_own_set(n, k):
+    """The configurations that keep each token's own top-k: OEA with ``oea_k0 = k`` (each token keeps its own
+    top-k0), XShare with a budget of N (every candidate joins), with and without its warm-up."""
+    return [LynxConfig(policy="oea", oea_k0=k), LynxConfig(policy="xshare", xshare_budget=n, xshare_warmup=0),
+            LynxConfig(policy="xshare", xshare_budget=n, xshare_warmup=k)]
+
+
+def _assert_k_distinct_allowed(s, new, k):
+    assert new.shape == (s.shape[0], k)
+    assert all(len(set(row)) == k for row in new.tolist())
+    assert bool(torch.isfinite(s.gather(1, new)).all())
+
+
+@pytest.mark.parametrize("path", ["numba", "torch"])
+@pytest.mark.parametrize("own_from", ["torch.topk", "ties highest id first"])
+@pytest.mark.parametrize("case", ["zeros", "planted ties"])
+@pytest.mark.parametrize("n,k,t", [(8, 2, 3), (12, 3, 9), (60, 4, 16)])
+def test_ties_keep_the_tokens_own_experts(path, own_from, case, n, k, t):
+    """Exact ties (all-zero router scores, the new-user finding of docs/guarantees.md; random scores with ties planted
+    across each row's top-k boundary, some experts forbidden) with the model's own top-k ids in another order than
+    lower id first (``torch.topk``'s own, or highest id first): OEA with ``oea_k0 = k`` and XShare with a budget of N
+    return each token's own set exactly (ties -> the token's own experts, then lower id), on the numba twins (CPU,
+    eager) and the torch ops (``strict_sync_free``: the accelerator path); LYNX (default and paper rule) and OEA with
+    ``oea_k0 = 1`` still give k distinct allowed experts per token."""
+    s = torch.zeros(t, n) if case == "zeros" else planted_ties(t, n, k, seed=n * 100 + t)
+    own = torch.topk(s, k).indices if own_from == "torch.topk" else tied_topk(s, k, torch.arange(n).flip(0))
+    # the subject: the model's own top-k is not the lower-id one on some row (else this would prove nothing)
+    assert any(set(a) != set(b) for a, b in zip(own.tolist(), own_topk(s, k).tolist()))
+    with R.strict_sync_free() if path == "torch" else contextlib.nullcontext():
+        for cfg in _keeps_every_own_set(n, k):
+            new = P.remap(cfg, s, own)
+            assert [set(r) for r in new.tolist()] == [set(r) for r in own.tolist()], cfg
+        for cfg in (LynxConfig(), LynxConfig(**PAPER), LynxConfig(policy="oea", oea_k0=1)):
+            _assert_k_distinct_allowed(s, P.remap(cfg, s, own), k)
+
+
+@SETTINGS
+@given(case=routing_case(max_n=64, max_t=32), data=st.data())
+def test_ties_keep_the_tokens_own_experts_drawn(case, data):
+    """The same on drawn cases (grid values: many exact ties; ``-inf`` masks; shifts) with the model's own top-k
+    taking tied experts in a drawn order: OEA ``oea_k0 = k`` and XShare budget N keep every token's own set."""
+    s, k = case
+    n = s.shape[1]
+    own = tied_topk(s, k, torch.tensor(data.draw(st.permutations(range(n)), label="tie order")))
+    for cfg in _keeps_every_own_set(n, k):
+        new = P.remap(cfg, s, own)
+        assert [set(r) for r in new.tolist()] == [set(r) for r in own.tolist()], cfg
+        _assert_k_distinct_allowed(s, new, k)
 
 
 def test_hand_worked_lynx_example():
