@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 @pytest.mark.parametrize("policy,extra", [("lynx", {}), ("lynx", {"mass_price": None}), ("oea", {})],
                          ids=["lynx-default", "lynx-paper", "oea"])
 def test_generate_triton_backend_matches_torch(family, policy, extra):
+    """gate="always" on both sides: the subject is the Triton routing against the torch routing, so the policy runs at
+    every decode step of both; under the default gate each backend is weighed by its own measured cost (the
+    interpreter's is ~10 ms per program), and a load-dependent decision could run the policy on one side only."""
+    extra = {**extra, "gate": "always"}
     model = fam.build(family)
     ids, mask = fam.prompts(4, 5)
     gen = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, output_scores=True,
