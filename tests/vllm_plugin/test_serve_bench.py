@@ -81,3 +81,29 @@ def test_item7_gate_off_bench_interleaves_rounds_and_pairs_its_ratios():
     assert table["eager"]["decode"] == [0.95, 1.05] and table["eager"]["decode_median"] == 1.0
     assert table["eager"]["bypassed"] == 2 and table["compiled"]["rounds"] == 0
     assert "| eager | 2 | 1.000 |" in gb.markdown(table, "# t")
+
+
+def test_item7_host_cost_times_the_functions_the_hooks_look_up(monkeypatch):
+    """lab.gate_off_bench --host-cost: each of HOST_FUNCTIONS is replaced on its module by a timer that calls the
+    original (same result) and counts its calls and nanoseconds; the hooks of lynx_hf.vllm.install look them up
+    there at call time, so a hook's call is counted. The hook frame microbenchmark gives a finite number."""
+    import importlib
+    import inspect
+
+    from lab import gate_off_bench as gb
+    from lynx_hf.vllm import install
+
+    for module, name in gb.HOST_FUNCTIONS:  # restored after the test
+        monkeypatch.setattr(importlib.import_module(module), name, getattr(importlib.import_module(module), name))
+
+    from lynx_hf.vllm import checks
+
+    before = checks.op_calls()
+    cells = gb.time_host_functions()
+    assert set(cells) == {f"{m.rsplit('.', 1)[1]}.{n}" for m, n in gb.HOST_FUNCTIONS}
+    assert checks.op_calls() == before  # the timer returns what the function returns
+    assert cells["checks.op_calls"][1] == 1 and cells["checks.op_calls"][0] > 0 and cells["steps.end_step"] == [0, 0]
+    # the hooks call them through the module: `checks.op_calls()` / `steps.end_step()` in the hook's code
+    source = inspect.getsource(install._runner_execute)
+    assert "checks.op_calls()" in source and "steps.end_step()" in source
+    assert abs(gb.hook_frame_ns(calls=1000)) < 1e6
