@@ -148,22 +148,18 @@ def hook_frame_ns(calls: int = 200_000) -> float:
 
 
 def host_worker(spec_path: str, out_path: str) -> None:
-    """One default engine (``spec``: mode, C, tokens) serving a warm-up batch, then the timed batch with
-    :data:`HOST_FUNCTIONS` timed: writes ``{"steps", "wall_s", "tpot_ms", "functions": {name: us per step}}``."""
+    """One default engine (``spec``: a :func:`lab.serve_bench.worker` spec, one concurrency) serving a warm-up batch,
+    then the timed batch with :data:`HOST_FUNCTIONS` timed: writes ``{"steps", "wall_s", "tpot_ms", "functions": {name: us per step}}``."""
     import json
 
     spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM
-
-    from .serve_bench import make_prompts, timed_batch
+    from .serve_bench import make_llm, make_prompts, timed_batch
 
     cells = time_host_functions()
-    llm = LLM(model=spec["model_path"], dtype=spec["dtype"], enforce_eager=spec["eager"], seed=0,
-              max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 16, max_num_seqs=spec["concurrency"],
-              max_num_batched_tokens=max(2048, spec["concurrency"] * spec["prompt_tokens"]),
-              enable_prefix_caching=False, additional_config={"lynx": VARIANTS["default"]})
-    prompts = make_prompts("fixture-a", Path(spec["model_path"]), spec["concurrency"], spec["prompt_tokens"], 4096,
-                           seed=spec["concurrency"])
+    llm = make_llm(spec)
+    concurrency = spec["concurrency"][0]
+    prompts = make_prompts("fixture-a", Path(spec["model_path"]), concurrency, spec["prompt_tokens"], 4096,
+                           seed=concurrency)
     timed_batch(llm, prompts, min(4, spec["max_tokens"]))
     for cell in cells.values():
         cell[0] = cell[1] = 0
@@ -182,9 +178,6 @@ def host_worker(spec_path: str, out_path: str) -> None:
 def host_cost(args, cmd: str, env: dict) -> int:
     """``--host-cost``: per mode one default engine (its own process) timing the plugin's host functions; the table
     of microseconds per step and their share of the step's wall time. Returns 0."""
-    import json
-    import subprocess
-
     import vllm
 
     frame_ns = hook_frame_ns()
@@ -192,16 +185,10 @@ def host_cost(args, cmd: str, env: dict) -> int:
     with tempfile.TemporaryDirectory(prefix="lynx_gate_off_host_") as tmp:
         env.setdefault("VLLM_CACHE_ROOT", str(Path(tmp) / "vllm_cache"))
         for mode in args.modes:
-            spec = {"model_path": str(FIXTURE_A), "eager": mode == "eager", "concurrency": args.concurrency,
+            spec = {"model": "fixture-a", "model_path": str(FIXTURE_A), "variant": f"host_{mode}", "round": 0,
+                    "lynx": VARIANTS["default"], "eager": mode == "eager", "concurrency": [args.concurrency],
                     "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "dtype": args.dtype}
-            spec_path, out_path = Path(tmp) / f"{mode}.spec.json", Path(tmp) / f"{mode}.out.json"
-            spec_path.write_text(json.dumps(spec))
-            proc = subprocess.run([sys.executable, "-m", "lab.gate_off_bench", "--host-worker", str(spec_path),
-                                   str(out_path)], cwd=Path(__file__).resolve().parent.parent, env=env,
-                                  capture_output=True, text=True, timeout=args.timeout)
-            if proc.returncode != 0:
-                raise RuntimeError(f"host-cost engine {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
-            rows[mode] = json.loads(out_path.read_text())
+            rows[mode] = run_engine(spec, Path(tmp), env, args.timeout, worker=("lab.gate_off_bench", "--host-worker"))
     import torch
 
     lines = [f"# Gate off: the plugin's host time per step, fixture A in vLLM (CPU)\n\ncommand: `{cmd.strip()}`; "

@@ -255,22 +255,29 @@ def timed_batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
             "total_tok_s": sum(count.values()) / (t1 - t0), "tokens": sum(count.values())}
 
 
-def worker(spec_path: str, out_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
-    t0 = time.perf_counter()
+def make_llm(spec: dict):
+    """The engine a worker's ``spec`` describes (``model_path``, ``dtype``, ``eager``, ``concurrency`` list,
+    ``prompt_tokens``, ``max_tokens``, ``lynx``: the plugin's configuration or ``None``), sized for its largest
+    concurrency: a ``vllm.LLM``."""
     from vllm import LLM
-
-    import lynx_hf.vllm as lynx_vllm
 
     kwargs = {}
     if spec["lynx"] is not None:
         kwargs["additional_config"] = {"lynx": spec["lynx"]}
     top = max(spec["concurrency"])
-    llm = LLM(model=spec["model_path"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=spec["eager"], seed=0,
-              max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 16, max_num_seqs=top,
-              max_num_batched_tokens=max(2048, top * spec["prompt_tokens"]),
-              enable_prefix_caching=False,  # the warm-up batch must not make the timed prefill a cache hit
-              **kwargs)
+    return LLM(model=spec["model_path"], dtype=spec.get("dtype", "bfloat16"), enforce_eager=spec["eager"], seed=0,
+               max_model_len=spec["prompt_tokens"] + spec["max_tokens"] + 16, max_num_seqs=top,
+               max_num_batched_tokens=max(2048, top * spec["prompt_tokens"]),
+               enable_prefix_caching=False,  # the warm-up batch must not make the timed prefill a cache hit
+               **kwargs)
+
+
+def worker(spec_path: str, out_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    import lynx_hf.vllm as lynx_vllm
+
+    llm = make_llm(spec)
     start_s = time.perf_counter() - t0
     result = {"variant": spec["variant"], "engine_start_s": start_s, "cells": {}}
     for c in spec["concurrency"]:
@@ -291,12 +298,15 @@ def worker(spec_path: str, out_path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def run_engine(spec: dict, work: Path, env: dict, timeout: int) -> dict:
+def run_engine(spec: dict, work: Path, env: dict, timeout: int, worker=("lab.serve_bench", "--worker")) -> dict:
+    """Run one engine in its own process: ``python -m <module> <flag> SPEC OUT`` (``worker``, by default this
+    module's :func:`worker`) on ``spec`` written to ``work``; returns the JSON it wrote, with ``process_s``. Raises
+    ``RuntimeError`` with the process's output tails if it fails."""
     name = f"{spec['model']}_{spec['variant']}_r{spec['round']}"
     spec_path, out_path = work / f"{name}.spec.json", work / f"{name}.out.json"
     spec_path.write_text(json.dumps(spec))
     t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "lab.serve_bench", "--worker", str(spec_path), str(out_path)],
+    proc = subprocess.run([sys.executable, "-m", *worker, str(spec_path), str(out_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-6000:]}")
