@@ -114,9 +114,9 @@ def _union_of(own, rows, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _own_keys(own, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_tie_keys(own, offs_n, K: tl.constexpr, BLOCK_K: tl.constexpr):
     """``[BLOCK_T, BLOCK_N]`` int32 tie keys (``routing._tie_keys``: a row's own experts first, then lower id) from
-    the rows' own ids ``own [BLOCK_T, BLOCK_K]`` (ids < 0: none)."""
+    the rows' own ids already loaded, ``own [BLOCK_T, BLOCK_K]`` (ids < 0: none); ``routing._own_keys`` loads them."""
     offs_k = tl.arange(0, BLOCK_K)
     hit = tl.zeros([own.shape[0], offs_n.shape[0]], dtype=tl.int32) != 0
     for j in tl.static_range(K):
@@ -203,7 +203,7 @@ def _selection_scores(lg, sin_ptr, offs_t, tm, offs_n, nmask, stride_st, stride_
 @triton.jit
 def _topk_union(s, keys, rows, offs_n, nmask, KSEL: tl.constexpr):
     """``[BLOCK_N]`` int32 0/1: the union over ``rows`` of each row's top-``KSEL`` of ``s`` (ties -> the row's own
-    experts, then lower id: the tie ``keys`` of :func:`_own_keys`; a row with fewer finite scores takes ``-inf``
+    experts, then lower id: the tie ``keys`` of :func:`_tile_tie_keys`; a row with fewer finite scores takes ``-inf``
     experts in that order, as ``routing_torch.own_first_order`` does)."""
     BLOCK_N: tl.constexpr = s.shape[1]
     taken = (offs_n[None, :] >= 0) & (nmask[None, :] == 0)
@@ -319,8 +319,8 @@ def _fused_step_kernel(
                     tl.store(wf_ptr + offs_t[:, None] * BLOCK_N + offs_n[None, :], big_w, mask=tm[:, None])
                 if POLICY == 2 or POLICY == 3:
                     if KSEL > 0:
-                        pick = tl.maximum(pick, _topk_union(s, _own_keys(own, offs_n, K, BLOCK_K), vote, offs_n,
-                                                            nmask, KSEL))
+                        pick = tl.maximum(pick, _topk_union(s, _tile_tie_keys(own, offs_n, K, BLOCK_K), vote,
+                                                            offs_n, nmask, KSEL))
                 if POLICY == 3:
                     p = _softmax_rows(s, nmask)
                     xmass += tl.sum(tl.where(vote[:, None], _fixed_point(p * 16777216.0), 0), axis=0)
@@ -424,7 +424,7 @@ def _fused_step_kernel(
                             other=float("-inf"))
                 allowed = (s == s) & (s != float("-inf")) & nmask[None, :]
                 tier = tl.where((crit > 0)[None, :] & allowed, 2, tl.where(allowed, 1, 0))
-                keys = _own_keys(own.to(tl.int64), offs_n, K, BLOCK_K)  # ties -> the row's own experts, lower id
+                keys = _tile_tie_keys(own.to(tl.int64), offs_n, K, BLOCK_K)  # ties -> the row's own experts, lower id
                 taken = offs_n[None, :] >= N
                 out = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int64)
                 for i in tl.static_range(K):
