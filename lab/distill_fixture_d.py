@@ -197,7 +197,28 @@ def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int, ra
         gen = torch.Generator().manual_seed(seed)
         for i, blk in enumerate(blocks):
             blk.add_lora(carve[f"layers.{i}.perm"], rank, alpha, gen)
+            load_lora(blk, carve, i)
     return blocks
+
+
+def load_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int) -> int:
+    """Warm start (fixture D3's second stage): where ``carve`` (the init fixture's tensors) has layer ``i``'s LoRA
+    factors ``<gate|up|down>_lora_A [r0, in]`` / ``_lora_B [out, r0]`` (scaling folded into ``B``), they fill the
+    first ``r0`` of the block's ``rank`` slots (``B`` divided by the block's scaling); the other slots keep their
+    fresh ``A`` and zero ``B``, so the block computes the init fixture's assembled FFN exactly (to the stored
+    dtype's values). Returns ``r0`` (0: nothing stored). Raises ``ValueError`` if ``r0 > rank``."""
+    r0 = 0
+    for n in LORA_PROJ:
+        a, b = carve.get(f"layers.{i}.{n}_lora_A"), carve.get(f"layers.{i}.{n}_lora_B")
+        if a is None or b is None:
+            continue
+        r0 = a.shape[0]
+        if r0 > blk.rank:
+            raise ValueError(f"layer {i}: the init fixture's LoRA rank {r0} exceeds --rank {blk.rank}")
+        with torch.no_grad():
+            getattr(blk, f"{n}_lora_A")[:r0] = a.float()
+            getattr(blk, f"{n}_lora_B")[:, :r0] = b.float() / blk.lora_scaling
+    return r0
 
 
 def kd_step(model, blocks: list[DistillMoE], ids: torch.Tensor, lb_coef: float) -> tuple[torch.Tensor, dict]:
@@ -249,13 +270,16 @@ def lr_factor(step: int, steps: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * prog))
 
 
-def training_windows(tok, docs_root: Path, code_root: Path, n: int, length: int, skip_files: int = 0) -> torch.Tensor:
+def training_windows(tok, docs_root: Path, code_root: Path, n: int, length: int, skip_files: int = 0,
+                     skip_windows: int = 0) -> torch.Tensor:
     """``[n, length]`` windows, docs and code alternating, each domain's training-split files tokenised in sha1
     order and cut into consecutive windows (a file's tail shorter than ``length`` dropped). The first
-    ``skip_files`` files of each domain are skipped (D's carve profiled the first ones)."""
+    ``skip_files`` files of each domain are skipped (D's carve profiled the first ones), then the first
+    ``skip_windows`` windows of each domain (a second stage starting where the first one's ``n`` windows ended:
+    ``skip_windows = n_first / 2``)."""
     per = {}
     for domain, root in (("docs", docs_root), ("code", code_root)):
-        need, rows = (n + 1) // 2, []
+        need, rows = (n + 1) // 2 + skip_windows, []
         for _, text in training_texts(domain, root)[skip_files:]:
             ids = tok(text, verbose=False)["input_ids"]
             for j in range(0, len(ids) - length + 1, length):
@@ -264,7 +288,7 @@ def training_windows(tok, docs_root: Path, code_root: Path, n: int, length: int,
                 break
         if len(rows) < need:
             raise SystemExit(f"only {len(rows)} {domain} windows of {length} in the training split, {need} needed")
-        per[domain] = rows[:need]
+        per[domain] = rows[skip_windows:need]
     out = [w for pair in zip(per["docs"], per["code"]) for w in pair]
     return torch.stack(out[:n])
 
@@ -354,7 +378,8 @@ def run(args) -> None:
     ck_dir = args.work
     ck_dir.mkdir(parents=True, exist_ok=True)
     n_win = args.steps * args.batch
-    win = training_windows(tok, args.docs_root, args.code_root, n_win, args.window, args.skip_files)
+    win = training_windows(tok, args.docs_root, args.code_root, n_win, args.window, args.skip_files,
+                           args.skip_windows)
     print(f"{n_win} training windows of {args.window} tokens ({time.time() - t_start:.0f} s to load)", flush=True)
     log, wall = train(dense.train(False), blocks, win, args, ck_dir / "ckpt.pt")
     if len(log) < args.steps:
@@ -364,7 +389,7 @@ def run(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"source_fixture": args.fixture.name, "steps": str(args.steps), "batch": str(args.batch),
             "window": str(args.window), "lr": str(args.lr), "lb_coef": str(args.lb_coef), "seed": str(args.seed),
-            "warmup": str(args.warmup), "skip_files": str(args.skip_files),
+            "warmup": str(args.warmup), "skip_files": str(args.skip_files), "skip_windows": str(args.skip_windows),
             "train_tokens": str(args.steps * args.batch * args.window)}
     if lora:
         meta.update(experts="lora", rank=str(args.rank), lora_alpha=str(args.lora_alpha),
@@ -395,6 +420,8 @@ def _args_key(args) -> dict:
     if args.experts == "lora":   # D2's key unchanged: its checkpoints still resume
         key.update({k: getattr(args, k) for k in ("experts", "rank", "lora_alpha", "lora_lr")},
                    init_fixture=Path(args.fixture).name)
+        if args.skip_windows:   # earlier checkpoints (no such key) still resume
+            key["skip_windows"] = args.skip_windows
     return key
 
 
@@ -422,6 +449,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lb-coef", type=float, default=0.01)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--skip-files", type=int, default=0)
+    ap.add_argument("--skip-windows", type=int, default=0,
+                    help="skip each domain's first N windows (a second stage: N = the first stage's steps x batch / 2)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--save-every", type=int, default=10)
     ap.add_argument("--print-every", type=int, default=5)

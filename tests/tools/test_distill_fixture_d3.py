@@ -209,3 +209,43 @@ def test_d2_options_checkpoint_key_and_assembly_are_unchanged():
                for g, w in zip(got, (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)))
     with pytest.raises(ValueError, match="do not fit"):
         merge_lora(mlp.gate_proj.weight.data, torch.zeros(R, H), None)
+
+
+def test_second_stage_starts_from_the_init_fixtures_lora_exactly():
+    """``--init-fixture`` with LoRA factors (D3's second stage, a larger ``--rank``): they fill the first slots, so
+    step 0 computes the init fixture's student; the new slots start at zero ``B``; a rank below the stored one is
+    refused."""
+    ids = torch.randint(0, 64, (3, 16), generator=torch.Generator().manual_seed(2))
+    d1 = _dense_model()
+    carve1 = _carve(d1)
+    b1 = install(d1, carve1, SHARED, K, rank=R, alpha=2.0 * R, seed=0)   # scaling 2 (stored B carries it)
+    _perturb_lora(b1)
+    parts = trained_parts(b1, carve1, lora_dtype=torch.float32)
+    d2 = _dense_model()
+    b2 = install(d2, parts, SHARED, K, rank=2 * R, alpha=float(2 * R), seed=7)   # scaling 1
+    for x1, x2 in zip(b1, b2):
+        for n in dfd.LORA_PROJ:
+            assert torch.equal(getattr(x2, f"{n}_lora_A")[:R], getattr(x1, f"{n}_lora_A"))
+            assert not getattr(x2, f"{n}_lora_B")[:, R:].detach().any()
+            assert getattr(x2, f"{n}_lora_A")[R:].detach().abs().max() > 0   # fresh A: the new slots can train
+    with torch.no_grad():
+        (l1, s1), (l2, _) = kd_step(d1, b1, ids, 0.01), kd_step(d2, b2, ids, 0.01)
+    assert s1["kl"] > 0.01   # the perturbed LoRA is not the teacher
+    torch.testing.assert_close(l2, l1, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="exceeds --rank"):
+        install(_dense_model(), parts, SHARED, K, rank=R - 1, alpha=1.0, seed=0)
+
+
+def test_skip_windows_continues_where_the_first_stage_ended(monkeypatch):
+    texts = {"docs": [("d", "a " * 40)], "code": [("c", "b " * 40)]}
+    monkeypatch.setattr(dfd, "training_texts", lambda domain, root: texts[domain])
+
+    class Tok:   # one id per character
+        def __call__(self, text, verbose=False):
+            return {"input_ids": [ord(ch) + i for i, ch in enumerate(text)]}
+
+    both = dfd.training_windows(Tok(), None, None, 8, 5)
+    second = dfd.training_windows(Tok(), None, None, 4, 5, skip_windows=2)
+    assert torch.equal(second, both[4:])   # docs, code alternating: windows 2, 3 of each domain
+    assert dfd._args_key(_args("w", "lora", "--skip-windows", "2"))["skip_windows"] == 2
+    assert "skip_windows" not in dfd._args_key(_args("w", "lora"))   # earlier checkpoints still resume
