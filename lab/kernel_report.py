@@ -233,11 +233,46 @@ def _tool(name: str) -> str:
     return str(path)
 
 
+def _usage_cache_path(cubin: bytes, name: str) -> Path | None:
+    """Where :func:`resource_usage`'s reading of ``cubin`` is kept: ``<Triton's cache dir>/lynx_hf_cuobjdump/
+    <sha256 of the cubin, the kernel name and cuobjdump's path>.json`` (None: ``LYNX_KERNEL_REPORT_NO_CACHE=1``).
+    The cubin's bytes determine what cuobjdump reads from them, so a second run with the same Triton (CI's newest and
+    next legs both run triton 3.9; Triton's own cache gives the same cubin) skips the two cuobjdump runs per compile,
+    ~0.4 s each, most of this script's time."""
+    if os.environ.get("LYNX_KERNEL_REPORT_NO_CACHE") == "1":
+        return None
+    import hashlib
+
+    import triton
+
+    key = hashlib.sha256(cubin + b"\0" + name.encode() + b"\0" + _tool("cuobjdump").encode()).hexdigest()
+    return Path(triton.knobs.cache.dir) / "lynx_hf_cuobjdump" / f"{key}.json"
+
+
 def resource_usage(cubin: bytes, name: str) -> dict:
     """``{"registers", "stack", "local", "shared_static", "spill_insts"}`` of ``name`` in ``cubin``:
     cuobjdump's resource usage, and the number of local-memory instructions (``STL`` / ``LDL``: register
     spills, or local arrays) in its SASS. A stack frame alone (ptxas reserves 8 bytes at times with
-    "0 bytes spill stores") is not a spill."""
+    "0 bytes spill stores") is not a spill. Kept per cubin (:func:`_usage_cache_path`)."""
+    cache = _usage_cache_path(cubin, name)
+    if cache is not None and cache.exists():
+        try:
+            return json.loads(cache.read_text())
+        except (OSError, ValueError):
+            pass   # a torn or unreadable entry: read the cubin again
+    res = _read_resource_usage(cubin, name)
+    if cache is not None:
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(res))
+            os.replace(tmp, cache)
+        except OSError:
+            pass   # a read-only cache: the reading stands, unkept
+    return res
+
+
+def _read_resource_usage(cubin: bytes, name: str) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()

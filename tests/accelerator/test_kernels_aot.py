@@ -73,3 +73,24 @@ def test_spill_detector_sees_a_spilling_kernel(report):
     probe = data["spill_self_check"]
     assert probe["ok"], probe
     assert probe["spill"] and (probe["stack"] > 0 or probe["local"] > 0 or probe["ptx_local"]), probe
+
+
+def test_cuobjdump_reading_is_kept_per_cubin(tmp_path, monkeypatch):
+    """lab.kernel_report reads each cubin's resources once (kept under Triton's cache dir, keyed by the cubin's bytes):
+    the same bytes again are not re-read and give the same reading, other bytes are read; the cache can be turned off."""
+    import lab.kernel_report as kr
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def read(cubin, name):
+        calls.append((cubin, name))
+        return {"registers": len(cubin), "stack": 0, "local": 0, "shared_static": 0, "spill_insts": 0}
+
+    monkeypatch.setattr(kr, "_read_resource_usage", read)
+    first, again, other = kr.resource_usage(b"x" * 5, "k"), kr.resource_usage(b"x" * 5, "k"), kr.resource_usage(b"y" * 6, "k")
+    assert calls == [(b"x" * 5, "k"), (b"y" * 6, "k")]
+    assert first == again == {**first, "registers": 5} and other["registers"] == 6
+    assert len(list((tmp_path / "lynx_hf_cuobjdump").glob("*.json"))) == 2
+    monkeypatch.setenv("LYNX_KERNEL_REPORT_NO_CACHE", "1")
+    assert kr.resource_usage(b"x" * 5, "k") == first and len(calls) == 3
