@@ -395,12 +395,22 @@ def run(args) -> None:
         meta.update(experts="lora", rank=str(args.rank), lora_alpha=str(args.lora_alpha),
                     lora_lr=str(args.lora_lr), lora_dtype=args.lora_dtype,
                     lora_note="delta W = B @ A (alpha / rank folded into B), dense FFN neuron order")
+        if any("_lora_" in k for k in carve):   # a second stage: the first one's settings, as its file recorded them
+            meta["init_meta"] = json.dumps(init_metadata(args.fixture), sort_keys=True)
     save_file(trained_parts(blocks, carve, *((getattr(torch, args.lora_dtype),) if lora else ())),
               out / "carve.safetensors", metadata=meta)
     (out / "config.json").write_text((args.fixture / "config.json").read_text())
     (out / "train_log.json").write_text(json.dumps({"wall_s": round(wall, 1), "meta": meta, "log": [
         {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in log]}, indent=1) + "\n")
     print(f"trained {args.steps} steps in {wall:.0f} s -> {out}", flush=True)
+
+
+def init_metadata(fixture: Path) -> dict[str, str]:
+    """The safetensors metadata of ``fixture``'s ``carve.safetensors`` (a second stage records its first's)."""
+    from safetensors import safe_open
+
+    with safe_open(fixture / "carve.safetensors", "pt") as f:
+        return dict(f.metadata() or {})
 
 
 def write_train_text(path: Path, docs_root: Path, code_root: Path, files: int) -> Path:

@@ -31,7 +31,11 @@ def test_d3_is_d2s_carve_with_trained_lora_factors(parts):
     carve, meta, config = parts
     d2 = load_file(D2 / "carve.safetensors")
     assert config == json.loads((D2 / "config.json").read_text())  # the same carve, the same Qwen2-MoE config
-    assert meta["experts"] == "lora" and meta["source_fixture"] == "smollm2-d2"
+    assert meta["experts"] == "lora"
+    if meta["source_fixture"] != "smollm2-d2":   # a second stage, started from the first (recorded in init_meta)
+        first = json.loads(meta["init_meta"])
+        assert meta["source_fixture"] == "smollm2-d3" and first["source_fixture"] == "smollm2-d2"
+        assert first["experts"] == "lora" and int(first["rank"]) < int(meta["rank"])
     r, hidden, inter = int(meta["rank"]), config["hidden_size"], config["intermediate_size"]
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
     for i in range(config["num_hidden_layers"]):
