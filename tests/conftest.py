@@ -99,8 +99,9 @@ def one_thread():
 _HYPOTHESIS_CASES: dict = {}
 
 
-# -- long modules first: with `-n 2 --dist loadscope` (.ci/test) a module is one unit of work and the units go to the
-# workers in collection order, so a long module collected last runs alone at the end. These start first, longest
+# -- long modules first: with `-n 2 --dist loadscope --no-loadscope-reorder` (.ci/test; pyproject.toml's addopts) a
+# module is one unit of work and the units go to the workers in collection order (xdist's default would hand out the
+# modules with the most tests first), so a long module collected last runs alone at the end. These start first, longest
 # first (seconds on one worker, measured on the 2-core CI machine: newest leg `--durations`, floor leg's plugin tests);
 # every other module keeps its order after them. Only the order changes, never what runs.
 LONG_MODULES = (
