@@ -430,8 +430,8 @@ def _args_key(args) -> dict:
     if args.experts == "lora":   # D2's key unchanged: its checkpoints still resume
         key.update({k: getattr(args, k) for k in ("experts", "rank", "lora_alpha", "lora_lr")},
                    init_fixture=Path(args.fixture).name)
-        if args.skip_windows:   # earlier checkpoints (no such key) still resume
-            key["skip_windows"] = args.skip_windows
+    if args.skip_windows:   # other windows, other run; earlier checkpoints (no such key) still resume
+        key["skip_windows"] = args.skip_windows
     return key
 
 

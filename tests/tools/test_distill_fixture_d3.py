@@ -249,3 +249,4 @@ def test_skip_windows_continues_where_the_first_stage_ended(monkeypatch):
     assert torch.equal(second, both[4:])   # docs, code alternating: windows 2, 3 of each domain
     assert dfd._args_key(_args("w", "lora", "--skip-windows", "2"))["skip_windows"] == 2
     assert "skip_windows" not in dfd._args_key(_args("w", "lora"))   # earlier checkpoints still resume
+    assert dfd._args_key(_args("w", "none", "--skip-windows", "2"))["skip_windows"] == 2   # D2 mode too
