@@ -33,7 +33,8 @@ def off_line(layers: list[dict]) -> str | None:
 
 def patch_note(gates: list) -> str | None:
     """One line for ``lynx_hf.patch`` when the gate measured at patch time keeps the model's own routing at some
-    step sizes, e.g. ``"... off on 4/4 MoE layers for decode steps of 1-64 tokens ..."``; ``None`` when it is on
+    step sizes, e.g. ``"... runs the policy at decode step sizes 2, 4, 8 and keeps the model's own routing on 4/4 MoE
+    layers at decode step sizes ... 64, 128 ..."`` (the sizes where it runs first; none: that clause left out); ``None`` when it is on
     everywhere it measured (or nothing was measured). ``gates``: one entry per patched layer, its :class:`PlanGate`
     (:func:`of` its plan) or ``None``."""
     measured = [g for g in gates if g is not None and g.decisions]
@@ -47,8 +48,11 @@ def patch_note(gates: list) -> str | None:
     if not off_buckets:
         return None
     layers = sum(1 for g in measured if any(off(d) for d in g.decisions.values()))
-    return (f"lynx_hf: the cost gate (gate='auto') keeps the model's own routing on {layers}/{len(gates)} MoE layers "
-            f"at decode step sizes (tokens, rounded up to these) {', '.join(str(b) for b in off_buckets)} on this "
-            f"device (expected "
+    # where it runs, first: three new users read the note as "LYNX is off" when their own batch ran the policy
+    on_buckets = sorted({b for g in measured for b, d in g.decisions.items() if d.on})
+    runs = (f"runs the policy at decode step sizes {', '.join(str(b) for b in on_buckets)} and " if on_buckets else "")
+    return (f"lynx_hf: the cost gate (gate='auto') {runs}keeps the model's own routing on {layers}/{len(gates)} MoE "
+            f"layers at decode step sizes (tokens, rounded up to these) {', '.join(str(b) for b in off_buckets)} on "
+            f"this device (expected "
             f"saving <= measured routing cost; lynx_hf.stats(model).summary()['per_layer'][i]['gate'] has the "
             f"figures); gate='always' or {ENV}=always runs the policy on every decode step")

@@ -382,6 +382,8 @@ def test_patch_note_names_only_step_sizes_where_something_is_lost():
     gates = [planned({1: d(False, 0.0), 4: d(False, 2.0), 16: d(True, 5.0)}), planned({1: d(False, 0.0), 16: d(True, 5.0)})]
     note = gate.patch_note(gates)
     assert "on 1/2 MoE layers" in note and "sizes (tokens, rounded up to these) 4 on this device" in note
+    assert "runs the policy at decode step sizes 16 and keeps the model's own routing" in note   # where it runs, first
+    assert "runs the policy at decode step sizes" not in gate.patch_note([planned({4: d(False, 2.0)})])   # on nowhere
     assert gate.patch_note(gates[1:]) is None and gate.patch_note([planned({}), None]) is None
 
 
