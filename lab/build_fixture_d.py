@@ -360,10 +360,29 @@ def lora_merged_mlp(mlp, carve: dict[str, torch.Tensor], i: int) -> tuple[torch.
                             carve.get(f"layers.{i}.{n}_lora_B")) for n in ("gate", "up", "down"))
 
 
+def merge_expert_lora(parts: dict[str, torch.Tensor], carve: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """``parts`` (:func:`carve_mlp`'s routed experts ``gate``/``up`` ``[E, m, H]``, ``down`` ``[E, H, m]``) with
+    layer ``i``'s per-expert LoRA factors ``layers.<i>.expert_<gate|up|down>_lora_A [E, r, in]`` / ``_lora_B
+    [E, out, r]`` merged into each expert's own weight: ``W_e + B_e @ A_e`` (:func:`merge_lora` per expert: float64,
+    rounded once to fp32). ``parts`` itself where the carve has none. Raises ``ValueError`` when the factors do not
+    fit the experts."""
+    out = dict(parts)
+    for n in ("gate", "up", "down"):
+        a, b = carve.get(f"layers.{i}.expert_{n}_lora_A"), carve.get(f"layers.{i}.expert_{n}_lora_B")
+        if a is None and b is None:
+            continue
+        w = parts[n]
+        if a is None or b is None or len(a) != len(w) or len(b) != len(w):
+            raise ValueError(f"layer {i}: per-expert {n} LoRA factors do not fit {len(w)} experts")
+        out[n] = torch.stack([merge_lora(w[e], a[e], b[e]) for e in range(len(w))])
+    return out
+
+
 def build_moe(dense, config: dict, carve: dict[str, torch.Tensor]):
     """The Qwen2MoeForCausalLM (fp32) from the dense Llama model and the carve tensors. A carve with LoRA factors
     (fixture D3) has them merged into each dense FFN (:func:`lora_merged_mlp`) before the FFN is carved into
-    experts (CMoE, arXiv 2502.04416, section 3: experts are neuron slices of the FFN): a plain Qwen2-MoE."""
+    experts (CMoE, arXiv 2502.04416, section 3: experts are neuron slices of the FFN), and per-expert factors (D3's
+    second stage) into each carved expert (:func:`merge_expert_lora`): a plain Qwen2-MoE."""
     from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     cfg = Qwen2MoeConfig.from_dict(config)
@@ -376,6 +395,7 @@ def build_moe(dense, config: dict, carve: dict[str, torch.Tensor]):
     for i, layer in enumerate(dense.model.layers):
         parts = carve_mlp(*lora_merged_mlp(layer.mlp, carve, i),
                           carve[f"layers.{i}.perm"].long(), cfg.shared_expert_intermediate_size, cfg.num_experts)
+        parts = merge_expert_lora(parts, carve, i)
         for k, v in moe_layer_params(parts, carve[f"layers.{i}.router"], carve[f"layers.{i}.scale"],
                                      carve.get(f"layers.{i}.shared_gate")).items():
             sd[f"model.layers.{i}.mlp.{k}"] = v

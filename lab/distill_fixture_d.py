@@ -52,6 +52,11 @@ training at ``--lr``), plus per layer a rank-``--rank`` LoRA (Hu et al., arXiv 2
     python -m lab.distill_fixture_d --experts lora --rank 16 --steps 600 \\
         --docs-root /tmp/deb/root/usr/share/doc/python3.11-doc/html/_sources --code-root /tmp/deb/root/usr/lib/python3.11
 
+``--expert-rank R`` (a second stage from D3, session 11's probe): also a rank-R LoRA of each routed expert's own
+(:meth:`DistillMoE.add_expert_lora`, ``--expert-lora-lr``), stored as ``layers.<i>.expert_<gate|up|down>_lora_A
+[E, R, in]`` / ``_lora_B [E, out, R]`` and merged per expert after the carve
+(:func:`lab.build_fixture_d.merge_expert_lora`); where the carve already holds such factors they fill the first slots.
+
 ``--stop-after N`` trains N more steps, checkpoints and exits (a timing probe, or a session's share); rerunning
 the same command resumes and gives the same parameters as one uninterrupted run
 (``tests/tools/test_distill_fixture_d.py``).
@@ -106,6 +111,7 @@ class DistillMoE(nn.Module):
         self.teacher = False
         self.last = None
         self.rank = 0   # no LoRA: fixture D2's student, unchanged
+        self.expert_rank = 0   # no per-expert LoRA: fixture D3's first stage, unchanged
 
     def add_lora(self, perm: torch.Tensor, rank: int, alpha: float, generator: torch.Generator) -> None:
         """Fixture D3: a rank-``rank`` LoRA (arXiv 2106.09685) on the dense FFN's gate, up and down projections,
@@ -125,11 +131,48 @@ class DistillMoE(nn.Module):
             setattr(self, f"{name}_lora_A", nn.Parameter(a))
             setattr(self, f"{name}_lora_B", nn.Parameter(torch.zeros(d_out, rank)))
 
+    def add_expert_lora(self, rank: int, alpha: float, generator: torch.Generator) -> None:
+        """A rank-``rank`` LoRA of **each routed expert's own** (issue 52 item 2, the step after one LoRA per dense
+        projection): ``expert_gate_lora_A`` / ``expert_up_lora_A`` ``[E, r, H]``, ``..._lora_B`` ``[E, m, r]``,
+        ``expert_down_lora_A`` ``[E, r, m]``, ``expert_down_lora_B`` ``[E, H, r]`` (fp32 parameters, each expert's
+        rows in the carve's order: expert ``e`` is the carve's neurons ``n_shared + e m ... + m``), scaling
+        ``alpha / rank``. ``A`` from ``U(-1/sqrt(in), 1/sqrt(in))`` drawn from ``generator`` (gate, up, down),
+        ``B`` zero: the block's output is unchanged until ``B`` trains. The shared expert keeps only the dense
+        LoRA (:meth:`add_lora`), when there is one. Raises ``ValueError`` for ``rank < 1``."""
+        if rank < 1:
+            raise ValueError(f"per-expert LoRA rank must be >= 1, got {rank}")
+        e, m, hidden = self.n_experts, self.m, self.gate_w.shape[1]
+        self.expert_rank, self.expert_lora_scaling = rank, alpha / rank
+        for name, (d_in, d_out) in zip(LORA_PROJ, ((hidden, m), (hidden, m), (m, hidden))):
+            bound = 1.0 / math.sqrt(d_in)
+            a = (torch.rand(e, rank, d_in, generator=generator) * 2 - 1) * bound
+            setattr(self, f"expert_{name}_lora_A", nn.Parameter(a))
+            setattr(self, f"expert_{name}_lora_B", nn.Parameter(torch.zeros(e, d_out, rank)))
+
     def trainable(self) -> tuple[str, ...]:
         """The names of this block's trained parameters (the checkpoint's per-block keys)."""
-        if not self.rank:
-            return ROUTING
-        return ROUTING + tuple(f"{n}_lora_{f}" for n in LORA_PROJ for f in "AB")
+        names = ROUTING
+        if self.rank:
+            names += tuple(f"{n}_lora_{f}" for n in LORA_PROJ for f in "AB")
+        if self.expert_rank:
+            names += tuple(f"expert_{n}_lora_{f}" for n in LORA_PROJ for f in "AB")
+        return names
+
+    def _expert_lora_in(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``[T, I]``: each routed expert's own gate or up LoRA term ``s B_e A_e x`` in its neurons' columns (zero
+        in the shared expert's)."""
+        a, b = getattr(self, f"expert_{name}_lora_A"), getattr(self, f"expert_{name}_lora_B")
+        e, r, hidden = a.shape
+        t = F.linear(x, a.reshape(e * r, hidden)).view(-1, e, r)               # [T, E, r]
+        delta = torch.einsum("ter,emr->tem", t, b).reshape(x.shape[0], -1)     # [T, E m]
+        return F.pad(delta * self.expert_lora_scaling, (self.n_shared, 0))
+
+    def _expert_lora_down(self, h: torch.Tensor) -> torch.Tensor:
+        """``[T, H]``: ``sum_e s B_e A_e h_e`` over the routed experts' (coefficient-weighted) activations."""
+        a, b = self.expert_down_lora_A, self.expert_down_lora_B   # [E, r, m], [E, H, r]
+        e, r, m = a.shape
+        t = torch.einsum("tem,erm->ter", h[:, self.n_shared:].view(-1, e, m), a)   # [T, E, r]
+        return F.linear(t.reshape(-1, e * r), b.permute(1, 0, 2).reshape(b.shape[1], e * r)) * self.expert_lora_scaling
 
     def _lora_in(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``s B[perm] A x``: the gate or up projection's LoRA term, ``[T, I]`` in the carve's neuron order."""
@@ -151,7 +194,7 @@ class DistillMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        if self.rank and not self.teacher:
+        if (self.rank or self.expert_rank) and not self.teacher:
             return self._forward_lora(x).reshape(shape)
         h = F.silu(F.linear(x, self.gate_w)) * F.linear(x, self.up_w)
         if not self.teacher:
@@ -160,13 +203,22 @@ class DistillMoE(nn.Module):
 
     def _forward_lora(self, x: torch.Tensor) -> torch.Tensor:
         """The student with LoRA, still dense: ``(W_down + s B_d A_d)(m * silu((W_gate + s B_g A_g) x) *
-        (W_up + s B_u A_u) x)``, each projection's LoRA term added to the frozen one (never merged while training).
-        ``x [T, H]`` -> ``[T, H]``."""
-        h = (F.silu(F.linear(x, self.gate_w) + self._lora_in(x, "gate"))
-             * (F.linear(x, self.up_w) + self._lora_in(x, "up")))
+        (W_up + s B_u A_u) x)``, each projection's LoRA term added to the frozen one (never merged while training);
+        with per-expert factors (:meth:`add_expert_lora`) each routed expert's own ``s_e B_e A_e`` terms on its
+        neurons too. ``x [T, H]`` -> ``[T, H]``."""
+        pre_gate, pre_up = F.linear(x, self.gate_w), F.linear(x, self.up_w)
+        if self.rank:
+            pre_gate, pre_up = pre_gate + self._lora_in(x, "gate"), pre_up + self._lora_in(x, "up")
+        if self.expert_rank:
+            pre_gate, pre_up = pre_gate + self._expert_lora_in(x, "gate"), pre_up + self._expert_lora_in(x, "up")
+        h = F.silu(pre_gate) * pre_up
         h = h * self.coefficients(x).to(h.dtype)
-        down = F.linear(F.linear(h, self.down_lora_A[:, self.perm]), self.down_lora_B) * self.lora_scaling
-        return F.linear(h, self.down_w) + down
+        out = F.linear(h, self.down_w)
+        if self.rank:
+            out = out + F.linear(F.linear(h, self.down_lora_A[:, self.perm]), self.down_lora_B) * self.lora_scaling
+        if self.expert_rank:
+            out = out + self._expert_lora_down(h)
+        return out
 
 
 def switch_lb(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -179,10 +231,13 @@ def switch_lb(probs: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int, rank: int = 0, alpha: float = 0.0,
-            seed: int = 0) -> list[DistillMoE]:
+            seed: int = 0, expert_rank: int = 0, expert_alpha: float | None = None) -> list[DistillMoE]:
     """Replace every dense layer's ``mlp`` with a :class:`DistillMoE` (in place); every other parameter frozen.
     ``rank > 0`` (fixture D3): each block gets a LoRA (:meth:`DistillMoE.add_lora`, scaling ``alpha / rank``), its
-    ``A`` factors drawn layer by layer from one generator seeded by ``seed``."""
+    ``A`` factors drawn layer by layer from one generator seeded by ``seed``. ``expert_rank > 0``: each block also
+    gets per-expert LoRA factors (:meth:`DistillMoE.add_expert_lora`, scaling ``expert_alpha / expert_rank``,
+    ``expert_alpha`` default ``expert_rank``), drawn after every dense factor from the same generator. Factors the
+    carve already holds (a second stage) fill the first slots (:func:`load_lora`)."""
     for p in dense.parameters():
         p.requires_grad_(False)
     blocks = []
@@ -193,11 +248,15 @@ def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int, ra
                          n_shared, top_k, carve.get(f"layers.{i}.shared_gate"))
         layer.mlp = blk
         blocks.append(blk)
+    gen = torch.Generator().manual_seed(seed)
     if rank:
-        gen = torch.Generator().manual_seed(seed)
         for i, blk in enumerate(blocks):
             blk.add_lora(carve[f"layers.{i}.perm"], rank, alpha, gen)
             load_lora(blk, carve, i)
+    if expert_rank:
+        for i, blk in enumerate(blocks):
+            blk.add_expert_lora(expert_rank, float(expert_rank if expert_alpha is None else expert_alpha), gen)
+            load_expert_lora(blk, carve, i)
     return blocks
 
 
@@ -218,6 +277,25 @@ def load_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int) -> int:
         with torch.no_grad():
             getattr(blk, f"{n}_lora_A")[:r0] = a.float()
             getattr(blk, f"{n}_lora_B")[:, :r0] = b.float() / blk.lora_scaling
+    return r0
+
+
+def load_expert_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int) -> int:
+    """:func:`load_lora` for the per-expert factors ``layers.<i>.expert_<gate|up|down>_lora_A [E, r0, in]`` /
+    ``_lora_B [E, out, r0]`` (scaling folded into ``B``): they fill the first ``r0`` of the block's
+    ``expert_rank`` slots. Returns ``r0`` (0: nothing stored). Raises ``ValueError`` if ``r0 > expert_rank``."""
+    r0 = 0
+    for n in LORA_PROJ:
+        a, b = carve.get(f"layers.{i}.expert_{n}_lora_A"), carve.get(f"layers.{i}.expert_{n}_lora_B")
+        if a is None or b is None:
+            continue
+        r0 = a.shape[1]
+        if r0 > blk.expert_rank:
+            raise ValueError(f"layer {i}: the init fixture's per-expert LoRA rank {r0} exceeds --expert-rank "
+                             f"{blk.expert_rank}")
+        with torch.no_grad():
+            getattr(blk, f"expert_{n}_lora_A")[:, :r0] = a.float()
+            getattr(blk, f"expert_{n}_lora_B")[:, :, :r0] = b.float() / blk.expert_lora_scaling
     return r0
 
 
@@ -243,24 +321,32 @@ def kd_step(model, blocks: list[DistillMoE], ids: torch.Tensor, lb_coef: float) 
     return kl + lb_coef * lb, {"kl": kl.item(), "lb": lb.item(), "ce": float(s_ce), "teacher_ce": float(t_ce)}
 
 
-def make_optimizer(blocks: list[DistillMoE], lr: float, lora_lr: float | None = None) -> torch.optim.Optimizer:
+def make_optimizer(blocks: list[DistillMoE], lr: float, lora_lr: float | None = None,
+                   expert_lora_lr: float | None = None) -> torch.optim.Optimizer:
     """Adam: routers and shared gates at ``lr``, log-scales at ``5 lr``; with LoRA blocks a fourth group, every
-    LoRA factor at ``lora_lr`` (:func:`base_lrs` gives the groups' peak rates in this order)."""
+    dense LoRA factor at ``lora_lr``; with per-expert factors a fifth at ``expert_lora_lr`` (:func:`base_lrs`
+    gives the groups' peak rates in this order)."""
     groups = [
         {"params": [b.router for b in blocks], "lr": lr},
         {"params": [b.log_scale for b in blocks], "lr": 5 * lr},
         {"params": [b.shared_gate for b in blocks], "lr": lr}]
-    lora = [getattr(b, n) for b in blocks for n in b.trainable() if "_lora_" in n]
+    lora = [getattr(b, n) for b in blocks for n in b.trainable() if "_lora_" in n and not n.startswith("expert_")]
     if lora:
         if lora_lr is None:
             raise ValueError("LoRA blocks need a lora_lr")
         groups.append({"params": lora, "lr": lora_lr})
+    per_expert = [getattr(b, n) for b in blocks for n in b.trainable() if n.startswith("expert_")]
+    if per_expert:
+        if expert_lora_lr is None:
+            raise ValueError("per-expert LoRA blocks need an expert_lora_lr")
+        groups.append({"params": per_expert, "lr": expert_lora_lr})
     return torch.optim.Adam(groups)
 
 
 def base_lrs(args) -> tuple[float, ...]:
     """The peak learning rate of each of :func:`make_optimizer`'s groups."""
-    return (args.lr, 5 * args.lr, args.lr) + ((args.lora_lr,) if args.experts == "lora" else ())
+    return ((args.lr, 5 * args.lr, args.lr) + ((args.lora_lr,) if args.experts == "lora" else ())
+            + ((args.expert_lora_lr,) if args.experts == "lora" and args.expert_rank else ()))
 
 
 def lr_factor(step: int, steps: int, warmup: int) -> float:
@@ -297,7 +383,10 @@ def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor],
                   lora_dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The fixture's ``carve.safetensors`` tensors: per layer ``perm`` (the carve's), ``router [E, H]``, ``scale
     [E]`` (= exp(log_scale)), ``shared_gate [1, H]`` (fp32); with LoRA blocks also ``<gate|up|down>_lora_A [r, in]``
-    and ``_lora_B [out, r]`` with the scaling folded into ``B`` (``delta W = B @ A``), cast to ``lora_dtype``."""
+    and ``_lora_B [out, r]`` with the scaling folded into ``B`` (``delta W = B @ A``), cast to ``lora_dtype``; with
+    per-expert factors ``expert_<gate|up|down>_lora_A [E, r, in]`` and ``_lora_B [E, out, r]`` (each routed
+    expert's ``delta W_e = B_e @ A_e`` on its own weights, the expert layout of
+    :func:`lab.build_fixture_d.carve_mlp`: ``in``/``out`` = H, m for gate / up and m, H for down), likewise."""
     out = {}
     for i, b in enumerate(blocks):
         out[f"layers.{i}.perm"] = carve[f"layers.{i}.perm"]
@@ -308,6 +397,10 @@ def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor],
             a, bb = getattr(b, f"{n}_lora_A").detach(), getattr(b, f"{n}_lora_B").detach()
             out[f"layers.{i}.{n}_lora_A"] = a.to(lora_dtype).contiguous()
             out[f"layers.{i}.{n}_lora_B"] = (bb * b.lora_scaling).to(lora_dtype).contiguous()
+        for n in LORA_PROJ if b.expert_rank else ():
+            a, bb = getattr(b, f"expert_{n}_lora_A").detach(), getattr(b, f"expert_{n}_lora_B").detach()
+            out[f"layers.{i}.expert_{n}_lora_A"] = a.to(lora_dtype).contiguous()
+            out[f"layers.{i}.expert_{n}_lora_B"] = (bb * b.expert_lora_scaling).to(lora_dtype).contiguous()
     return out
 
 
@@ -324,7 +417,7 @@ def train(model, blocks: list[DistillMoE], win: torch.Tensor, args, ck_path: Pat
     ``args.save_every`` steps and where it stops. Returns ``(log, wall_s)``: one dict per step (kl, lb, ce,
     teacher_ce, step) and the seconds trained over every run. The state after an interruption and a rerun is the
     one of an uninterrupted run (no randomness: the windows are fixed, Adam's state is checkpointed)."""
-    opt = make_optimizer(blocks, args.lr, args.lora_lr if args.experts == "lora" else None)
+    opt = make_optimizer(blocks, args.lr, *((args.lora_lr, args.expert_lora_lr) if args.experts == "lora" else ()))
     ck_path.parent.mkdir(parents=True, exist_ok=True)
     step, log, wall = 0, [], 0.0
     if ck_path.exists() and not args.restart:
@@ -374,7 +467,8 @@ def run(args) -> None:
     carve = load_file(args.fixture / "carve.safetensors")
     lora = args.experts == "lora"
     blocks = install(dense, carve, config["shared_expert_intermediate_size"], config["num_experts_per_tok"],
-                     *((args.rank, args.lora_alpha, args.seed) if lora else ()))
+                     *((args.rank, args.lora_alpha, args.seed, args.expert_rank, args.expert_lora_alpha) if lora
+                       else ()))
     ck_dir = args.work
     ck_dir.mkdir(parents=True, exist_ok=True)
     n_win = args.steps * args.batch
@@ -395,6 +489,11 @@ def run(args) -> None:
         meta.update(experts="lora", rank=str(args.rank), lora_alpha=str(args.lora_alpha),
                     lora_lr=str(args.lora_lr), lora_dtype=args.lora_dtype,
                     lora_note="delta W = B @ A (alpha / rank folded into B), dense FFN neuron order")
+        if args.expert_rank:
+            meta.update(expert_rank=str(args.expert_rank), expert_lora_alpha=str(args.expert_lora_alpha),
+                        expert_lora_lr=str(args.expert_lora_lr),
+                        expert_lora_note="per routed expert: delta W_e = B_e @ A_e (alpha / rank folded into B_e), "
+                                         "the carve's expert order and layout")
         if any("_lora_" in k for k in carve):   # a second stage: the first one's settings, as its file recorded them
             meta["init_meta"] = json.dumps(init_metadata(args.fixture), sort_keys=True)
     save_file(trained_parts(blocks, carve, *((getattr(torch, args.lora_dtype),) if lora else ())),
@@ -432,6 +531,8 @@ def _args_key(args) -> dict:
                    init_fixture=Path(args.fixture).name)
     if args.skip_windows:   # other windows, other run; earlier checkpoints (no such key) still resume
         key["skip_windows"] = args.skip_windows
+    if args.experts == "lora" and args.expert_rank:   # likewise: per-expert factors only where asked for
+        key.update({k: getattr(args, k) for k in ("expert_rank", "expert_lora_alpha", "expert_lora_lr")})
     return key
 
 
@@ -454,6 +555,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rank", type=int, default=16, help="LoRA rank r (--experts lora)")
     ap.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha: scaling alpha / r (default r: 1)")
     ap.add_argument("--lora-lr", type=float, default=1e-3, help="peak Adam learning rate of the LoRA factors")
+    ap.add_argument("--expert-rank", type=int, default=0,
+                    help="--experts lora: also a rank-R LoRA of each routed expert's own (0: none, fixture D3's first "
+                         "stage)")
+    ap.add_argument("--expert-lora-alpha", type=float, default=None, help="per-expert LoRA alpha (default R: 1)")
+    ap.add_argument("--expert-lora-lr", type=float, default=None,
+                    help="peak Adam learning rate of the per-expert factors (default --lora-lr)")
     ap.add_argument("--lora-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="dtype of the committed LoRA factors (training is fp32)")
     ap.add_argument("--lb-coef", type=float, default=0.01)
@@ -488,6 +595,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.lora_alpha = float(args.rank)
     if lora and args.rank < 1:
         raise SystemExit(f"--rank must be >= 1, got {args.rank}")
+    if args.expert_rank < 0 or (args.expert_rank and not lora):
+        raise SystemExit(f"--expert-rank {args.expert_rank}: a rank >= 1 with --experts lora (0: none)")
+    if args.expert_lora_alpha is None:
+        args.expert_lora_alpha = float(args.expert_rank)
+    if args.expert_lora_lr is None:
+        args.expert_lora_lr = args.lora_lr
     return args
 
 

@@ -250,3 +250,77 @@ def test_skip_windows_continues_where_the_first_stage_ended(monkeypatch):
     assert dfd._args_key(_args("w", "lora", "--skip-windows", "2"))["skip_windows"] == 2
     assert "skip_windows" not in dfd._args_key(_args("w", "lora"))   # earlier checkpoints still resume
     assert dfd._args_key(_args("w", "none", "--skip-windows", "2"))["skip_windows"] == 2   # D2 mode too
+
+
+def _perturb_expert_lora(blocks, seed=6, std=0.3):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in blocks:
+            for n in dfd.LORA_PROJ:
+                lb = getattr(b, f"expert_{n}_lora_B")
+                lb.copy_(torch.randn(lb.shape, generator=g) * std)
+
+
+def test_per_expert_lora_starts_at_the_first_stage_and_assembles_into_the_student():
+    """``--expert-rank`` (D3's per-expert second stage): zero ``B_e`` computes the dense-LoRA student exactly; trained
+    factors assemble (``lab.build_fixture_d.merge_expert_lora``, each expert's own ``W_e + B_e A_e``) into a plain
+    Qwen2-MoE whose logits are the student's; each expert's factors move only that expert's weights."""
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
+    d1, d2 = _dense_model(), _dense_model()
+    carve1 = _carve(d1)
+    b1 = install(d1, carve1, SHARED, K, rank=R, alpha=float(R), seed=0)
+    _perturb_lora(b1)
+    first = trained_parts(b1, carve1, lora_dtype=torch.float32)
+    b2 = install(d2, first, SHARED, K, rank=R, alpha=float(R), seed=0, expert_rank=2, expert_alpha=4.0)  # scaling 2
+    m = (INTER - SHARED) // N
+    assert all(b.expert_gate_lora_A.shape == (N, 2, H) and b.expert_gate_lora_B.shape == (N, m, 2)
+               and b.expert_down_lora_A.shape == (N, 2, m) and b.expert_down_lora_B.shape == (N, H, 2) for b in b2)
+    with torch.no_grad():
+        (l1, s1), (l2, s2) = kd_step(d1, b1, ids, 0.01), kd_step(d2, b2, ids, 0.01)
+    assert s1["kl"] > 0.01 and s2 == s1   # the perturbed dense LoRA is not the teacher; zero B_e changes no statistic
+    torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)   # zero B_e: the first stage's student
+    _perturb_expert_lora(b2)
+    with torch.no_grad():
+        student = d2(ids).logits
+    dense = _dense_model()
+    config = _config(dense)
+    parts = trained_parts(b2, first, lora_dtype=torch.float32)
+    assert parts["layers.0.expert_up_lora_A"].shape == (N, 2, H) and parts["layers.0.expert_down_lora_B"].shape == (N, H, 2)
+    moe = build_moe(dense, config, parts)
+    with torch.no_grad():
+        torch.testing.assert_close(moe(ids).logits, student, rtol=1e-4, atol=1e-4)
+        plain = build_moe(dense, config, {k: v for k, v in parts.items() if not k.split(".")[-1].startswith("expert_")})
+        assert (plain(ids).logits - student).abs().max() > 1e-2   # the per-expert factors matter
+    # expert 1's factors alone: only expert 1's weights move (gate, up and down)
+    only = dict(parts)
+    for n in dfd.LORA_PROJ:
+        b = parts[f"layers.0.expert_{n}_lora_B"].clone()
+        b[torch.arange(N) != 1] = 0
+        only[f"layers.0.expert_{n}_lora_B"] = b
+    ref = plain.state_dict()
+    got = build_moe(dense, config, only).state_dict()
+    gu = got["model.layers.0.mlp.experts.gate_up_proj"] - ref["model.layers.0.mlp.experts.gate_up_proj"]
+    dn = got["model.layers.0.mlp.experts.down_proj"] - ref["model.layers.0.mlp.experts.down_proj"]
+    moved = [e for e in range(N) if gu[e].abs().max() > 0 or dn[e].abs().max() > 0]
+    assert moved == [1]
+    with pytest.raises(ValueError, match="exceeds --expert-rank"):
+        install(_dense_model(), parts, SHARED, K, rank=R, alpha=float(R), seed=0, expert_rank=1)
+
+
+def test_per_expert_lora_trains_and_its_options_key_the_checkpoint():
+    model = _dense_model()
+    blocks = install(model, _carve(model), SHARED, K, rank=R, alpha=float(R), seed=0, expert_rank=2)
+    opt = make_optimizer(blocks, 2e-2, 1e-2, 3e-2)
+    assert [g["lr"] for g in opt.param_groups] == [2e-2, 1e-1, 2e-2, 1e-2, 3e-2]
+    assert len(opt.param_groups[4]["params"]) == 6 * len(blocks)
+    ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(2))
+    loss, _ = kd_step(model, blocks, ids, 0.01)
+    loss.backward()
+    assert all(b.expert_up_lora_A.grad is not None and b.expert_down_lora_B.grad.abs().max() > 0 for b in blocks)
+    args = _args("w", "lora", "--expert-rank", "3", "--expert-lora-lr", "4e-3")
+    assert (args.expert_rank, args.expert_lora_alpha, args.expert_lora_lr) == (3, 3.0, 4e-3)
+    assert dfd._args_key(args)["expert_rank"] == 3 and dfd.base_lrs(args)[-1] == 4e-3
+    plain = _args("w", "lora")
+    assert "expert_rank" not in dfd._args_key(plain) and len(dfd.base_lrs(plain)) == 4   # earlier checkpoints resume
+    with pytest.raises(SystemExit, match="expert-rank"):
+        parse_args(["--expert-rank", "2"])   # D2 mode has no experts' factors

@@ -35,7 +35,9 @@ def test_d3_is_d2s_carve_with_trained_lora_factors(parts):
     if meta["source_fixture"] != "smollm2-d2":   # a second stage, started from the first (recorded in init_meta)
         first = json.loads(meta["init_meta"])
         assert meta["source_fixture"] == "smollm2-d3" and first["source_fixture"] == "smollm2-d2"
-        assert first["experts"] == "lora" and int(first["rank"]) < int(meta["rank"])
+        # a larger dense rank, or (what D3 is now) per-expert factors added to the first stage's rank
+        assert first["experts"] == "lora" and (int(first["rank"]) < int(meta["rank"])
+                                               or int(meta.get("expert_rank", 0)) > 0)
     r, hidden, inter = int(meta["rank"]), config["hidden_size"], config["intermediate_size"]
     shapes = {"gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}  # nn.Linear [out, in]
     for i in range(config["num_hidden_layers"]):
@@ -47,6 +49,13 @@ def test_d3_is_d2s_carve_with_trained_lora_factors(parts):
             out_f, in_f = shapes[n]
             assert a.shape == (r, in_f) and b.shape == (out_f, r), (i, n, a.shape, b.shape)
             assert b.abs().max() > 0, (i, n)  # trained: D2 is B = 0
+        re, e, m = int(meta.get("expert_rank", 0)), config["num_experts"], config["moe_intermediate_size"]
+        expert_shapes = {"gate": (m, hidden), "up": (m, hidden), "down": (hidden, m)}   # each expert's [out, in]
+        for n in PROJ if re else ():
+            a, b = carve[f"layers.{i}.expert_{n}_lora_A"], carve[f"layers.{i}.expert_{n}_lora_B"]
+            out_f, in_f = expert_shapes[n]
+            assert a.shape == (e, re, in_f) and b.shape == (e, out_f, re), (i, n, a.shape, b.shape)
+            assert (b.flatten(1).abs().amax(1) > 0).all(), (i, n)   # every expert's own factor trained
     moved = sum(int(not torch.equal(carve[f"layers.{i}.router"], d2[f"layers.{i}.router"]))
                 for i in range(config["num_hidden_layers"]))
     assert moved == config["num_hidden_layers"]  # the routing kept training from D2's
