@@ -22,6 +22,7 @@ from .eval import DEFAULT_FIXTURE as DEFAULT_MODEL  # package data of lynx_hf.ev
 from .eval import PROMPTS_FILE as DEFAULT_PROMPTS
 from .gate import STORE, DecisionTable, off_line
 from .gate import of as gate_of
+from .telemetry import layer_table
 
 
 class CliError(Exception):
@@ -174,29 +175,8 @@ def cmd_tune(args) -> int:
 
 
 def print_layer_table(summary: dict, layers: list) -> None:
-    """Per MoE layer: N, k, unique experts per decode step before / after, ratio, routing mass kept; then
-    the means of ``summary`` (``lynx_hf.stats(model).summary()`` or a vLLM worker's ``summary``)."""
-    def num(value, spec):
-        return format(value, spec) if isinstance(value, (int, float)) else format("-", spec[:-3] if "." in spec else spec)
-
-    print(f"{'layer':<28}{'N':>5}{'k':>4}{'experts before':>16}{'experts after':>15}{'ratio':>8}{'mass kept':>11}")
-    for layer in layers:
-        before, after = layer.get("unique_experts_before"), layer.get("unique_experts_after")
-        ratio = after / max(before, 1e-9) if isinstance(before, (int, float)) and isinstance(after, (int, float)) else None
-        mass = layer.get("routing_mass_kept")
-        skipped = (layer.get("gate") or {}).get("steps_skipped", 0)
-        counted = layer.get("decode_steps", 1)
-        if not counted:  # nothing measured: the cost gate kept the model's routing on every step, or telemetry off
-            before = after = ratio = mass = None
-        row = (f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
-               f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(mass, '>11.3f')}")
-        note = f"  gate off ({skipped} steps, model's own routing)" if skipped and not counted else \
-            "  no decode step counted" if not counted else ""
-        print(row + note)
-    means = [summary.get(key) for key in ("unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept")]
-    if not summary.get("decode_steps", 1):  # no layer counted a step: the summary's means are placeholders
-        means = [None] * 4
-    print(f"{'mean':<37}{num(means[0], '>16.2f')}{num(means[1], '>15.2f')}{num(means[2], '>8.3f')}{num(means[3], '>11.3f')}")
+    """Print :func:`lynx_hf.telemetry.layer_table` (per MoE layer, then the means of ``summary``)."""
+    print(layer_table(summary, layers))
 
 
 def _read_json(path: Path, what: str):

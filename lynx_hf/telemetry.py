@@ -237,6 +237,36 @@ def _offload_summary(layers: list[dict]) -> dict:
     return {"offload_layers": len(seen), **{k: sum(layer[k] for layer in seen) for k in OFFLOAD_KEYS}}
 
 
+def layer_table(summary: dict, layers: list) -> str:
+    """A plain-text table: per MoE layer N, k, unique experts per decode step before / after, ratio, routing mass
+    kept (a layer whose every step the cost gate skipped says so instead of numbers), then the means of ``summary``
+    (``lynx_hf.stats(model).summary()`` or a vLLM worker's ``summary``). What ``lynx-hf generate``, ``lynx-hf
+    vllm-stats`` and ``print(lynx_hf.stats(model))`` show."""
+    def num(value, spec):
+        return format(value, spec) if isinstance(value, (int, float)) else format("-", spec[:-3] if "." in spec else spec)
+
+    out = [f"{'layer':<28}{'N':>5}{'k':>4}{'experts before':>16}{'experts after':>15}{'ratio':>8}{'mass kept':>11}"]
+    for layer in layers:
+        before, after = layer.get("unique_experts_before"), layer.get("unique_experts_after")
+        ratio = after / max(before, 1e-9) if isinstance(before, (int, float)) and isinstance(after, (int, float)) else None
+        mass = layer.get("routing_mass_kept")
+        skipped = (layer.get("gate") or {}).get("steps_skipped", 0)
+        counted = layer.get("decode_steps", 1)
+        if not counted:  # nothing measured: the cost gate kept the model's routing on every step, or telemetry off
+            before = after = ratio = mass = None
+        row = (f"{str(layer.get('layer', layer.get('name'))):<28}{layer['num_experts']:>5}{layer['top_k']:>4}"
+               f"{num(before, '>16.2f')}{num(after, '>15.2f')}{num(ratio, '>8.3f')}{num(mass, '>11.3f')}")
+        note = f"  gate off ({skipped} steps, model's own routing)" if skipped and not counted else \
+            "  no decode step counted" if not counted else ""
+        out.append(row + note)
+    means = [summary.get(key) for key in ("unique_experts_before", "unique_experts_after", "ratio", "routing_mass_kept")]
+    if not summary.get("decode_steps", 1):  # no layer counted a step: the summary's means are placeholders
+        means = [None] * 4
+    out.append(f"{'mean':<37}{num(means[0], '>16.2f')}{num(means[1], '>15.2f')}{num(means[2], '>8.3f')}"
+               f"{num(means[3], '>11.3f')}")
+    return "\n".join(out)
+
+
 @dataclass
 class LynxStats:
     """What :func:`lynx_hf.stats` returns: per-block summaries plus model-level means.
@@ -307,3 +337,17 @@ class LynxStats:
             **self.detection,
             "per_layer": self.layers,
         }
+
+    def __str__(self) -> str:
+        """A short report: policy, telemetry mode, decode steps, the layer-steps the cost gate skipped, then
+        :func:`layer_table` (``print(lynx_hf.stats(model))``; :meth:`summary` has every figure as a dict)."""
+        s = self.summary()
+        skipped = s["gate_steps_skipped"]
+        head = (f"lynx_hf stats: policy {s['policy']}, telemetry {s['telemetry']}, {s['decode_steps']} decode steps, "
+                f"{s['num_moe_layers']} MoE layers"
+                + (f"; the cost gate kept the model's own routing on {skipped} layer-steps" if skipped else ""))
+        return head + "\n" + layer_table(s, self.layers)
+
+    def _repr_pretty_(self, printer, cycle: bool) -> None:
+        """IPython / Jupyter display: the :meth:`__str__` report, not the dataclass's nested repr."""
+        printer.text(str(self))

@@ -272,6 +272,7 @@ def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
         assert gate.of(block.plan) is not None and lynx_hf.facts.layer_shape(block).hidden is not None
         out = _generate(model, ids, mask)
         summary = lynx_hf.stats(model).summary()
+        report = str(lynx_hf.stats(model))   # print(lynx_hf.stats(model)): the short report
     assert len(calls) == 1  # measured once (here: the fixed decisions) for every layer of the one key
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
@@ -279,6 +280,10 @@ def test_gated_off_layers_are_bit_identical_to_policy_none(family, fixed_gate):
     layer = summary["per_layer"][0]["gate"]
     assert layer["by_tokens"][8]["on"] is False and layer["by_tokens"][8]["steps_skipped"] == 4
     assert layer["source"].startswith("measured")
+    lines = report.splitlines()
+    assert f"kept the model's own routing on {4 * summary['num_moe_layers']} layer-steps" in lines[0]
+    assert len(lines) == 2 + 1 + summary["num_moe_layers"]   # head, column names, one per layer, mean
+    assert all("gate off (4 steps" in line for line in lines[2:-1]) and lines[-1].split() == ["mean", "-", "-", "-", "-"]
 
 
 def test_gate_on_changes_nothing_against_always(fixed_gate):
@@ -292,11 +297,15 @@ def test_gate_on_changes_nothing_against_always(fixed_gate):
     with lynx_hf.patched(model, policy="lynx", gate="auto"):
         out = _generate(model, ids, mask)
         stats = lynx_hf.stats(model).summary()
+        report = str(lynx_hf.stats(model))
     assert torch.equal(out.sequences, ref.sequences)
     assert all(torch.equal(a, b) for a, b in zip(out.scores, ref.scores))
     assert stats["unique_experts_after"] == ref_stats["unique_experts_after"] < ref_stats["unique_experts_before"]
     assert stats["gate_steps_skipped"] == 0 and stats["per_layer"][0]["gate"]["by_tokens"][8]["on"] is True
     assert ref_stats["per_layer"][0]["gate"]["gate"] == "always"
+    mean = report.splitlines()[-1].split()   # the report's means are the summary's, to the printed digits
+    assert mean[:3] == ["mean", f"{stats['unique_experts_before']:.2f}", f"{stats['unique_experts_after']:.2f}"]
+    assert "layer-steps" not in report.splitlines()[0] and f"{stats['decode_steps']} decode steps" in report
 
 
 def test_gate_per_step_size(fixed_gate):
