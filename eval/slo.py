@@ -196,6 +196,16 @@ def point_price(point: dict) -> str:
     return price_label(point.get("mass_price"), None if depth == "cut" else depth, point.get("cut_layers", "?"))
 
 
+def unique_from_summary(summary: dict) -> dict:
+    """A patched point's ``unique_before`` / ``unique_after`` from ``lynx_hf.stats(model).summary()``; with no decode
+    step recorded (``decode_steps`` 0: the cost gate kept the model's own routing on every layer-step, e.g. XShare
+    whose budget exceeds the batch's union) both ``None`` and ``gate_off`` true where the gate skipped steps, so the
+    table says so instead of "0.00 -> 0.00" (the summary's placeholders for no step)."""
+    if not summary.get("decode_steps"):
+        return {"unique_before": None, "unique_after": None, "gate_off": bool(summary.get("gate_steps_skipped"))}
+    return {"unique_before": summary.get("unique_experts_before"), "unique_after": summary.get("unique_experts_after")}
+
+
 def curve_markdown(points: list[dict]) -> str:
     out = ["| engine | model | C | variant | TPOT (ms) | decode tok/s | unique experts before → after | routing-mass price |",
            "|---|---|---|---|---|---|---|---|"]
@@ -337,8 +347,7 @@ def run_transformers(args) -> dict:
                  "tok_s": sum(len(s) - 1 for s in stamps) / (last - first), "wall_s": wall,
                  "tokens": [len(o.generated_tokens) for o in out.values()]}
         if options[variant] is not None:
-            s = lynx_hf.stats(model).summary()
-            point["unique_before"], point["unique_after"] = s.get("unique_experts_before"), s.get("unique_experts_after")
+            point.update(unique_from_summary(lynx_hf.stats(model).summary()))
             lynx_hf.unpatch(model)
         return point
 

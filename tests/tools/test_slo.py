@@ -81,6 +81,18 @@ def test_a_variant_meeting_no_slo_gets_no_throughput_and_a_curve_without_unpatch
         slo.slo_rows([_p("lynx", 1, 9.0, 111.0)])
 
 
+def test_a_point_whose_steps_the_gate_all_skipped_reads_gate_off_not_zero_experts():
+    none_ran = {"decode_steps": 0, "unique_experts_before": 0.0, "unique_experts_after": 0.0, "gate_steps_skipped": 96}
+    ran = {"decode_steps": 23, "unique_experts_before": 14.74, "unique_experts_after": 11.13, "gate_steps_skipped": 0}
+    assert slo.unique_from_summary(none_ran) == {"unique_before": None, "unique_after": None, "gate_off": True}
+    assert slo.unique_from_summary(ran) == {"unique_before": 14.74, "unique_after": 11.13}
+    rows = [dict(_p("xshare", 2, 9.0, 200.0), **slo.unique_from_summary(none_ran)),
+            dict(_p("lynx", 2, 9.0, 200.0), **slo.unique_from_summary(ran))]
+    table = slo.curve_markdown(rows)
+    assert "0.00 → 0.00" not in table and "gate off" in table and "14.74 → 11.13" in table
+    assert slo.step_model(rows) is None   # too few points; the gate-off point never enters the fit
+
+
 def test_serve_bench_rows_are_read_as_vllm_points():
     run = {"command": "x", "rows": [{"model": "q", "concurrency": 8, "variant": "lynx", "tpot_ms": 5.0,
                                      "decode_tok_s": 1600.0, "unique_before": 50.0, "unique_after": 12.0}]}
