@@ -23,6 +23,13 @@ each. Per request TPOT = (time of its last token - time of its first token) / (t
 benchmarks define it; reported: the median over requests, the decode throughput C * (tokens - 1) / (decode
 span) and the whole-batch throughput (prefill included); ratios to unpatched are per round (paired), median
 over rounds. The plugin's telemetry gives the unique experts per MoE layer per decode step before/after.
+``--interleave`` (for a drifting host): one persistent engine per variant (``--serve`` workers, all alive at once,
+idle while another steps), and per concurrency every round, the variants alternated cell by cell
+(:func:`interleaved_schedule`), so the two cells a ratio pairs run seconds apart instead of a whole curve apart; its
+rounds repeat cells within the same engines (they sample the host's drift, not engine start-up). Memory: every
+variant's engine at once. One fp32 engine of the 1-layer real shape holds 10.0 GB after start and peaks at 15.7 GB
+while it loads (vLLM's CPU MoE backend repacks the experts; the same from an fp32 checkpoint), so two do not fit in
+this machine's 24 GB (the second engine was OOM-killed while loading): ``--interleave`` at that shape needs ~28 GB.
 Timings on a shared machine are noisy: read the ratios, and run nothing else meanwhile.
 
 Routing-mass price: the default's price depends on the model's MoE depth (7/64 x 4 / L above 4 MoE layers), and the
@@ -272,29 +279,129 @@ def make_llm(spec: dict):
                **kwargs)
 
 
+def measure_cell(llm, spec: dict, c: int) -> dict:
+    """One cell: ``c`` requests (:func:`make_prompts`, seed ``c``) after a warm-up batch of the same prompts (4 new
+    tokens: also the compiled graph), the plugin's telemetry reset between: :func:`timed_batch`'s figures plus
+    ``unique_before`` / ``unique_after`` / ``decode_steps_seen`` / ``gate_bypassed_layers`` (``None`` unpatched)."""
+    import lynx_hf.vllm as lynx_vllm
+
+    prompts = make_prompts(spec["model"], Path(spec["model_path"]), c, spec["prompt_tokens"], spec["vocab"], seed=c)
+    timed_batch(llm, prompts, min(4, spec["max_tokens"]))  # warm-up (also the compiled graph)
+    lynx_vllm.reset_stats(llm)
+    cell = timed_batch(llm, prompts, spec["max_tokens"])
+    stats = lynx_vllm.stats(llm)[0]
+    cell["unique_before"] = stats["summary"]["unique_experts_before"] if stats["layers"] else None
+    cell["unique_after"] = stats["summary"]["unique_experts_after"] if stats["layers"] else None
+    cell["decode_steps_seen"] = stats["summary"]["decode_steps"] if stats["layers"] else None
+    cell["gate_bypassed_layers"] = stats["summary"].get("gate_bypassed_layers") if stats["layers"] else None
+    return cell
+
+
+def _cell_line(spec: dict, c: int, cell: dict) -> str:
+    return (f"  {spec['model']} {spec['variant']:9s} C={c:3d}: TPOT {cell['tpot_ms']:8.1f} ms  decode "
+            f"{cell['decode_tok_s']:8.1f} tok/s  T {cell['unique_before']} -> {cell['unique_after']}")
+
+
 def worker(spec_path: str, out_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
-    import lynx_hf.vllm as lynx_vllm
-
     llm = make_llm(spec)
     start_s = time.perf_counter() - t0
     result = {"variant": spec["variant"], "engine_start_s": start_s, "cells": {}}
     for c in spec["concurrency"]:
-        prompts = make_prompts(spec["model"], Path(spec["model_path"]), c, spec["prompt_tokens"], spec["vocab"],
-                               seed=c)
-        timed_batch(llm, prompts, min(4, spec["max_tokens"]))  # warm-up (also the compiled graph)
-        lynx_vllm.reset_stats(llm)
-        cell = timed_batch(llm, prompts, spec["max_tokens"])
-        stats = lynx_vllm.stats(llm)[0]
-        cell["unique_before"] = stats["summary"]["unique_experts_before"] if stats["layers"] else None
-        cell["unique_after"] = stats["summary"]["unique_experts_after"] if stats["layers"] else None
-        cell["decode_steps_seen"] = stats["summary"]["decode_steps"] if stats["layers"] else None
-        cell["gate_bypassed_layers"] = stats["summary"].get("gate_bypassed_layers") if stats["layers"] else None
+        cell = measure_cell(llm, spec, c)
         result["cells"][str(c)] = cell
-        print(f"  {spec['model']} {spec['variant']:9s} C={c:3d}: TPOT {cell['tpot_ms']:8.1f} ms  decode "
-              f"{cell['decode_tok_s']:8.1f} tok/s  T {cell['unique_before']} -> {cell['unique_after']}", flush=True)
+        print(_cell_line(spec, c, cell), flush=True)
     Path(out_path).write_text(json.dumps(result))
+
+
+#: the prefix of a persistent worker's answer lines on its stdout (vLLM's own output passes through unmarked)
+ANSWER = "@@serve_bench "
+
+
+def serve(spec_path: str) -> None:
+    """A persistent worker (``--interleave``): the engine of ``spec`` started once, then one cell per request line
+    on stdin (``{"c": C}``; ``{"quit": true}`` or end of input stops it), each answered by one line ``ANSWER + JSON``
+    on stdout (``{"ready": true, "engine_start_s": s}`` first)."""
+    spec = json.loads(Path(spec_path).read_text())
+    t0 = time.perf_counter()
+    llm = make_llm(spec)
+    print(ANSWER + json.dumps({"ready": True, "engine_start_s": time.perf_counter() - t0}), flush=True)
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("quit"):
+            break
+        cell = measure_cell(llm, spec, int(req["c"]))
+        print(ANSWER + json.dumps(cell), flush=True)
+
+
+class Engine:
+    """The driver's side of one persistent worker (:func:`serve`): ``Engine(spec, work, env)`` starts it and waits
+    until its engine is up; ``cell(c)`` -> the cell dict; ``close()``. vLLM's log lines go to ``work/<name>.log``.
+    Raises ``RuntimeError`` (with the log's tail) if the worker dies or answers nothing."""
+
+    def __init__(self, spec: dict, work: Path, env: dict, worker=("lab.serve_bench", "--serve")):
+        self.name = f"{spec['model']}_{spec['variant']}"
+        spec_path = work / f"{self.name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        self.log_path = work / f"{self.name}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", *worker, str(spec_path)], cwd=ROOT, env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log)
+        self.engine_start_s = self._answer()["engine_start_s"]
+
+    def _answer(self) -> dict:
+        for line in self.proc.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+            self.log.write(line)
+        self.log.flush()
+        raise RuntimeError(f"engine {self.name} stopped without answering (exit {self.proc.wait()}):\n"
+                           f"{self.log_path.read_text()[-6000:]}")
+
+    def cell(self, c: int) -> dict:
+        self.proc.stdin.write(json.dumps({"c": c}) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"quit": True}) + "\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=120)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        self.log.close()
+
+
+def interleaved_schedule(concurrency: list[int], rounds: int, variants: list[str]) -> list[tuple[int, int, str]]:
+    """``[(C, round, variant)]`` in run order for ``--interleave``: per concurrency every round, per round every
+    variant once, the variants' order rotated by the round, so the cells a ratio pairs are seconds apart and
+    neither side always runs first."""
+    return [(c, rnd, v) for c in concurrency for rnd in range(rounds)
+            for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]]
+
+
+def run_interleaved(specs: dict[str, dict], concurrency: list[int], rounds: int, work: Path, env: dict,
+                    engine=Engine) -> list[dict]:
+    """``--interleave``: one persistent engine per variant (``specs``: variant -> worker spec), all alive at once,
+    driven cell by cell in :func:`interleaved_schedule`'s order. Returns the same per-(variant, round) results as
+    the one-engine-per-round protocol (``{"variant", "round", "engine_start_s", "cells": {str(C): cell}}``), so
+    :func:`aggregate` pairs them per round the same way."""
+    engines = {}
+    try:
+        for v, spec in specs.items():
+            engines[v] = engine(spec, work, env)
+        out = {(v, r): {"variant": v, "round": r, "engine_start_s": engines[v].engine_start_s, "cells": {}}
+               for v in specs for r in range(rounds)}
+        for c, rnd, v in interleaved_schedule(concurrency, rounds, list(specs)):
+            cell = engines[v].cell(c)
+            out[(v, rnd)]["cells"][str(c)] = cell
+            print(_cell_line(specs[v], c, cell) + f"  (round {rnd})", flush=True)
+        return list(out.values())
+    finally:
+        for e in engines.values():
+            e.close()
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -396,7 +503,11 @@ def parse_args(argv=None):
                         "--full-layers gives: 41 at the full model's, 15 with --full-layers cut)")
     p.add_argument("--tiny", action="store_true", help="dry run: --scale 16, C 4, 8 tokens, 1 round, eager")
     p.add_argument("--out", type=Path, default=None, help="output stem (default: eval/results/serve_bench[_tiny])")
+    p.add_argument("--interleave", action="store_true",
+                   help="one persistent engine per variant, all alive; per concurrency every round, the variants "
+                        "alternated cell by cell (the cells a ratio pairs run seconds apart: for drifting hosts)")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
+    p.add_argument("--serve", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.scale, args.concurrency, args.max_tokens, args.prompt_tokens, args.rounds = 16, [4], 8, 8, 1
@@ -412,6 +523,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(*args.worker)
+        return 0
+    if args.serve:
+        serve(args.serve)
         return 0
     try:
         import vllm  # noqa: F401
@@ -430,7 +544,20 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="lynx_serve_bench_") as tmp:
         work = Path(tmp)
         env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm_cache"))
-        for model in args.models:
+        for model in args.models if args.interleave else ():
+            label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
+            specs, prices = {}, {}
+            for variant in args.variants:
+                lynx, prices[variant] = engine_lynx(variant, model, args.full_layers, args.layers, args.xshare_budget)
+                specs[variant] = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": 0,
+                                  "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
+                                  "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                                  "vocab": args.vocab, "dtype": args.dtype}
+            for out in run_interleaved(specs, args.concurrency, args.rounds, work, env):
+                out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"),
+                           **prices[out["variant"]])
+                results.append(out)
+        for model in args.models if not args.interleave else ():
             for rnd in range(args.rounds):
                 order = args.variants[rnd % len(args.variants):] + args.variants[:rnd % len(args.variants)]
                 for variant in order:
@@ -450,7 +577,10 @@ def main(argv=None) -> int:
 
     header = (f"# vLLM serving benchmark (CPU)\n\ncommand: `{cmd.strip()}`; vLLM {vllm.__version__}, torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs, {args.dtype}, {'eager' if args.eager else 'compiled'}; "
-              f"{args.rounds} round(s), prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
+              f"{args.rounds} round(s)"
+              + (" interleaved per concurrency (one engine per variant, all alive; --interleave)" if args.interleave
+                 else " (one engine per variant and round)")
+              + f", prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
               f"LYNX's routing-mass price at --full-layers {args.full_layers} (the last column); "
               f"total {time.perf_counter() - t_start:.0f} s")
     write_results(args.out, markdown(rows, header), {"command": cmd, "rows": rows, "engines": results})

@@ -84,3 +84,58 @@ def test_xshare_budget_follows_the_price_or_the_flag():
     with pytest.raises(ValueError, match="xshare_budget"):
         slo.variants(0)
     assert slo.parse_args(["transformers", "--xshare-budget", "12"]).xshare_budget == 12
+
+
+def test_interleaved_schedule_alternates_the_variants_cell_by_cell():
+    """``--interleave``: per concurrency every round, each round every variant once, the order rotated by the round."""
+    assert sb.interleaved_schedule([4, 16], 2, ["unpatched", "lynx"]) == [
+        (4, 0, "unpatched"), (4, 0, "lynx"), (4, 1, "lynx"), (4, 1, "unpatched"),
+        (16, 0, "unpatched"), (16, 0, "lynx"), (16, 1, "lynx"), (16, 1, "unpatched")]
+    assert len(sb.interleaved_schedule([1, 2, 4], 3, ["unpatched", "lynx", "oea"])) == 27
+    assert sb.parse_args(["--interleave"]).interleave and not sb.parse_args([]).interleave
+
+
+def _specs():
+    return {v: {"model": "qwen2-57b-2l", "variant": v, "lynx": None if v == "unpatched" else {"policy": v}}
+            for v in ("unpatched", "lynx")}
+
+
+def test_persistent_engines_answer_cell_by_cell_and_pair_like_the_round_protocol(tmp_path):
+    """The driver's side of ``--serve`` workers, against a stand-in worker of the same line protocol
+    (tests/helpers/fake_serve_engine.py): both engines stay alive (the second engine's later cells count every
+    request it served before), vLLM's log lines go to each engine's log file, and the results pair per round in
+    :func:`lab.serve_bench.aggregate` exactly as the one-engine-per-round protocol's do (hand-worked: TPOT 60 + C vs
+    100 + C)."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(sb.ROOT), os.environ.get("PYTHONPATH")])))
+    engine = lambda spec, work, env: sb.Engine(spec, work, env, worker=("tests.helpers.fake_serve_engine",))  # noqa: E731
+    results = sb.run_interleaved(_specs(), [4, 16], 2, tmp_path, env, engine=engine)
+    assert sorted((r["variant"], r["round"]) for r in results) == [("lynx", 0), ("lynx", 1), ("unpatched", 0),
+                                                                    ("unpatched", 1)]
+    by = {(r["variant"], r["round"]): r for r in results}
+    # one process per variant served every cell in schedule order: round 1 of C 16 is its 4th cell (4 + 4 + 16 + 16)
+    assert [by[("lynx", r)]["cells"][c]["served_so_far"] for c in ("4", "16") for r in (0, 1)] == [4, 8, 24, 40]
+    assert by[("lynx", 0)]["engine_start_s"] == 1.5
+    log = (tmp_path / "qwen2-57b-2l_lynx.log").read_text()
+    assert "vllm-like log line" in log and "stepping 16 requests" in log and "on stderr" in log
+    for r in results:
+        r["model"] = "m"
+    rows = {(x["concurrency"], x["variant"]): x for x in sb.aggregate(results, ["unpatched", "lynx"])}
+    assert rows[(4, "lynx")]["tpot_ratio"] == 64 / 104 and rows[(16, "lynx")]["tpot_ratio"] == 76 / 116
+    assert rows[(16, "lynx")]["rounds"] == 2 and rows[(16, "lynx")]["unique_after"] == 10.0
+
+
+def test_a_dying_persistent_engine_raises_with_its_log_and_the_others_are_closed(tmp_path):
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(sb.ROOT), os.environ.get("PYTHONPATH")])))
+    made = []
+
+    def engine(spec, work, env):
+        made.append(sb.Engine(spec, work, env, worker=("tests.helpers.fake_serve_engine",)))
+        return made[-1]
+
+    with pytest.raises(RuntimeError, match=r"(?s)stopped without answering \(exit 3\).*the engine died"):
+        sb.run_interleaved(_specs(), [-1], 1, tmp_path, env, engine=engine)
+    assert len(made) == 2 and all(e.proc.poll() is not None for e in made)   # every worker is gone
