@@ -30,6 +30,11 @@ rounds repeat cells within the same engines (they sample the host's drift, not e
 variant's engine at once. One fp32 engine of the 1-layer real shape holds 10.0 GB after start and peaks at 15.7 GB
 while it loads (vLLM's CPU MoE backend repacks the experts; the same from an fp32 checkpoint), so two do not fit in
 this machine's 24 GB (the second engine was OOM-killed while loading): ``--interleave`` at that shape needs ~28 GB.
+``--same-engine`` (implies ``--interleave``) fits one: a single engine, started with the plugin at the LYNX
+variant's configuration and switched before every cell (``lynx_hf.vllm.configure``); its ``unpatched`` side is
+:data:`SAME_ENGINE_BASELINE` (LYNX at price 0: nothing to save, so the default cost gate bypasses every layer: vLLM's
+own routing and experts; the plugin's hook frames stay: issue 54 item 7 measured that path against vLLM without the
+plugin), and each cell's telemetry says how many layers were bypassed.
 Timings on a shared machine are noisy: read the ratios, and run nothing else meanwhile.
 
 Routing-mass price: the default's price depends on the model's MoE depth (7/64 x 4 / L above 4 MoE layers), and the
@@ -322,7 +327,8 @@ ANSWER = "@@serve_bench "
 def serve(spec_path: str) -> None:
     """A persistent worker (``--interleave``): the engine of ``spec`` started once, then one cell per request line
     on stdin (``{"c": C}``; ``{"quit": true}`` or end of input stops it), each answered by one line ``ANSWER + JSON``
-    on stdout (``{"ready": true, "engine_start_s": s}`` first)."""
+    on stdout (``{"ready": true, "engine_start_s": s}`` first). A request with ``"configure": options`` first switches
+    the running engine's policy (``lynx_hf.vllm.configure``; ``--same-engine``)."""
     spec = json.loads(Path(spec_path).read_text())
     t0 = time.perf_counter()
     llm = make_llm(spec)
@@ -331,6 +337,10 @@ def serve(spec_path: str) -> None:
         req = json.loads(line)
         if req.get("quit"):
             break
+        if "configure" in req:
+            import lynx_hf.vllm as lynx_vllm
+
+            lynx_vllm.configure(llm, req["configure"])
         cell = measure_cell(llm, spec, int(req["c"]))
         print(ANSWER + json.dumps(cell), flush=True)
 
@@ -359,8 +369,9 @@ class Engine:
         raise RuntimeError(f"engine {self.name} stopped without answering (exit {self.proc.wait()}):\n"
                            f"{self.log_path.read_text()[-6000:]}")
 
-    def cell(self, c: int) -> dict:
-        self.proc.stdin.write(json.dumps({"c": c}) + "\n")
+    def cell(self, c: int, configure: dict | None = None) -> dict:
+        req = {"c": c} if configure is None else {"c": c, "configure": configure}
+        self.proc.stdin.write(json.dumps(req) + "\n")
         self.proc.stdin.flush()
         return self._answer()
 
@@ -382,25 +393,45 @@ def interleaved_schedule(concurrency: list[int], rounds: int, variants: list[str
             for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]]
 
 
+#: ``--same-engine``'s baseline: LYNX at routing-mass price 0, under which every expert of the batch's union joins
+#: the critical set (no token is remapped), so the default cost gate, expecting no saving, bypasses every layer:
+#: vLLM's own routing and experts, the plugin's hook frames only (issue 54 item 7's "gate off" path, measured against
+#: vLLM without the plugin: ~15 us of host time per step). Policy "none" would not do: it runs the plugin's op.
+SAME_ENGINE_BASELINE = {"policy": "lynx", "mass_price": 0.0}
+
+
 def run_interleaved(specs: dict[str, dict], concurrency: list[int], rounds: int, work: Path, env: dict,
-                    engine=Engine) -> list[dict]:
+                    engine=Engine, same_engine: bool = False) -> list[dict]:
     """``--interleave``: one persistent engine per variant (``specs``: variant -> worker spec), all alive at once,
-    driven cell by cell in :func:`interleaved_schedule`'s order. Returns the same per-(variant, round) results as
-    the one-engine-per-round protocol (``{"variant", "round", "engine_start_s", "cells": {str(C): cell}}``), so
-    :func:`aggregate` pairs them per round the same way."""
+    driven cell by cell in :func:`interleaved_schedule`'s order. ``same_engine`` (``--same-engine``): one engine
+    only, started with the first patched variant's spec, switched before each cell to the variant's configuration
+    (``lynx_hf.vllm.configure``; ``unpatched`` -> :data:`SAME_ENGINE_BASELINE`: every layer bypassed): one engine's memory, the same
+    process and weights on both sides. Returns the same per-(variant, round) results as the one-engine-per-round
+    protocol (``{"variant", "round", "engine_start_s", "cells": {str(C): cell}}``), so :func:`aggregate` pairs them
+    per round the same way."""
     engines = {}
     try:
-        for v, spec in specs.items():
-            engines[v] = engine(spec, work, env)
+        if same_engine:
+            patched = [v for v, spec in specs.items() if spec["lynx"] is not None]
+            if not patched:
+                raise ValueError("--same-engine needs a patched variant to start the engine with")
+            shared = engine(specs[patched[0]], work, env)
+            engines = {v: shared for v in specs}
+        else:
+            for v, spec in specs.items():
+                engines[v] = engine(spec, work, env)
         out = {(v, r): {"variant": v, "round": r, "engine_start_s": engines[v].engine_start_s, "cells": {}}
                for v in specs for r in range(rounds)}
         for c, rnd, v in interleaved_schedule(concurrency, rounds, list(specs)):
-            cell = engines[v].cell(c)
+            if same_engine:
+                cell = engines[v].cell(c, configure=specs[v]["lynx"] or SAME_ENGINE_BASELINE)
+            else:
+                cell = engines[v].cell(c)
             out[(v, rnd)]["cells"][str(c)] = cell
             print(_cell_line(specs[v], c, cell) + f"  (round {rnd})", flush=True)
         return list(out.values())
     finally:
-        for e in engines.values():
+        for e in {id(e): e for e in engines.values()}.values():
             e.close()
 
 
@@ -506,12 +537,18 @@ def parse_args(argv=None):
     p.add_argument("--interleave", action="store_true",
                    help="one persistent engine per variant, all alive; per concurrency every round, the variants "
                         "alternated cell by cell (the cells a ratio pairs run seconds apart: for drifting hosts)")
+    p.add_argument("--same-engine", action="store_true",
+                   help="with --interleave: one engine for every variant, its policy switched per cell "
+                        "(lynx_hf.vllm.configure; unpatched = the plugin at price 0, every layer bypassed): "
+                        "one engine's memory")
     p.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     p.add_argument("--serve", metavar="SPEC", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.tiny:
         args.scale, args.concurrency, args.max_tokens, args.prompt_tokens, args.rounds = 16, [4], 8, 8, 1
         args.eager = True
+    if args.same_engine:
+        args.interleave = True
     if args.out is None:
         args.out = RESULTS / ("serve_bench_tiny" if args.tiny else "serve_bench")
     if "unpatched" not in args.variants:
@@ -553,7 +590,7 @@ def main(argv=None) -> int:
                                   "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
                                   "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                                   "vocab": args.vocab, "dtype": args.dtype}
-            for out in run_interleaved(specs, args.concurrency, args.rounds, work, env):
+            for out in run_interleaved(specs, args.concurrency, args.rounds, work, env, same_engine=args.same_engine):
                 out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"),
                            **prices[out["variant"]])
                 results.append(out)
@@ -578,7 +615,9 @@ def main(argv=None) -> int:
     header = (f"# vLLM serving benchmark (CPU)\n\ncommand: `{cmd.strip()}`; vLLM {vllm.__version__}, torch "
               f"{torch.__version__}, {os.cpu_count()} CPUs, {args.dtype}, {'eager' if args.eager else 'compiled'}; "
               f"{args.rounds} round(s)"
-              + (" interleaved per concurrency (one engine per variant, all alive; --interleave)" if args.interleave
+              + (" interleaved per concurrency in ONE engine, switched per cell (--same-engine; 'unpatched' is the "
+                 "plugin at price 0: every layer bypassed by the cost gate, vLLM's routing)" if args.same_engine
+                 else " interleaved per concurrency (one engine per variant, all alive; --interleave)" if args.interleave
                  else " (one engine per variant and round)")
               + f", prompt {args.prompt_tokens} tokens, {args.max_tokens} new tokens, greedy; "
               f"LYNX's routing-mass price at --full-layers {args.full_layers} (the last column); "

@@ -139,3 +139,33 @@ def test_a_dying_persistent_engine_raises_with_its_log_and_the_others_are_closed
     with pytest.raises(RuntimeError, match=r"(?s)stopped without answering \(exit 3\).*the engine died"):
         sb.run_interleaved(_specs(), [-1], 1, tmp_path, env, engine=engine)
     assert len(made) == 2 and all(e.proc.poll() is not None for e in made)   # every worker is gone
+
+
+def test_same_engine_switches_one_engine_per_cell_and_pairs_like_two(tmp_path):
+    """``--same-engine``: one worker for both variants (memory of one engine), switched before every cell to the
+    variant's configuration (the unpatched side: LYNX at price 0, which the gate bypasses); the results pair per
+    round like two engines'."""
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(sb.ROOT), os.environ.get("PYTHONPATH")])))
+    made = []
+
+    def engine(spec, work, env):
+        made.append(sb.Engine(spec, work, env, worker=("tests.helpers.fake_serve_engine",)))
+        return made[-1]
+
+    results = sb.run_interleaved(_specs(), [4, 16], 2, tmp_path, env, engine=engine, same_engine=True)
+    assert len(made) == 1 and made[0].name == "qwen2-57b-2l_lynx" and made[0].proc.poll() is not None
+    by = {(r["variant"], r["round"]): r for r in results}
+    configured = {(v, by[(v, r)]["cells"][c]["price"]) for v in ("unpatched", "lynx") for r in (0, 1) for c in ("4", "16")}
+    assert configured == {("unpatched", 0.0), ("lynx", None)}   # the baseline: sb.SAME_ENGINE_BASELINE's price 0
+    # one process served every cell in schedule order: C 4 (4, 4, 4, 4), then C 16 round 0 unpatched, lynx ...
+    assert [by[(v, 0)]["cells"]["16"]["served_so_far"] for v in ("unpatched", "lynx")] == [32, 48]
+    for r in results:
+        r["model"] = "m"
+    rows = {(x["concurrency"], x["variant"]): x for x in sb.aggregate(results, ["unpatched", "lynx"])}
+    assert rows[(16, "lynx")]["tpot_ratio"] == 76 / 116 and rows[(4, "unpatched")]["unique_before"] is None
+    args = sb.parse_args(["--same-engine"])
+    assert args.same_engine and args.interleave   # implies --interleave
+    with pytest.raises(ValueError, match="patched variant"):
+        sb.run_interleaved({"unpatched": _specs()["unpatched"]}, [4], 1, tmp_path, env, engine=engine, same_engine=True)
