@@ -383,6 +383,19 @@ def _resolve(state: ModelState) -> None:
         block.resolve()
     _note_gate(state)
     _note_table(state)
+    _note_oea(state)
+
+
+def _note_oea(state: ModelState) -> None:
+    """Warn when OEA's ``oea_k0`` is at least every MoE layer's k: it is clipped to k at run time (docs/policies.md),
+    so every token keeps its whole top-k and the policy changes nothing (a typo such as ``oea_k0=99`` would otherwise
+    run silently as the model's own routing)."""
+    cfg = state.config
+    ks = sorted({b.top_k for b in state.blocks})
+    if cfg.policy == "oea" and ks and cfg.oea_k0 >= ks[-1]:
+        warnings.warn(f"lynx_hf: oea_k0={cfg.oea_k0} is at least every MoE layer's top-k ({', '.join(map(str, ks))}): "
+                      f"it is clipped to k, every token keeps its top-k, and OEA changes nothing; oea_k0 < k "
+                      f"remaps", UserWarning, stacklevel=4)
 
 
 def _note_table(state: ModelState) -> None:

@@ -342,6 +342,9 @@ class LynxStats:
         """A short report: policy, telemetry mode, decode steps, the layer-steps the cost gate skipped, then
         :func:`layer_table` (``print(lynx_hf.stats(model))``; :meth:`summary` has every figure as a dict)."""
         s = self.summary()
+        if s["telemetry"] == "off":   # nothing was recorded: no figures to show, not "0 decode steps"
+            return (f"lynx_hf stats: policy {s['policy']}, {s['num_moe_layers']} MoE layers; telemetry off "
+                    f"(LynxConfig(telemetry=False)): nothing recorded, decode steps included")
         skipped = s["gate_steps_skipped"]
         head = (f"lynx_hf stats: policy {s['policy']}, telemetry {s['telemetry']}, {s['decode_steps']} decode steps, "
                 f"{s['num_moe_layers']} MoE layers"

@@ -99,3 +99,19 @@ def test_each_policy_validates_its_own_fields(name):
         with pytest.raises(LynxConfigError, match=field):  # a config is valid as a whole, whatever its policy
             LynxConfig(policy="none", **{field: value})
     assert policies.get("none").fields == ()
+
+
+def test_oea_k0_at_or_above_k_warns_that_oea_changes_nothing(recwarn):
+    """``oea_k0`` is clipped to each layer's k at run time (docs/policies.md): at or above every k OEA is the model's
+    own routing, so patch says so (a typo like oea_k0=99 is not a silent no-op); below k no such warning. With
+    telemetry off, print(stats) says nothing was recorded rather than "0 decode steps"."""
+    model = fam.build("mixtral")
+    k = model.config.num_experts_per_tok
+    with pytest.warns(UserWarning, match=f"oea_k0={k} is at least every MoE layer's top-k \\({k}\\).*changes nothing"):
+        lynx_hf.patch(model, policy="oea", oea_k0=k, gate="always")
+    lynx_hf.unpatch(model)
+    lynx_hf.patch(model, policy="oea", oea_k0=k - 1, gate="always", telemetry=False)
+    assert not [w for w in recwarn if "oea_k0" in str(w.message)]
+    report = str(lynx_hf.stats(model))
+    assert "telemetry off" in report and "nothing recorded" in report and "0 decode steps" not in report
+    lynx_hf.unpatch(model)
