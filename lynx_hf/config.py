@@ -80,7 +80,8 @@ class LynxConfig:
       (A, B; C has 3): the identity there. Chosen on training-split text of the 30-layer fixture D2 and confirmed on
       held-out text (``docs/results.md``, "A default that keeps its promise"). ``None``: the price as given at any
       depth. An int ``>= 1`` or ``None``.
-    - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time).
+    - ``oea_k0``: OEA's kept top-k0 per token, ``>= 1`` (clipped to the layer's k at run time; at or above
+      every layer's k OEA changes nothing, and ``patch`` warns).
     - ``xshare_budget``: XShare (policy ``"xshare"``, arXiv 2602.07265, a baseline): experts per step, an int
       ``>= 1``, or ``None``: ``ceil(xshare_fraction * N)``.
     - ``xshare_fraction``: XShare: the budget as a fraction of N when ``xshare_budget`` is ``None``, in ``(0, 1]``.
