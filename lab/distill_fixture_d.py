@@ -256,46 +256,32 @@ def install(dense, carve: dict[str, torch.Tensor], n_shared: int, top_k: int, ra
     if expert_rank:
         for i, blk in enumerate(blocks):
             blk.add_expert_lora(expert_rank, float(expert_rank if expert_alpha is None else expert_alpha), gen)
-            load_expert_lora(blk, carve, i)
+            load_lora(blk, carve, i, per_expert=True)
     return blocks
 
 
-def load_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int) -> int:
+def load_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int, per_expert: bool = False) -> int:
     """Warm start (fixture D3's second stage): where ``carve`` (the init fixture's tensors) has layer ``i``'s LoRA
     factors ``<gate|up|down>_lora_A [r0, in]`` / ``_lora_B [out, r0]`` (scaling folded into ``B``), they fill the
     first ``r0`` of the block's ``rank`` slots (``B`` divided by the block's scaling); the other slots keep their
     fresh ``A`` and zero ``B``, so the block computes the init fixture's assembled FFN exactly (to the stored
-    dtype's values). Returns ``r0`` (0: nothing stored). Raises ``ValueError`` if ``r0 > rank``."""
+    dtype's values). ``per_expert``: the same for the per-expert factors ``expert_<gate|up|down>_lora_A [E, r0, in]``
+    / ``_lora_B [E, out, r0]`` and the block's ``expert_rank`` slots. Returns ``r0`` (0: nothing stored). Raises
+    ``ValueError`` if ``r0`` exceeds the block's rank."""
+    pre, rank, flag = ("expert_", blk.expert_rank, "--expert-rank") if per_expert else ("", blk.rank, "--rank")
     r0 = 0
     for n in LORA_PROJ:
-        a, b = carve.get(f"layers.{i}.{n}_lora_A"), carve.get(f"layers.{i}.{n}_lora_B")
+        a, b = carve.get(f"layers.{i}.{pre}{n}_lora_A"), carve.get(f"layers.{i}.{pre}{n}_lora_B")
         if a is None or b is None:
             continue
-        r0 = a.shape[0]
-        if r0 > blk.rank:
-            raise ValueError(f"layer {i}: the init fixture's LoRA rank {r0} exceeds --rank {blk.rank}")
+        r0 = a.shape[-2]
+        if r0 > rank:
+            raise ValueError(f"layer {i}: the init fixture's {'per-expert ' if per_expert else ''}LoRA rank {r0} "
+                             f"exceeds {flag} {rank}")
+        scaling = blk.expert_lora_scaling if per_expert else blk.lora_scaling
         with torch.no_grad():
-            getattr(blk, f"{n}_lora_A")[:r0] = a.float()
-            getattr(blk, f"{n}_lora_B")[:, :r0] = b.float() / blk.lora_scaling
-    return r0
-
-
-def load_expert_lora(blk: DistillMoE, carve: dict[str, torch.Tensor], i: int) -> int:
-    """:func:`load_lora` for the per-expert factors ``layers.<i>.expert_<gate|up|down>_lora_A [E, r0, in]`` /
-    ``_lora_B [E, out, r0]`` (scaling folded into ``B``): they fill the first ``r0`` of the block's
-    ``expert_rank`` slots. Returns ``r0`` (0: nothing stored). Raises ``ValueError`` if ``r0 > expert_rank``."""
-    r0 = 0
-    for n in LORA_PROJ:
-        a, b = carve.get(f"layers.{i}.expert_{n}_lora_A"), carve.get(f"layers.{i}.expert_{n}_lora_B")
-        if a is None or b is None:
-            continue
-        r0 = a.shape[1]
-        if r0 > blk.expert_rank:
-            raise ValueError(f"layer {i}: the init fixture's per-expert LoRA rank {r0} exceeds --expert-rank "
-                             f"{blk.expert_rank}")
-        with torch.no_grad():
-            getattr(blk, f"expert_{n}_lora_A")[:, :r0] = a.float()
-            getattr(blk, f"expert_{n}_lora_B")[:, :, :r0] = b.float() / blk.expert_lora_scaling
+            getattr(blk, f"{pre}{n}_lora_A")[..., :r0, :] = a.float()
+            getattr(blk, f"{pre}{n}_lora_B")[..., :r0] = b.float() / scaling
     return r0
 
 

@@ -34,12 +34,13 @@ def _carve(model, seed=1):
     return carve(model, seed, shared_gate=True)
 
 
-def _perturb_lora(blocks, seed=5, std=0.2):
+def _perturb_lora(blocks, seed=5, std=0.2, prefix=""):
+    """Every block's ``<prefix><proj>_lora_B`` drawn N(0, std^2) (``prefix="expert_"``: the per-expert factors)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for b in blocks:
             for n in dfd.LORA_PROJ:
-                lb = getattr(b, f"{n}_lora_B")
+                lb = getattr(b, f"{prefix}{n}_lora_B")
                 lb.copy_(torch.randn(lb.shape, generator=g) * std)
 
 
@@ -252,15 +253,6 @@ def test_skip_windows_continues_where_the_first_stage_ended(monkeypatch):
     assert dfd._args_key(_args("w", "none", "--skip-windows", "2"))["skip_windows"] == 2   # D2 mode too
 
 
-def _perturb_expert_lora(blocks, seed=6, std=0.3):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for b in blocks:
-            for n in dfd.LORA_PROJ:
-                lb = getattr(b, f"expert_{n}_lora_B")
-                lb.copy_(torch.randn(lb.shape, generator=g) * std)
-
-
 def test_per_expert_lora_starts_at_the_first_stage_and_assembles_into_the_student():
     """``--expert-rank`` (D3's per-expert second stage): zero ``B_e`` computes the dense-LoRA student exactly; trained
     factors assemble (``lab.build_fixture_d.merge_expert_lora``, each expert's own ``W_e + B_e A_e``) into a plain
@@ -279,7 +271,7 @@ def test_per_expert_lora_starts_at_the_first_stage_and_assembles_into_the_studen
         (l1, s1), (l2, s2) = kd_step(d1, b1, ids, 0.01), kd_step(d2, b2, ids, 0.01)
     assert s1["kl"] > 0.01 and s2 == s1   # the perturbed dense LoRA is not the teacher; zero B_e changes no statistic
     torch.testing.assert_close(l2, l1, rtol=1e-6, atol=1e-7)   # zero B_e: the first stage's student
-    _perturb_expert_lora(b2)
+    _perturb_lora(b2, seed=6, std=0.3, prefix="expert_")
     with torch.no_grad():
         student = d2(ids).logits
     dense = _dense_model()
