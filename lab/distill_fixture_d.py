@@ -379,14 +379,12 @@ def trained_parts(blocks: list[DistillMoE], carve: dict[str, torch.Tensor],
         out[f"layers.{i}.router"] = b.router.detach().float().contiguous()
         out[f"layers.{i}.scale"] = b.log_scale.detach().exp().float().contiguous()
         out[f"layers.{i}.shared_gate"] = b.shared_gate.detach().float().contiguous()
-        for n in LORA_PROJ if b.rank else ():
-            a, bb = getattr(b, f"{n}_lora_A").detach(), getattr(b, f"{n}_lora_B").detach()
-            out[f"layers.{i}.{n}_lora_A"] = a.to(lora_dtype).contiguous()
-            out[f"layers.{i}.{n}_lora_B"] = (bb * b.lora_scaling).to(lora_dtype).contiguous()
-        for n in LORA_PROJ if b.expert_rank else ():
-            a, bb = getattr(b, f"expert_{n}_lora_A").detach(), getattr(b, f"expert_{n}_lora_B").detach()
-            out[f"layers.{i}.expert_{n}_lora_A"] = a.to(lora_dtype).contiguous()
-            out[f"layers.{i}.expert_{n}_lora_B"] = (bb * b.expert_lora_scaling).to(lora_dtype).contiguous()
+        kinds = (("", b.lora_scaling) if b.rank else None, ("expert_", b.expert_lora_scaling) if b.expert_rank else None)
+        for pre, scaling in filter(None, kinds):   # the dense factors, then the per-expert ones
+            for n in LORA_PROJ:
+                a, bb = getattr(b, f"{pre}{n}_lora_A").detach(), getattr(b, f"{pre}{n}_lora_B").detach()
+                out[f"layers.{i}.{pre}{n}_lora_A"] = a.to(lora_dtype).contiguous()
+                out[f"layers.{i}.{pre}{n}_lora_B"] = (bb * scaling).to(lora_dtype).contiguous()
     return out
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from . import DEFAULT_FIXTURE as FIXTURE_A
 from . import RESULTS_DIR as RESULTS
 from . import command
-from .serve_bench import run_engine, write_results
+from .serve_bench import rotated, run_engine, write_results
 
 #: the variants compared: vLLM with the plugin installed but off, and the plugin's default configuration
 VARIANTS = {"unpatched": None, "default": {"policy": "lynx"}}
@@ -49,9 +49,7 @@ def schedule(rounds: int, modes=MODES, variants=tuple(VARIANTS)) -> list[tuple[i
     1 starts with compiled, and each mode with the default), so neither side always runs first."""
     out = []
     for rnd in range(rounds):
-        mode_order = list(modes[rnd % len(modes):]) + list(modes[:rnd % len(modes)])
-        variant_order = list(variants[rnd % len(variants):]) + list(variants[:rnd % len(variants)])
-        out.extend((rnd, mode, variant) for mode in mode_order for variant in variant_order)
+        out.extend((rnd, mode, variant) for mode in rotated(modes, rnd) for variant in rotated(variants, rnd))
     return out
 
 

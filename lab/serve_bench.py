@@ -385,12 +385,17 @@ class Engine:
         self.log.close()
 
 
+def rotated(items, rnd: int) -> list:
+    """``items`` as a list rotated left by ``rnd`` (round ``rnd``'s order: neither side always runs first)."""
+    items = list(items)
+    return items[rnd % len(items):] + items[:rnd % len(items)]
+
+
 def interleaved_schedule(concurrency: list[int], rounds: int, variants: list[str]) -> list[tuple[int, int, str]]:
     """``[(C, round, variant)]`` in run order for ``--interleave``: per concurrency every round, per round every
-    variant once, the variants' order rotated by the round, so the cells a ratio pairs are seconds apart and
-    neither side always runs first."""
-    return [(c, rnd, v) for c in concurrency for rnd in range(rounds)
-            for v in variants[rnd % len(variants):] + variants[:rnd % len(variants)]]
+    variant once, the variants' order rotated by the round (:func:`rotated`), so the cells a ratio pairs are seconds
+    apart and neither side always runs first."""
+    return [(c, rnd, v) for c in concurrency for rnd in range(rounds) for v in rotated(variants, rnd)]
 
 
 #: ``--same-engine``'s baseline: LYNX at routing-mass price 0, under which every expert of the batch's union joins
@@ -581,33 +586,24 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="lynx_serve_bench_") as tmp:
         work = Path(tmp)
         env.setdefault("VLLM_CACHE_ROOT", str(work / "vllm_cache"))
-        for model in args.models if args.interleave else ():
-            label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
-            specs, prices = {}, {}
+        for model in args.models:
+            specs, prices = {}, {}   # per variant: the worker's spec (round 0) and the price its row records
             for variant in args.variants:
                 lynx, prices[variant] = engine_lynx(variant, model, args.full_layers, args.layers, args.xshare_budget)
                 specs[variant] = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": 0,
                                   "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
                                   "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                                   "vocab": args.vocab, "dtype": args.dtype}
-            for out in run_interleaved(specs, args.concurrency, args.rounds, work, env, same_engine=args.same_engine):
+            if args.interleave:
+                outs = run_interleaved(specs, args.concurrency, args.rounds, work, env, same_engine=args.same_engine)
+            else:   # one engine per variant and round, the variants rotated each round
+                outs = [dict(run_engine(dict(specs[v], round=rnd), work, env, args.timeout), round=rnd)
+                        for rnd in range(args.rounds) for v in rotated(args.variants, rnd)]
+            label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
+            for out in outs:
                 out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"),
                            **prices[out["variant"]])
                 results.append(out)
-        for model in args.models if not args.interleave else ():
-            for rnd in range(args.rounds):
-                order = args.variants[rnd % len(args.variants):] + args.variants[:rnd % len(args.variants)]
-                for variant in order:
-                    lynx, price = engine_lynx(variant, model, args.full_layers, args.layers, args.xshare_budget)
-                    spec = {"model": model, "model_path": str(paths[model]), "variant": variant, "round": rnd,
-                            "lynx": lynx, "eager": args.eager, "concurrency": args.concurrency,
-                            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens, "vocab": args.vocab,
-                            "dtype": args.dtype}
-                    out = run_engine(spec, work, env, args.timeout)
-                    label = model if model == "fixture-a" else f"qwen2-57b-{args.layers}l"
-                    out.update(model=label + ("" if args.dtype == "bfloat16" else f" {args.dtype}"), round=rnd,
-                               **price)
-                    results.append(out)
     rows = aggregate(results, args.variants)
     import torch
     import vllm
