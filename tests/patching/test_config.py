@@ -108,7 +108,7 @@ def test_oea_k0_at_or_above_k_warns_that_oea_changes_nothing(recwarn):
     model = fam.build("mixtral")
     k = model.config.num_experts_per_tok
     with pytest.warns(UserWarning, match=f"oea_k0={k} is at least every MoE layer's top-k \\({k}\\).*changes nothing"):
-        lynx_hf.patch(model, policy="oea", oea_k0=k, gate="always")
+        lynx_hf.patch(model, policy="oea", oea_k0=k, gate="always")   # the warning is the config's, not the gate's
     lynx_hf.unpatch(model)
     lynx_hf.patch(model, policy="oea", oea_k0=k - 1, gate="always", telemetry=False)
     assert not [w for w in recwarn if "oea_k0" in str(w.message)]
